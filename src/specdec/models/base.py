@@ -1,0 +1,149 @@
+"""The model contract every backend implements (paper, section 4, "Model abstraction").
+
+A `SpecModel` owns one KV cache holding a prefix of some token sequence. The decoder only ever
+needs four operations:
+
+    extend(tokens)  -> logits   append tokens to the cache; logits for the new positions
+    truncate(n)                 roll the cache back to its first n tokens (no-op if already <= n)
+    n_cached                    how many tokens the cache holds
+    forward(tokens) -> logits   stateless evaluation of a whole sequence (the cache is untouched)
+
+Contract at the boundary, for every backend:
+    * logits are float32, on the CPU, shape [len(tokens), vocab_size]; row i is the next-token
+      distribution after tokens[: i + 1] (given whatever the cache held before);
+    * `vocab_size` is the logit width (model families pad their output layer differently, so it
+      can exceed the tokenizer's vocabulary; `check_pair` takes the min of two widths);
+    * rollback is a length: `truncate(n)` is the only way back, and is a no-op when n >= n_cached.
+
+The base class keeps the cached token ids (`cached_tokens`) so the decoder can assert, after
+every round, that each cache holds a prefix of the committed sequence.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+TokenIds = Sequence[int] | torch.Tensor
+
+
+class SpecModelError(ValueError):
+    """Bad input to a model: names the problem and the fix."""
+
+
+def as_token_list(tokens: TokenIds) -> list[int]:
+    """Token ids as a plain list of Python ints (accepts lists, tuples and 1-D LongTensors)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1:
+            raise SpecModelError(
+                f"token tensor must be 1-D, got shape {tuple(tokens.shape)}; pass one sequence"
+            )
+        return [int(t) for t in tokens.tolist()]
+    return [int(t) for t in tokens]
+
+
+class SpecModel(ABC):
+    """One model with one KV cache. See the module docstring for the contract."""
+
+    #: short human name, e.g. "llamacpp:qwen2.5-coder-1.5b"
+    name: str = "model"
+    #: logit width V
+    vocab_size: int
+    #: maximum number of positions the cache can hold (the context window)
+    n_ctx: int
+    #: where the model computes (logits always come back on the CPU)
+    device: torch.device = torch.device("cpu")
+    #: the Hugging Face tokenizer that is the single source of truth for ids (None for mock models)
+    tokenizer: Any = None
+
+    def __init__(self) -> None:
+        self.cached_tokens: list[int] = []
+
+    # ----------------------------------------------------------------------------- public API
+    @property
+    def n_cached(self) -> int:
+        return len(self.cached_tokens)
+
+    def extend(self, tokens: TokenIds) -> torch.Tensor:
+        """Append `tokens` to the cache; return [len(tokens), V] float32 CPU logits."""
+        ids = self._validate(tokens)
+        if self.n_cached + len(ids) > self.n_ctx:
+            raise SpecModelError(
+                f"{self.name}: extending a cache of {self.n_cached} tokens by {len(ids)} exceeds "
+                f"the context window of {self.n_ctx}; shorten the prompt or max_new_tokens, or "
+                "load the model with a larger n_ctx"
+            )
+        logits = self._extend(ids)  # [len(ids), V]
+        self.cached_tokens.extend(ids)
+        return logits
+
+    def truncate(self, n: int) -> None:
+        """Roll the cache back to its first n tokens; a no-op when n >= n_cached."""
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise SpecModelError(f"truncate expects an int length, got {type(n).__name__}")
+        if n < 0:
+            raise SpecModelError(f"truncate length must be >= 0, got {n}")
+        if n >= self.n_cached:
+            return
+        self._truncate(n)
+        del self.cached_tokens[n:]
+
+    def reset(self) -> None:
+        """Empty the cache."""
+        self.truncate(0)
+
+    def forward(self, tokens: TokenIds) -> torch.Tensor:
+        """Stateless: logits [len(tokens), V] for `tokens` evaluated from an empty context.
+
+        The cache (its length and contents) is the same after the call as before it.
+        """
+        ids = self._validate(tokens)
+        if len(ids) > self.n_ctx:
+            raise SpecModelError(
+                f"{self.name}: {len(ids)} tokens exceed the context window of {self.n_ctx}"
+            )
+        return self._forward(ids)
+
+    def close(self) -> None:
+        """Release backend resources (optional)."""
+
+    # ------------------------------------------------------------------ backend implementation
+    @abstractmethod
+    def _extend(self, ids: list[int]) -> torch.Tensor:
+        """Run `ids` on top of the cache; return [len(ids), V] float32 CPU logits."""
+
+    @abstractmethod
+    def _truncate(self, n: int) -> None:
+        """Drop cache positions >= n (called only with 0 <= n < n_cached)."""
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        # Generic fallback: evaluate from an empty cache, then rebuild the old cache. Backends
+        # with a cheaper stateless path (HF, mock) override this.
+        saved = list(self.cached_tokens)
+        self.reset()
+        try:
+            logits = self.extend(ids)
+        finally:
+            self.reset()
+            if saved:
+                self.extend(saved)
+        return logits
+
+    # ---------------------------------------------------------------------------- validation
+    def _validate(self, tokens: TokenIds) -> list[int]:
+        ids = as_token_list(tokens)
+        if not ids:
+            raise SpecModelError(f"{self.name}: empty token list; pass at least one token id")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise SpecModelError(
+                f"{self.name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); "
+                "were the ids produced by this model's tokenizer?"
+            )
+        return ids
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} V={self.vocab_size} cached={self.n_cached}>"
