@@ -107,7 +107,7 @@ class SpecModel(ABC):
             )
         return self._forward(ids)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless a backend holds resources
         """Release backend resources (optional)."""
 
     # ------------------------------------------------------------------ backend implementation

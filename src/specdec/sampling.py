@@ -1,0 +1,173 @@
+"""Sampling math: logit warping, the speculative rejection rule, and the greedy rule.
+
+Glossary (paper, Table 1; never inverted):
+    p        target distributions. p[i] = p(. | s + x[:i]); p[K] is the bonus row.
+    q        draft distributions the drafted tokens were sampled from (None: deterministic drafter)
+    K        number of drafted tokens
+    x        drafted tokens x[0..K-1]
+    accepted a drafted token kept by the rule
+    recovered the token drawn from norm(max(0, p - q)) at the first rejection
+    bonus    the token drawn from p[K] when all K drafts are accepted
+
+Everything here is a pure function of its inputs and an explicit `torch.Generator`, computed on
+the CPU in float32: bit-reproducible across devices and free of fp16 underflow in p / q.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: A residual max(0, p - q) whose mass is below this is treated as empty (see `rejection_sample`).
+RESIDUAL_EPS = 1e-12
+#: Rows of p (and q) must sum to 1 within this tolerance: float32 softmax over 262k entries sums
+#: to within ~1e-5; anything further off is not a distribution.
+ROW_SUM_TOL = 1e-3
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if not torch.isfinite(t).all():
+        bad = "NaN" if torch.isnan(t).any() else "inf"
+        raise ValueError(f"{name} contains {bad}; the model produced invalid numbers")
+
+
+def probs_from_logits(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
+    """Warp logits [..., V] into probabilities [..., V] float32 CPU: temperature, top-k, top-p.
+
+    Apply the same warping to the target and the draft: the output of speculative decoding is
+    then exactly the warped target distribution. temperature == 0 is greedy decoding, which is
+    not a distribution: use `greedy_verify` / argmax for it.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        raise ValueError("temperature 0 is greedy decoding: take the argmax, not a distribution")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    x = logits.detach().to("cpu", torch.float32)  # [..., V]
+    if torch.isnan(x).any() or torch.isposinf(x).any():
+        raise ValueError("logits contain NaN or +inf; the model produced invalid numbers")
+    x = x / temperature
+    if top_k is not None and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th value are kept
+    probs = torch.softmax(x, dim=-1)  # [..., V]
+    if top_p is not None and top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        # Drop a token when the mass strictly before it already reaches top_p: the kept set is the
+        # smallest prefix with mass >= top_p, and the most likely token is always kept.
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if torch.isnan(probs).any():
+        raise ValueError("every logit is -inf in some row; there is nothing to sample")
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a [V] probability vector."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _check_dist(name: str, t: torch.Tensor, rows: int, width: int) -> None:
+    if t.dim() != 2 or t.shape[0] != rows or t.shape[1] != width:
+        raise ValueError(f"{name} must have shape [{rows}, {width}], got {tuple(t.shape)}")
+    _check_finite(name, t)
+    if (t < 0).any():
+        raise ValueError(f"{name} has negative entries; pass probabilities, not logits")
+    sums = t.sum(-1)
+    if ((sums - 1).abs() > ROW_SUM_TOL).any():
+        raise ValueError(f"{name} rows must sum to 1 (got {sums.tolist()}); pass probabilities")
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, int]:
+    """The speculative sampling rule (paper, Algorithm 1, lines 3-5). Names match the paper.
+
+    draft_tokens  [K] int64      x_1..x_K (K may be 0: then this is plain sampling from p[0])
+    q             [K, V] float32 the distributions x_i were sampled from; None for a
+                                 deterministic drafter (q_i is then one-hot on x_i)
+    p             [K+1, V] float32 target distributions; p[K] is the bonus row
+    returns       (tokens [n] int64 with 1 <= n <= K+1, n_accepted)
+
+    Accept x_i iff r_i < min(1, p_i(x_i) / q_i(x_i)), r_i ~ U[0, 1). At the first rejection emit
+    one token from norm(max(0, p_i - q_i)); if all K are accepted, emit a bonus from p[K].
+    Edge cases, each with a reason:
+      * q_i(x_i) = 0: x_i cannot have been sampled from q_i, so q is not the sampling
+        distribution. We reject (as vLLM does); never a division by zero.
+      * p_i(x_i) = 0: never accepted (r * q < 0 is false), so zero-probability target tokens are
+        never emitted.
+      * all-zero residual: max(0, p - q) is empty only when p <= q everywhere, i.e. p == q, where
+        rejection has probability 0; reaching it means float round-off, and the conditional
+        limit of the rule is a draw from p_i itself.
+    """
+    x = draft_tokens.to("cpu", torch.long).reshape(-1)  # [K]
+    K = x.numel()
+    p = p.to("cpu", torch.float32)
+    V = p.shape[-1]
+    _check_dist("p", p, K + 1, V)
+    if K and (int(x.min()) < 0 or int(x.max()) >= V):
+        raise ValueError(f"draft token out of range [0, {V}): {x.tolist()}")
+    rows = torch.arange(K)
+    p_x = p[rows, x]  # [K] p_i(x_i)
+    if q is None:
+        q_x = torch.ones(K)  # [K] a deterministic drafter puts all its mass on x_i
+    else:
+        q = q.to("cpu", torch.float32)
+        _check_dist("q", q, K, V)
+        q_x = q[rows, x]  # [K] q_i(x_i)
+
+    # r_i < min(1, p/q)  <=>  r_i * q < p  for q > 0 and r_i < 1: division-free.
+    r = torch.rand(K, generator=generator)  # [K]
+    accepted = (q_x > 0) & (r * q_x < p_x)  # [K] bool
+    n_accepted = K if bool(accepted.all()) else int((~accepted).to(torch.int8).argmax())
+
+    if n_accepted < K:  # recovered token at the first rejected position
+        i = n_accepted
+        if q is None:
+            residual = p[i].clone()
+            residual[x[i]] = 0.0  # max(0, p - onehot(x_i))
+        else:
+            residual = (p[i] - q[i]).clamp_min(0.0)  # [V]
+        mass = float(residual.sum())
+        y = sample(residual / mass if mass > RESIDUAL_EPS else p[i], generator)
+    else:  # bonus token from p[K], free from the verify pass
+        y = sample(p[K], generator)
+    tokens = torch.cat([x[:n_accepted], torch.tensor([y], dtype=torch.long)])  # [n_accepted + 1]
+    return tokens, n_accepted
+
+
+def greedy_verify(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """Temperature 0: accept x_i iff argmax p_i == x_i; else emit argmax p_i. No randomness.
+
+    draft_tokens   [K] int64
+    target_logits  [K+1, V] (any float dtype; only the argmax is used)
+    returns        (tokens [n] int64 with 1 <= n <= K+1, n_accepted)
+    """
+    x = draft_tokens.to("cpu", torch.long).reshape(-1)  # [K]
+    K = x.numel()
+    if target_logits.dim() != 2 or target_logits.shape[0] != K + 1:
+        raise ValueError(
+            f"target_logits must have shape [K+1, V] = [{K + 1}, V], "
+            f"got {tuple(target_logits.shape)}"
+        )
+    if torch.isnan(target_logits).any():
+        raise ValueError("target_logits contain NaN; the model produced invalid numbers")
+    best = target_logits.argmax(-1).to("cpu", torch.long)  # [K+1]
+    mismatch = best[:K] != x  # [K]
+    n_accepted = int(mismatch.to(torch.int8).argmax()) if bool(mismatch.any()) else K
+    tokens = torch.cat([x[:n_accepted], best[n_accepted : n_accepted + 1]])
+    return tokens, n_accepted

@@ -1,0 +1,230 @@
+"""Level 2 of the exactness gate: the whole decoder on mock models (paper, section 6.1), plus the
+loop's contracts: cache invariant, budget, stop ids, streaming, stats, bad input.
+
+Level 2 statistic: 1,000 seeded generations x 25 tokens per method (speculative K=4 vs the
+baseline, disjoint seed ranges so the two samples are independent), two-sample chi-square over
+token frequencies and over bigrams (bins with expected count < 5 pooled); pass at p > 0.01.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from stats_util import two_sample_chi2
+
+import specdec.decode as decode_mod
+from specdec.decode import generate, stream
+from specdec.models.mock import MockModel
+
+V = 48
+N_GEN = 1000
+N_TOK = 25
+PROMPT = [1, 2, 3]
+P_MIN = 0.01
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[MockModel, MockModel]:
+    target = MockModel(V, seed=0)  # two different fixed stochastic matrices
+    draft = MockModel.near(target, noise=0.7, seed=1)
+    return target, draft
+
+
+def _sample_many(target, draft, k, seeds, temperature=1.0, **kw) -> list[list[int]]:
+    return [
+        generate(target, PROMPT, draft=draft, k=k, max_new_tokens=N_TOK,
+                 temperature=temperature, seed=s, **kw).tokens
+        for s in seeds
+    ]  # fmt: skip
+
+
+def _freq_and_bigrams(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    freq = np.bincount([t for s in seqs for t in s], minlength=V)
+    big = Counter((a * V + b) for s in seqs for a, b in zip([PROMPT[-1], *s[:-1]], s, strict=True))
+    bigrams = np.zeros(V * V)
+    for key, c in big.items():
+        bigrams[key] = c
+    return freq, bigrams
+
+
+@pytest.fixture(scope="module")
+def baseline_samples(pair) -> list[list[int]]:
+    target, _ = pair
+    return _sample_many(target, None, 4, range(10_000, 10_000 + N_GEN))
+
+
+def test_level2_speculative_matches_baseline(pair, baseline_samples) -> None:
+    target, draft = pair
+    spec = _sample_many(target, draft, 4, range(N_GEN), debug=True)
+    assert sum(map(len, spec)) == N_GEN * N_TOK
+    f_s, b_s = _freq_and_bigrams(spec)
+    f_b, b_b = _freq_and_bigrams(baseline_samples)
+    chi2, dof, p = two_sample_chi2(f_s, f_b)
+    assert p > P_MIN, f"token frequencies: chi2={chi2:.1f} dof={dof} p={p:.4f}"
+    chi2, dof, p = two_sample_chi2(b_s, b_b)
+    assert p > P_MIN, f"bigrams: chi2={chi2:.1f} dof={dof} p={p:.4f}"
+
+
+def test_level2_has_power_against_a_broken_rule(pair, baseline_samples, monkeypatch) -> None:
+    """A rule that always accepts the drafts (output ~ draft, not target) fails the same test."""
+    target, draft = pair
+
+    def accept_all(x, q, p, generator):
+        bonus = torch.multinomial(p[-1], 1, generator=generator)
+        return torch.cat([x, bonus]), x.numel()
+
+    monkeypatch.setattr(decode_mod, "rejection_sample", accept_all)
+    broken = _sample_many(target, draft, 4, range(N_GEN // 2))
+    f_s, _ = _freq_and_bigrams(broken)
+    f_b, _ = _freq_and_bigrams(baseline_samples[: N_GEN // 2])
+    assert two_sample_chi2(f_s, f_b)[2] < P_MIN
+
+
+def test_greedy_is_bit_identical_to_baseline_for_every_k(pair) -> None:
+    target, draft = pair
+    for prompt in ([1, 2, 3], [7], [40, 41, 5, 5, 9, 30]):
+        base = generate(target, prompt, max_new_tokens=40, temperature=0, debug=True).tokens
+        for k in (1, 2, 4, 8):
+            spec = generate(target, prompt, draft=draft, k=k, max_new_tokens=40,
+                            temperature=0, debug=True)  # fmt: skip
+            assert spec.tokens == base, f"k={k} prompt={prompt}"
+            assert spec.stats.drafted > 0
+
+
+def test_greedy_with_a_poor_draft_still_identical() -> None:
+    target = MockModel(V, seed=5)
+    draft = MockModel(V, seed=6)  # unrelated tables: most drafts rejected
+    base = generate(target, PROMPT, max_new_tokens=30, temperature=0).tokens
+    spec = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=30, temperature=0, debug=True)
+    assert spec.tokens == base
+    assert spec.stats.acceptance_rate < 0.5
+
+
+def test_seeded_generation_is_reproducible(pair) -> None:
+    target, draft = pair
+    a = generate(target, PROMPT, draft=draft, k=3, max_new_tokens=30, seed=11, top_p=0.9)
+    b = generate(target, PROMPT, draft=draft, k=3, max_new_tokens=30, seed=11, top_p=0.9)
+    c = generate(target, PROMPT, draft=draft, k=3, max_new_tokens=30, seed=12, top_p=0.9)
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+
+
+# ------------------------------------------------------------------ cache choreography
+class _ShiftedRollback(MockModel):
+    """Simulates the classic off-by-one: the decoder rolls the target back one token too far."""
+
+    def truncate(self, n: int) -> None:
+        super().truncate(max(0, n - 1))
+
+
+class _DroppedLastToken(MockModel):
+    """Simulates verifying [x_1..x_K] without the last committed token: K+1 rows are still
+    returned (the first one duplicated), so only the cache invariant can notice."""
+
+    def extend(self, tokens):
+        ids = list(tokens)
+        if len(ids) == 1:
+            return super().extend(ids)
+        rows = super().extend(ids[1:])  # [K, V]
+        return torch.cat([rows[:1], rows])  # [K+1, V], misaligned by one
+
+
+@pytest.mark.parametrize("broken_cls", [_ShiftedRollback, _DroppedLastToken])
+def test_cache_invariant_catches_misalignment(broken_cls) -> None:
+    target = broken_cls(V, seed=0)
+    draft = MockModel.near(MockModel(V, seed=0), 0.7)
+    with pytest.raises(AssertionError, match="cache"):
+        generate(target, PROMPT, draft=draft, k=4, max_new_tokens=20, temperature=0, debug=True)
+
+
+def test_caches_hold_committed_prefix_after_generation(pair) -> None:
+    target, draft = pair
+    r = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=20, seed=3)
+    seq = PROMPT + r.tokens
+    assert target.cached_tokens == seq[:-1]
+    assert draft.cached_tokens == seq[: draft.n_cached]
+
+
+# ------------------------------------------------------------------ budget, stops, stream
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("budget", [1, 2, 5, 17])
+def test_never_emits_past_max_new_tokens(pair, k, budget) -> None:
+    target, draft = pair
+    for seed in range(5):
+        r = generate(target, PROMPT, draft=draft, k=k, max_new_tokens=budget, seed=seed)
+        assert len(r.tokens) == budget and r.stop_reason == "length"
+        assert r.stats.generated == budget
+
+
+def test_stop_ids_end_generation(pair) -> None:
+    target, draft = pair
+    free = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=60, temperature=0).tokens
+    stop = free[10]
+    first = free.index(stop)
+    r = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=60, temperature=0,
+                 stop_ids=[stop])  # fmt: skip
+    assert r.tokens == free[: first + 1] and r.stop_reason == "stop"
+
+
+def test_stream_chunks_concatenate_to_generate(pair) -> None:
+    target, draft = pair
+    s = stream(target, PROMPT, draft=draft, k=4, max_new_tokens=33, seed=5)
+    chunks = list(s)
+    assert all(1 <= len(c) <= 5 for c in chunks)
+    ref = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=33, seed=5)
+    assert [t for c in chunks for t in c] == ref.tokens == s.result.tokens
+
+
+def test_stats_are_consistent(pair) -> None:
+    target, draft = pair
+    r = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=50, seed=9)
+    st = r.stats
+    assert st.generated == len(r.tokens) == 50
+    assert st.accepted == sum(st.accepted_per_pos)
+    assert st.drafted == sum(st.drafted_per_pos)
+    assert st.generated == st.accepted + st.rounds  # one recovered/bonus token per round
+    pos = st.positional_acceptance
+    assert all(0 <= a <= 1 for a in pos) and len(pos) == 4
+    assert 0 < st.ttft_s <= st.wall_s
+    assert st.draft_s + st.verify_s + st.sampling_s <= st.wall_s + 1e-6
+    base = generate(target, PROMPT, max_new_tokens=50, seed=9).stats
+    assert base.drafted == 0 and base.rounds == 50 and base.tokens_per_round == 1.0
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"k": 0}, "k"),
+        ({"k": -2}, "k"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 5000}, "context window"),
+    ],
+)
+def test_bad_arguments_fail_before_any_work(pair, kwargs, match) -> None:
+    target, draft = pair
+    target.reset()
+    draft.reset()
+    with pytest.raises(ValueError, match=match):
+        generate(target, PROMPT, draft=draft, **kwargs)
+    assert target.n_cached == 0 and draft.n_cached == 0  # nothing was run
+
+
+def test_empty_prompt_and_out_of_vocab_prompt(pair) -> None:
+    target, draft = pair
+    with pytest.raises(ValueError, match="empty"):
+        generate(target, [], draft=draft)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(target, [1, V + 3], draft=draft)
+
+
+def test_incompatible_pair_is_rejected(pair) -> None:
+    target, _ = pair
+    with pytest.raises(ValueError, match=r"(?i)vocab|tokenizer"):
+        generate(target, PROMPT, draft=MockModel(V + 1, seed=2))

@@ -1,0 +1,313 @@
+"""Level 1 of the exactness gate: the sampling rule alone (paper, section 6.1).
+
+Statistics and thresholds are explicit: chi-square goodness of fit against the analytic p with
+bins of expected count < 5 pooled, pass at p-value > 0.001; KL(p_hat || p) <= 1e-3 (its
+expectation under the null is about (V - 1) / (2N) = 2.9e-4 for V = 30, N = 50,000). Seeds are
+fixed, so every run sees the same draws.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from stats_util import gof_chi2, kl
+
+from specdec.sampling import greedy_verify, probs_from_logits, rejection_sample
+
+V = 30
+N_TRIALS = 50_000
+P_MIN = 0.001
+KL_MAX = 1e-3
+
+
+def _zipf(perm_seed: int, s: float = 1.5) -> torch.Tensor:
+    w = 1.0 / torch.arange(1, V + 1, dtype=torch.float64) ** s
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(perm_seed))
+    return (w[perm] / w.sum()).float()
+
+
+def _dirichlet(alpha: float, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    return torch.tensor(rng.dirichlet([alpha] * V), dtype=torch.float32)
+
+
+def _families() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    p_near = _dirichlet(1.0, 3)
+    noise = torch.randn(V, generator=torch.Generator().manual_seed(4))
+    q_near = p_near * torch.exp(0.05 * noise)
+    return {
+        "uniform-dirichlet": (_dirichlet(1.0, 1), _dirichlet(1.0, 2)),
+        "heavy-tailed": (_zipf(5), _zipf(6)),
+        "near-identical": (p_near, q_near / q_near.sum()),
+        "mismatched-concentration": (_dirichlet(0.3, 7), _dirichlet(5.0, 8)),
+    }
+
+
+def _emit_first(p: torch.Tensor, q: torch.Tensor | None, xs: torch.Tensor, seed: int) -> np.ndarray:
+    """Counts of the first emitted token over one K=1 round per drafted token in `xs`."""
+    g = torch.Generator().manual_seed(seed)
+    p2 = torch.stack([p, p])  # [2, V]: p_1 and the (here irrelevant) bonus row
+    q1 = None if q is None else q[None]  # [1, V]
+    counts = np.zeros(V, dtype=np.int64)
+    for x in xs.split(1):
+        tokens, _ = rejection_sample(x, q1, p2, g)
+        counts[int(tokens[0])] += 1
+    return counts
+
+
+@pytest.mark.parametrize("family", list(_families()))
+def test_emitted_token_is_distributed_as_p(family: str) -> None:
+    p, q = _families()[family]
+    g = torch.Generator().manual_seed(100)
+    xs = torch.multinomial(q, N_TRIALS, replacement=True, generator=g)  # draw-from-q
+    counts = _emit_first(p, q, xs, seed=101)
+    chi2, dof, pval = gof_chi2(counts, p.numpy())
+    div = kl(counts / counts.sum(), p.numpy())
+    assert pval > P_MIN, f"{family}: chi2={chi2:.1f} dof={dof} p={pval:.2e}"
+    assert div <= KL_MAX, f"{family}: KL(p_hat||p)={div:.2e}"
+
+
+def test_gate_has_power_against_the_draft_distribution() -> None:
+    """The same statistic rejects a broken rule that always accepts (its output is q, not p)."""
+    p, q = _families()["uniform-dirichlet"]
+    g = torch.Generator().manual_seed(100)
+    xs = torch.multinomial(q, N_TRIALS, replacement=True, generator=g)
+    counts = np.bincount(xs.numpy(), minlength=V)
+    _, _, pval = gof_chi2(counts, p.numpy())
+    assert pval < 1e-6
+
+
+def test_deterministic_drafter_path_q_none() -> None:
+    """q=None: the drafted token is fixed given the context (one-hot q); output is still p."""
+    p = _dirichlet(1.0, 11)
+    x_fixed = int(torch.argmax(p))  # e.g. a greedy draft, or prompt lookup
+    counts = _emit_first(p, None, torch.full((N_TRIALS,), x_fixed), seed=12)
+    _, _, pval = gof_chi2(counts, p.numpy())
+    assert pval > P_MIN
+    # The accept probability of a one-hot draft is p(x) exactly.
+    assert abs(counts[x_fixed] / N_TRIALS - float(p[x_fixed])) < 0.01
+
+
+def _markov(v: int, alpha: float, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    return torch.tensor(rng.dirichlet([alpha] * v, size=v), dtype=torch.float32)  # [v, v]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_multi_position_chain_second_token(deterministic: bool) -> None:
+    """K = 3 drafts on a Markov chain: the joint law of the first two emitted tokens is
+    P[c0](y1) * P[y1](y2), so tokens accepted at position 2+, recovered there, or drawn as the
+    bonus are all tested. With `deterministic`, drafts are argmax of Q and q=None."""
+    v, K, c0, n = 12, 3, 0, 30_000
+    P = _markov(v, 1.0, 21)  # [v, v] target: row = previous token
+    Q = P * torch.exp(0.5 * torch.randn(v, v, generator=torch.Generator().manual_seed(22)))
+    Q = Q / Q.sum(-1, keepdim=True)  # [v, v] draft, close to P
+    g = torch.Generator().manual_seed(23)
+    joint = np.zeros((v, v), dtype=np.int64)
+    for _ in range(n):
+        out: list[int] = []
+        ctx = c0
+        while len(out) < 2:
+            xs, qs = [], []
+            prev = ctx
+            for _ in range(K):
+                if deterministic:
+                    x = int(Q[prev].argmax())
+                else:
+                    x = int(torch.multinomial(Q[prev], 1, generator=g))
+                xs.append(x)
+                qs.append(Q[prev])
+                prev = x
+            p_rows = torch.stack([P[c] for c in [ctx, *xs]])  # [K+1, v]
+            q_rows = None if deterministic else torch.stack(qs)  # [K, v]
+            tokens, _ = rejection_sample(torch.tensor(xs), q_rows, p_rows, g)
+            out += tokens.tolist()
+            ctx = out[-1]
+        joint[out[0], out[1]] += 1
+    expected = (P[c0][:, None] * P).numpy().reshape(-1)  # [v*v]
+    _, dof, pval = gof_chi2(joint.reshape(-1), expected)
+    assert pval > P_MIN, f"chi2 dof={dof} p={pval:.2e}"
+
+
+def test_p_equals_q_always_accepts() -> None:
+    g = torch.Generator().manual_seed(31)
+    p = _dirichlet(1.0, 32)
+    K = 4
+    for _ in range(2000):
+        x = torch.multinomial(p, K, replacement=True, generator=g)
+        tokens, n_acc = rejection_sample(x, p.expand(K, V), p.expand(K + 1, V), g)
+        assert n_acc == K and tokens.numel() == K + 1
+
+
+def test_disjoint_supports_always_reject() -> None:
+    g = torch.Generator().manual_seed(41)
+    p = torch.zeros(V)
+    p[: V // 2] = 1.0 / (V // 2)
+    q = torch.zeros(V)
+    q[V // 2 :] = 1.0 / (V - V // 2)
+    for _ in range(2000):
+        x = torch.multinomial(q, 1, generator=g)
+        tokens, n_acc = rejection_sample(x, q[None], torch.stack([p, p]), g)
+        assert n_acc == 0 and tokens.numel() == 1 and int(tokens[0]) < V // 2
+
+
+def test_zero_probability_target_tokens_never_emitted() -> None:
+    g = torch.Generator().manual_seed(51)
+    p = _dirichlet(1.0, 52)
+    banned = torch.tensor([0, 3, 7, 12, 29])
+    p[banned] = 0.0
+    p = p / p.sum()
+    q = _dirichlet(0.5, 53)  # puts mass on the banned tokens
+    K = 3
+    seen = np.zeros(V, dtype=np.int64)
+    for _ in range(5000):
+        x = torch.multinomial(q, K, replacement=True, generator=g)
+        tokens, n_acc = rejection_sample(x, q.expand(K, V), p.expand(K + 1, V), g)
+        # p_i(x_i) = 0 is never accepted
+        assert not any(int(t) in banned.tolist() for t in x[:n_acc])
+        seen[tokens.numpy()] += 1
+    assert seen[banned.numpy()].sum() == 0
+    assert seen.sum() > 5000
+
+
+def test_q_of_drafted_token_zero_is_rejected() -> None:
+    """x with q(x) = 0 cannot have been sampled from q: reject, recover from max(0, p - q)."""
+    g = torch.Generator().manual_seed(61)
+    p = torch.full((V,), 1.0 / V)
+    q = torch.zeros(V)
+    q[1:] = 1.0 / (V - 1)
+    for _ in range(200):
+        tokens, n_acc = rejection_sample(torch.tensor([0]), q[None], torch.stack([p, p]), g)
+        assert n_acc == 0
+        assert int(tokens[0]) == 0  # the residual max(0, p - q) is one-hot on token 0
+
+
+def test_all_zero_residual_falls_back_to_p() -> None:
+    """p <= q everywhere (round-off): the residual is empty, the recovered token comes from p."""
+    g = torch.Generator().manual_seed(71)
+    q = _dirichlet(1.0, 72)
+    p = q * 0.9995  # within the row-sum tolerance; rejection prob 5e-4 per draw
+    rejected = 0
+    for _ in range(20_000):
+        x = torch.multinomial(q, 1, generator=g)
+        tokens, n_acc = rejection_sample(x, q[None], torch.stack([p, p]), g)
+        rejected += n_acc == 0
+        assert float(p[int(tokens[0])]) > 0
+    assert rejected > 0  # the fallback branch really ran
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_input_is_a_clear_error(bad: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    p = torch.full((2, V), 1.0 / V)
+    q = torch.full((1, V), 1.0 / V)
+    p_bad = p.clone()
+    p_bad[0, 3] = bad
+    with pytest.raises(ValueError, match="p contains"):
+        rejection_sample(torch.tensor([1]), q, p_bad, g)
+    q_bad = q.clone()
+    q_bad[0, 3] = bad
+    with pytest.raises(ValueError, match="q contains"):
+        rejection_sample(torch.tensor([1]), q_bad, p, g)
+    logits = torch.zeros(2, V)
+    logits[1, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        probs_from_logits(logits, 1.0)
+
+
+def test_shape_and_value_errors() -> None:
+    g = torch.Generator().manual_seed(0)
+    p = torch.full((2, V), 1.0 / V)
+    with pytest.raises(ValueError, match="shape"):
+        rejection_sample(torch.tensor([1, 2]), None, p, g)  # K=2 needs p [3, V]
+    with pytest.raises(ValueError, match="sum to 1"):
+        rejection_sample(torch.tensor([1]), None, torch.rand(2, V) * 5, g)
+    with pytest.raises(ValueError, match="out of range"):
+        rejection_sample(torch.tensor([V]), None, p, g)
+    with pytest.raises(ValueError, match="greedy"):
+        probs_from_logits(torch.zeros(V), 0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        probs_from_logits(torch.zeros(V), -0.5)
+    with pytest.raises(ValueError, match="top_p"):
+        probs_from_logits(torch.zeros(V), 1.0, top_p=0.0)
+
+
+def test_k_zero_is_plain_sampling() -> None:
+    g = torch.Generator().manual_seed(81)
+    p = _dirichlet(1.0, 82)
+    counts = np.zeros(V, dtype=np.int64)
+    for _ in range(20_000):
+        tokens, n_acc = rejection_sample(torch.empty(0, dtype=torch.long), None, p[None], g)
+        assert n_acc == 0 and tokens.numel() == 1
+        counts[int(tokens[0])] += 1
+    assert gof_chi2(counts, p.numpy())[2] > P_MIN
+
+
+def test_seeded_runs_are_bit_reproducible() -> None:
+    p = torch.softmax(torch.randn(5, V, generator=torch.Generator().manual_seed(1)), -1)
+    q = torch.softmax(torch.randn(4, V, generator=torch.Generator().manual_seed(2)), -1)
+    x = torch.tensor([3, 1, 4, 1])
+
+    def run(seed: int) -> list[tuple[list[int], int]]:
+        g = torch.Generator().manual_seed(seed)
+        return [(t.tolist(), n) for t, n in (rejection_sample(x, q, p, g) for _ in range(200))]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+# ------------------------------------------------------------------------------ warping
+def test_top_k_and_top_p_warping() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    pk = probs_from_logits(logits, 1.0, top_k=2)
+    assert (pk[0, 2:] == 0).all() and abs(float(pk.sum()) - 1) < 1e-6
+    full = torch.softmax(logits, -1)[0]
+    # top_p = first token's mass + a bit: exactly two tokens are kept
+    pp = probs_from_logits(logits, 1.0, top_p=float(full[0]) + 1e-3)
+    assert (pp[0, :2] > 0).all() and (pp[0, 2:] == 0).all()
+    # top_p below the first token's mass keeps only the argmax
+    assert float(probs_from_logits(logits, 1.0, top_p=0.01)[0, 0]) == 1.0
+    # temperature sharpens
+    assert float(probs_from_logits(logits, 0.5)[0, 0]) > float(full[0])
+
+
+# ------------------------------------------------------------------------------ greedy
+def _logits_with_argmax(argmaxes: list[int], v: int = 10) -> torch.Tensor:
+    out = torch.randn(len(argmaxes), v, generator=torch.Generator().manual_seed(0))
+    for i, a in enumerate(argmaxes):
+        out[i, a] = out[i].max() + 1.0
+    return out  # [len, v]
+
+
+@pytest.mark.parametrize(
+    ("draft", "argmaxes", "expected", "n_acc"),
+    [
+        ([], [5], [5], 0),  # K = 0: plain greedy step
+        ([1, 2, 3], [1, 2, 3, 9], [1, 2, 3, 9], 3),  # all accepted, bonus = argmax p_4
+        ([1, 2, 3], [4, 2, 3, 9], [4], 0),  # first rejected
+        ([1, 2, 3], [1, 7, 3, 9], [1, 7], 1),  # middle rejected; later matches ignored
+        ([1, 2, 3], [1, 2, 0, 9], [1, 2, 0], 2),  # last rejected
+    ],
+)
+def test_greedy_verify_table(
+    draft: list[int], argmaxes: list[int], expected: list[int], n_acc: int
+) -> None:
+    tokens, n = greedy_verify(torch.tensor(draft, dtype=torch.long), _logits_with_argmax(argmaxes))
+    assert tokens.tolist() == expected and n == n_acc
+
+
+def test_general_rule_on_one_hots_equals_greedy() -> None:
+    """T -> 0: p and q collapse to one-hots and the general rule becomes greedy_verify."""
+    g = torch.Generator().manual_seed(91)
+    for trial in range(200):
+        gen = torch.Generator().manual_seed(trial)
+        K = 1 + trial % 5
+        logits = torch.randn(K + 1, 10, generator=gen)  # [K+1, 10]
+        x = torch.randint(0, 10, (K,), generator=gen)
+        x[: trial % (K + 1)] = logits[: trial % (K + 1)].argmax(-1)  # force some matches
+        p = torch.nn.functional.one_hot(logits.argmax(-1), 10).float()  # [K+1, 10]
+        q = torch.nn.functional.one_hot(x, 10).float()  # [K, 10]
+        assert [t.tolist() for t in rejection_sample(x, q, p, g)[:1]] == [
+            greedy_verify(x, logits)[0].tolist()
+        ]
