@@ -7,6 +7,8 @@ Each subcommand is a pair: `_add_<name>(subparsers)` declares it and sets `func=
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 from collections.abc import Callable
 
@@ -72,7 +74,122 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return _EXIT_ERROR
 
 
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_models]
+# ------------------------------------------------------------------------------ generate
+def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
+    p.add_argument(
+        "--target",
+        required=True,
+        metavar="SPEC",
+        help="target model, BACKEND:NAME_OR_PATH (str; e.g. llamacpp:qwen2.5-coder-1.5b)",
+    )
+    if draft:
+        p.add_argument(
+            "--draft",
+            default="none",
+            metavar="SPEC",
+            help="draft model SPEC, or 'none' for target-only decoding (str; default none)",
+        )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda or mps for HF models (str; default: best available)",
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-k", "--k", type=int, default=4, help="draft tokens per round, K >= 1 (int; default 4)"
+    )
+    p.add_argument(
+        "-t",
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature >= 0, 0 = greedy (float; default 0.8)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="keep the k most likely tokens, k >= 1 (int; default off)",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=None, help="nucleus mass in (0, 1] (float; default off)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed (int; default 0)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=128, help="generation budget >= 1 (int; default 128)"
+    )
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate text, streaming it, then print stats")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="feed PROMPT raw instead of as a chat user turn (flag; default off)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (tokens, text, stats) instead of streaming (flag)",
+    )
+    p.add_argument("prompt", metavar="PROMPT", help="the user message (str)")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from specdec import prompting
+    from specdec.decode import stream
+    from specdec.models import load_model
+
+    target = load_model(args.target, device=args.device)
+    draft = None if args.draft.lower() == "none" else load_model(args.draft, device=args.device)
+    tok = target.tokenizer if target.tokenizer is not None else getattr(draft, "tokenizer", None)
+    prompt_ids = prompting.encode(tok, args.prompt, chat=not args.no_chat)
+    t0 = time.perf_counter()
+    s = stream(target, prompt_ids, draft=draft, k=args.k, max_new_tokens=args.max_new_tokens,
+               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+               seed=args.seed, stop_ids=prompting.stop_ids(tok))  # fmt: skip
+    out: list[int] = []
+    shown = ""
+    for chunk in s:
+        out += chunk
+        if not args.json:
+            text = prompting.decode(tok, out)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                print(text[len(shown) :], end="", flush=True)
+                shown = text
+    wall = time.perf_counter() - t0
+    assert s.result is not None
+    st = s.result.stats
+    if args.json:
+        print(json.dumps({
+            "prompt_tokens": len(prompt_ids), "tokens": out,
+            "text": prompting.decode(tok, out), "stop_reason": s.result.stop_reason,
+            "wall_s": wall, "stats": st.to_dict(),
+        }))  # fmt: skip
+        return 0
+    print(prompting.decode(tok, out)[len(shown) :])
+    pos = " ".join(f"{a:.0%}" for a in st.positional_acceptance)
+    spec = (f" | accepted {st.accepted}/{st.drafted} ({st.acceptance_rate:.1%}), by position "
+            f"[{pos}], {st.tokens_per_round:.2f} tokens/round") if st.drafted else ""  # fmt: skip
+    print(f"-- {st.generated} tokens in {st.wall_s:.2f} s ({st.tokens_per_s:.1f} tok/s), "
+          f"TTFT {st.ttft_s:.3f} s{spec}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_models, _add_generate]
+
+
+#: Harness modules that declare their own subcommands with `add_cli(subparsers)`; each sets
+#: `func` on its parser, like the pairs above.
+_HARNESS_MODULES = ("bench", "microbench", "gate", "figures")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(subparsers)
+    for mod in _HARNESS_MODULES:
+        if importlib.util.find_spec(f"specdec.{mod}") is not None:  # TEMP while being written
+            importlib.import_module(f"specdec.{mod}").add_cli(subparsers)
     return parser
 
 
@@ -96,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         return _EXIT_ERROR
     try:
         return args.func(args)
-    except registry.ModelFetchError as e:
+    except (registry.ModelFetchError, ValueError) as e:  # bad input: name it, no traceback
         return _error(str(e))
     except KeyboardInterrupt:
         return _error("interrupted", _EXIT_INTERRUPTED)

@@ -1,0 +1,63 @@
+"""Prompts in, token ids out: the vendored prompt set, chat templating, stop ids, decoding.
+
+Every decoding path (baseline, speculative, any drafter, any backend) receives the ids produced
+here, so prompts are templated identically everywhere (paper, section 5, "Prompts").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+#: End-of-turn markers of the chat formats we ship models for (ChatML, Llama 3, Gemma).
+_END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "<eos>")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    text: str
+
+
+def load_prompts(limit: int | None = None) -> list[Prompt]:
+    """The vendored prompt set (src/specdec/data/prompts.jsonl), in file order."""
+    raw = resources.files("specdec").joinpath("data/prompts.jsonl").read_text("utf-8")
+    rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    prompts = [Prompt(r["id"], r["category"], r["prompt"]) for r in rows]
+    return prompts[:limit] if limit is not None else prompts
+
+
+def encode(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
+    """Token ids for `text`: the user turn of the model's chat template when it has one."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer (a mock?); pass token ids instead of text")
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": text}]
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        # The template already holds any BOS token: do not let the tokenizer add a second one.
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
+def stop_ids(tokenizer: Any) -> list[int]:
+    """EOS plus the end-of-turn markers present in this vocabulary."""
+    if tokenizer is None:
+        return []
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    ids.update(int(vocab[t]) for t in _END_OF_TURN if t in vocab)
+    return sorted(ids)
+
+
+def decode(tokenizer: Any, ids: list[int]) -> str:
+    """Text of generated ids, without special tokens."""
+    if tokenizer is None:
+        return " ".join(map(str, ids))
+    return tokenizer.decode(ids, skip_special_tokens=True)
