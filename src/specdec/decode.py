@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .control import CostModelK, KPolicy, calibrate_verify, make_policy
 from .device import synchronize
-from .drafters import Drafter, ModelDrafter, Warp
+from .drafters import DRAFTERS, CompositeDrafter, Drafter, LookupDrafter, ModelDrafter, Warp
 from .models.base import SpecModel, as_token_list
 from .sampling import greedy_verify, rejection_sample
 
@@ -45,7 +46,9 @@ class GenerationStats:
     draft_s           time inside the drafter (draft forward passes and draft-side sampling)
     verify_s          time inside target forward passes, the prefill included
     sampling_s        target-side warping plus the accept/reject walk
-    other_s           wall_s minus the three above: bookkeeping, cache truncation, Python
+    calibration_s     k="auto" only: the one-off measurement of the verify cost curve for a
+                      model not seen before in this process (0 afterwards)
+    other_s           wall_s minus the four above: bookkeeping, cache truncation, Python
     """
 
     rounds: int = 0
@@ -60,10 +63,12 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     sampling_s: float = 0.0
+    calibration_s: float = 0.0
 
     @property
     def other_s(self) -> float:
-        return max(0.0, self.wall_s - self.draft_s - self.verify_s - self.sampling_s)
+        spent = self.draft_s + self.verify_s + self.sampling_s + self.calibration_s
+        return max(0.0, self.wall_s - spent)
 
     @property
     def acceptance_rate(self) -> float:
@@ -122,6 +127,7 @@ class _Clock:
     def __init__(self, stats: GenerationStats, devices: Sequence[torch.device]) -> None:
         self.stats = stats
         self.devices = devices
+        self.last: dict[str, float] = {}  # seconds of the latest interval of each phase
 
     def now(self) -> float:
         for d in self.devices:
@@ -132,7 +138,9 @@ class _Clock:
     def phase(self, name: str) -> Iterator[None]:
         t0 = self.now()
         yield
-        setattr(self.stats, name, getattr(self.stats, name) + self.now() - t0)
+        dt = self.now() - t0
+        self.last[name] = dt
+        setattr(self.stats, name, getattr(self.stats, name) + dt)
 
 
 class SpecStream:
@@ -165,7 +173,10 @@ def stream(
     prompt_ids: Sequence[int] | torch.Tensor,
     *,
     draft: SpecModel | None = None,
-    k: int = 4,
+    drafter: str | Drafter | None = None,
+    k: int | str = 4,
+    k_max: int = 8,
+    p_min: float | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.8,
     top_k: int | None = None,
@@ -180,13 +191,13 @@ def stream(
     """
     prompt = as_token_list(prompt_ids)
     warp = Warp(temperature, top_k, top_p)
-    width = _validate(target, draft, prompt, k, max_new_tokens, warp)
+    width = _validate(target, draft, drafter, prompt, k, k_max, p_min, max_new_tokens, warp)
     generator = torch.Generator().manual_seed(seed)
-    drafter = ModelDrafter(draft, warp, generator, width) if draft is not None else None
-    K = k if drafter is not None else 0
+    drafter_obj = _make_drafter(drafter, draft, warp, generator, width, p_min)
+    policy = make_policy(k, k_max if k in ("auto", "schedule") else int(k)) if drafter_obj else None
     state: dict = {"stats": GenerationStats(prompt_tokens=len(prompt)), "tokens": []}
     state["stop_reason"] = "length"
-    chunks = _loop(target, drafter, prompt, K, max_new_tokens, warp, width, generator,
+    chunks = _loop(target, drafter_obj, policy, prompt, max_new_tokens, warp, width, generator,
                    set(stop_ids or ()), debug, state)  # fmt: skip
     return SpecStream(chunks, state)
 
@@ -196,7 +207,10 @@ def generate(
     prompt_ids: Sequence[int] | torch.Tensor,
     *,
     draft: SpecModel | None = None,
-    k: int = 4,
+    drafter: str | Drafter | None = None,
+    k: int | str = 4,
+    k_max: int = 8,
+    p_min: float | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.8,
     top_k: int | None = None,
@@ -208,24 +222,46 @@ def generate(
     """Sample up to `max_new_tokens` tokens after `prompt_ids`, distributed exactly as `target`.
 
     With `draft`, K = `k` tokens are drafted per round and verified in one target pass (Algorithm
-    1); `draft=None` is plain autoregressive sampling through the same sampler, the baseline.
-    `temperature=0` is greedy. `seed` makes the run bit-reproducible. `debug` checks the cache
-    invariant after every round.
+    1); with no draft and no drafter this is plain autoregressive sampling through the same
+    sampler, the baseline. `drafter`: "model" (the default with a draft), "lookup" (prompt
+    lookup, needs no draft model), "composite" (lookup, else the draft model), or a Drafter.
+    `k`: an int >= 1, "auto" (K in 0..k_max chosen each round from measured costs, see
+    control.py) or "schedule" (transformers' +2/-1). `p_min`: stop drafting when the draft's
+    top probability falls below it. `temperature=0` is greedy. `seed` makes the run
+    bit-reproducible. `debug` checks the cache invariant after every round.
     """
-    s = stream(target, prompt_ids, draft=draft, k=k, max_new_tokens=max_new_tokens,
-               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-               stop_ids=stop_ids, debug=debug)  # fmt: skip
+    s = stream(target, prompt_ids, draft=draft, drafter=drafter, k=k, k_max=k_max, p_min=p_min,
+               max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+               top_p=top_p, seed=seed, stop_ids=stop_ids, debug=debug)  # fmt: skip
     for _ in s:
         pass
     assert s.result is not None
     return s.result
 
 
+def _make_drafter(
+    kind: str | Drafter | None,
+    draft: SpecModel | None,
+    warp: Warp,
+    generator: torch.Generator,
+    width: int,
+    p_min: float | None,
+) -> Drafter | None:
+    if kind is None:
+        kind = "model" if draft is not None else None
+    if kind is None or not isinstance(kind, str):
+        return kind
+    if kind == "lookup":
+        return LookupDrafter()
+    model = ModelDrafter(draft, warp, generator, width, p_min)  # validated: draft is not None
+    return model if kind == "model" else CompositeDrafter(LookupDrafter(), model)
+
+
 def _loop(
     target: SpecModel,
     drafter: Drafter | None,
+    policy: KPolicy | None,
     prompt: list[int],
-    K: int,
     max_new_tokens: int,
     warp: Warp,
     width: int,
@@ -244,10 +280,20 @@ def _loop(
         target.reset()
         if len(seq) > 1:
             target.extend(seq[:-1])
+    if draft_model is not None:
+        # Fresh caches per call, so a seeded run never depends on what ran before it (reusing a
+        # shared prefix would change draft numerics slightly, and with them the sampled drafts).
+        draft_model.reset()
+    if isinstance(policy, CostModelK):  # v(b) measured once per model, then refined online
+        with clock.phase("calibration_s"):
+            policy.verify_s.update(calibrate_verify(target, policy.k_max, seq))
     while len(out) < max_new_tokens:
-        k = min(K, max_new_tokens - len(out) - 1)  # a round emits <= k+1 tokens: never overshoot
+        room = max_new_tokens - len(out) - 1  # a round emits <= k+1 tokens: never overshoot
+        source = drafter.source(seq) if drafter is not None and room > 0 else None
+        k = policy.choose(source, room) if policy is not None and source is not None else 0
         # 1. draft
         x, q = torch.empty(0, dtype=torch.long), None  # [k], [k, V] | None
+        clock.last["draft_s"] = 0.0
         if k > 0:
             with clock.phase("draft_s"):
                 x, q = drafter.propose(seq, k)
@@ -270,8 +316,12 @@ def _loop(
         seq += new
         out += new
         target.truncate(len(seq) - 1)
-        if drafter is not None and k > 0:
+        if k > 0:
             drafter.observe(n_acc)
+        if policy is not None:
+            policy.observe(
+                source or "none", k, n_acc, clock.last["draft_s"], clock.last["verify_s"]
+            )
         stats.record_round(k, n_acc, len(new))
         if debug:
             _check_caches(target, drafter, seq)
@@ -299,8 +349,11 @@ def _check_caches(target: SpecModel, drafter: Drafter | None, seq: list[int]) ->
 def _validate(
     target: SpecModel,
     draft: SpecModel | None,
+    drafter: str | Drafter | None,
     prompt: list[int],
-    k: int,
+    k: int | str,
+    k_max: int,
+    p_min: float | None,
     max_new_tokens: int,
     warp: Warp,
 ) -> int:
@@ -311,8 +364,20 @@ def _validate(
         raise ValueError(f"top_p must be in (0, 1], got {warp.top_p}")
     if warp.top_k is not None and warp.top_k < 1:
         raise ValueError(f"top_k must be >= 1 (or None to disable), got {warp.top_k}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k (draft tokens per round) must be an integer >= 1, got {k!r}")
+    if k not in ("auto", "schedule") and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(
+            f"k (draft tokens per round) must be an integer >= 1, 'auto' or 'schedule'; got {k!r}"
+        )
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+        raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
+    if p_min is not None and not 0 <= p_min < 1:
+        raise ValueError(f"p_min must be in [0, 1), got {p_min}")
+    if isinstance(drafter, str) and drafter not in DRAFTERS:
+        raise ValueError(f"unknown drafter {drafter!r}; use one of {', '.join(DRAFTERS)}")
+    if drafter in ("model", "composite") and draft is None:
+        raise ValueError(f"drafter {drafter!r} needs a draft model; pass draft= (or --draft)")
+    if drafter == "lookup" and draft is not None:
+        raise ValueError("drafter 'lookup' uses no draft model; drop draft= (or --draft)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if max_new_tokens < 1:
@@ -321,7 +386,7 @@ def _validate(
         raise ValueError("the prompt is empty; pass at least one token id (e.g. BOS)")
     width = target.vocab_size
     models = [target]
-    if draft is not None:
+    if draft is not None and drafter in (None, "model", "composite"):
         from .tokenizer import check_pair  # HF-free for mock pairs; imported lazily
 
         width = check_pair(draft, target)

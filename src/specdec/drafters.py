@@ -2,13 +2,17 @@
 
 Protocol (after HF's CandidateGenerator and llama.cpp's common/speculative.h):
 
+    source(context) -> str | None      which kind of proposal `propose` would make now (the K
+                                       controller keeps acceptance and cost per source);
+                                       None: nothing to propose, so the round is a plain step
     propose(context, k) -> (x [k'] int64, q [k', V] float32 | None)   requires k >= 1; k' <= k
-    observe(n_accepted)                                                after the accept walk
+    observe(n_accepted)                after the accept walk
 
 `context` is the whole committed sequence (prompt + generated). `q` must be exactly the
 distributions the tokens were sampled from, or None when the drafter is deterministic given the
 context (then q is one-hot on each token, and `rejection_sample` stays exact at any
-temperature). `observe` lets a stateful drafter roll its cache back to the accepted prefix.
+temperature). Any rule for how many tokens to draft is allowed as long as it looks only at the
+draft side (context, drafted tokens, q): the accept rule is then exact for every prefix length.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch
 from .device import synchronize
 from .models.base import SpecModel
 from .sampling import probs_from_logits, sample
+
+DRAFTERS = ("model", "lookup", "composite")
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,8 @@ class Warp:
 
 
 class Drafter(Protocol):
+    def source(self, context: list[int]) -> str | None: ...
+
     def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def observe(self, n_accepted: int) -> None: ...
@@ -52,16 +60,28 @@ class ModelDrafter:
     shares with `context` and extended with the uncached suffix; x_k is never fed back (no one
     needs q_{k+1}). `observe(a)` truncates the cache to context + x[:a], so after every round the
     draft cache holds a prefix of the committed sequence.
+
+    `p_min` (llama.cpp's draft p-min): stop drafting as soon as the draft's most likely token has
+    probability below p_min — a draft-side rule, so the output distribution is unchanged.
     """
 
     def __init__(
-        self, model: SpecModel, warp: Warp, generator: torch.Generator, width: int
+        self,
+        model: SpecModel,
+        warp: Warp,
+        generator: torch.Generator,
+        width: int,
+        p_min: float | None = None,
     ) -> None:
         self.model = model
         self.warp = warp
         self.generator = generator
         self.width = width  # shared sampling width V (see tokenizer.check_pair)
+        self.p_min = p_min
         self._base = 0  # len(context) at the last propose
+
+    def source(self, context: list[int]) -> str | None:
+        return "model"
 
     def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = self.model
@@ -76,21 +96,105 @@ class ModelDrafter:
         for i in range(k):
             row = logits[: self.width]  # [V]
             if self.warp.greedy:
+                if self.p_min is not None and float(torch.softmax(row, -1).max()) < self.p_min:
+                    break
                 xs.append(int(row.argmax()))
             else:
                 q_i = self.warp.probs(row)  # [V] exactly the distribution x_i is drawn from
+                if self.p_min is not None and float(q_i.max()) < self.p_min:
+                    break
                 xs.append(sample(q_i, self.generator))
                 qs.append(q_i)
             if i + 1 < k:
                 logits = m.extend([xs[-1]])[-1]
         synchronize(m.device)
-        x = torch.tensor(xs, dtype=torch.long)  # [k]
+        x = torch.tensor(xs, dtype=torch.long)  # [k']
         # Greedy drafting is deterministic given the context: q is one-hot, signalled by None.
-        q = torch.stack(qs) if qs else None  # [k, V]
+        q = torch.stack(qs) if qs else None  # [k', V]
         return x, q
 
     def observe(self, n_accepted: int) -> None:
         self.model.truncate(self._base + n_accepted)
+
+
+class LookupDrafter:
+    """Prompt lookup: no model. Find the most recent earlier occurrence of the context's last n
+    tokens (n = n_max down to n_min) and propose the tokens that followed it.
+
+    Deterministic given the context, so q = None (one-hot) and the output stays exactly the
+    target's at every temperature. An index from n-gram to its latest continuation is updated
+    incrementally, so a round costs O(new tokens), not O(context).
+    """
+
+    def __init__(self, n_max: int = 3, n_min: int = 1) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        self.n_max = n_max
+        self.n_min = n_min
+        self._ctx: list[int] = []
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> start of what followed it
+        self._indexed = 0  # n-grams ending before this position are indexed
+
+    def _sync(self, context: list[int]) -> None:
+        if len(context) < len(self._ctx) or context[: len(self._ctx)] != self._ctx:
+            self._index.clear()  # a different sequence (new request): rebuild
+            self._indexed = 0
+        self._ctx = list(context)
+        # Index every n-gram whose continuation exists, i.e. ending at positions < len - 1.
+        for end in range(self._indexed, len(context) - 1):
+            for n in range(self.n_min, self.n_max + 1):
+                if end - n + 1 >= 0:
+                    self._index[tuple(context[end - n + 1 : end + 1])] = end + 1
+        self._indexed = max(self._indexed, len(context) - 1)
+
+    def _match(self, context: list[int]) -> tuple[int, int] | None:
+        """(n, continuation start) of the longest suffix n-gram seen before, or None."""
+        self._sync(context)
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if len(context) > n:
+                start = self._index.get(tuple(context[-n:]))
+                if start is not None:
+                    return n, start
+        return None
+
+    def source(self, context: list[int]) -> str | None:
+        m = self._match(context)
+        return None if m is None else f"lookup{m[0]}"
+
+    def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        m = self._match(context)
+        tokens = [] if m is None else context[m[1] : m[1] + k]
+        return torch.tensor(tokens, dtype=torch.long), None
+
+    def observe(self, n_accepted: int) -> None:
+        pass
+
+
+class CompositeDrafter:
+    """Prompt lookup when the context has a match, else the draft model."""
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter) -> None:
+        self.lookup = lookup
+        self.model = model.model  # so the decoder's cache check sees the draft model's cache
+        self._model_drafter = model
+        self._last: LookupDrafter | ModelDrafter | None = None
+
+    def _pick(self, context: list[int]) -> tuple[LookupDrafter | ModelDrafter, str]:
+        src = self.lookup.source(context)
+        if src is not None:
+            return self.lookup, src
+        return self._model_drafter, "model"
+
+    def source(self, context: list[int]) -> str | None:
+        return self._pick(context)[1]
+
+    def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._last, _ = self._pick(context)
+        return self._last.propose(context, k)
+
+    def observe(self, n_accepted: int) -> None:
+        if self._last is not None:
+            self._last.observe(n_accepted)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
