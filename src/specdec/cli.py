@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 from specdec import registry
+from specdec.drafters import DRAFTERS
 
 _SHA_PREFIX = 12
 _EXIT_ERROR = 2
@@ -96,9 +97,46 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     )
 
 
+def k_value(text: str) -> int | str:
+    """argparse type for -k: an int >= 1, 'auto' or 'schedule'."""
+    if text in ("auto", "schedule"):
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an int >= 1, 'auto' or 'schedule', got {text!r}"
+        ) from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"K must be >= 1, got {k}")
+    return k
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "-k", "--k", type=int, default=4, help="draft tokens per round, K >= 1 (int; default 4)"
+        "-k",
+        "--k",
+        type=k_value,
+        default=4,
+        help="draft tokens per round: an int >= 1, 'auto' (K in 0..--k-max from measured costs) "
+        "or 'schedule' (transformers' +2/-1) (default 4)",
+    )
+    p.add_argument(
+        "--k-max", type=int, default=8, help="largest K for -k auto|schedule (int >= 1; default 8)"
+    )
+    p.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        default=None,
+        help="model (needs --draft), lookup (prompt lookup, no draft model) or composite (lookup, "
+        "else the draft model) (default: model when --draft is given, else none)",
+    )
+    p.add_argument(
+        "--p-min",
+        type=float,
+        default=None,
+        help="stop drafting when the draft's top probability is below this, in [0, 1) "
+        "(float; default off)",
     )
     p.add_argument(
         "-t",
@@ -153,7 +191,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     tok = target.tokenizer if target.tokenizer is not None else getattr(draft, "tokenizer", None)
     prompt_ids = prompting.encode(tok, args.prompt, chat=not args.no_chat)
     t0 = time.perf_counter()
-    s = stream(target, prompt_ids, draft=draft, k=args.k, max_new_tokens=args.max_new_tokens,
+    s = stream(target, prompt_ids, draft=draft, drafter=args.drafter, k=args.k, k_max=args.k_max,
+               p_min=args.p_min, max_new_tokens=args.max_new_tokens,
                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                seed=args.seed, stop_ids=prompting.stop_ids(tok))  # fmt: skip
     out: list[int] = []
