@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 from scipy import stats
 
-#: Bins with an expected count below this are pooled into one bin (the usual validity rule).
-MIN_EXPECTED = 5.0
+# The library owns the two-sample test (the level-3 gate uses it too); re-exported here.
+from specdec.stats import MIN_EXPECTED, two_sample_chi2
+
+__all__ = ["MIN_EXPECTED", "gof_chi2", "kl", "two_sample_chi2"]
 
 
 def gof_chi2(counts: np.ndarray, p: np.ndarray) -> tuple[float, int, float]:
@@ -28,26 +30,6 @@ def gof_chi2(counts: np.ndarray, p: np.ndarray) -> tuple[float, int, float]:
     chi2 = float(((obs - exp) ** 2 / exp).sum())
     dof = len(obs) - 1
     return chi2, dof, float(stats.chi2.sf(chi2, dof))
-
-
-def two_sample_chi2(a: np.ndarray, b: np.ndarray) -> tuple[float, int, float]:
-    """Two-sample chi-square (2 x B contingency) between count vectors `a` and `b` [B].
-
-    Bins whose expected count (under the pooled null) is below MIN_EXPECTED in either row are
-    pooled into one bin, so every expected count used is >= MIN_EXPECTED.
-    """
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    tot = a + b
-    frac_a = a.sum() / tot.sum()
-    exp_min = np.minimum(tot * frac_a, tot * (1 - frac_a))
-    small = exp_min < MIN_EXPECTED
-    table = np.stack([a[~small], b[~small]])
-    if small.any():
-        table = np.concatenate([table, [[a[small].sum()], [b[small].sum()]]], axis=1)
-    table = table[:, table.sum(0) > 0]
-    chi2, p_value, dof, _ = stats.chi2_contingency(table, correction=False)
-    return float(chi2), int(dof), float(p_value)
 
 
 def kl(p_hat: np.ndarray, p: np.ndarray) -> float:

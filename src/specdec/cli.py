@@ -228,7 +228,7 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_models,
 
 #: Harness modules that declare their own subcommands with `add_cli(subparsers)`; each sets
 #: `func` on its parser, like the pairs above.
-_HARNESS_MODULES = ("bench", "microbench", "gate", "figures")
+_HARNESS_MODULES = ("bench", "microbench", "gate", "figures", "server")
 
 
 def build_parser() -> argparse.ArgumentParser:

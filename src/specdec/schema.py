@@ -3,45 +3,77 @@
 Every artifact is one JSON object with `"schema": "specdec.<kind>/<version>"` and a `"meta"`
 block (`meta_block()`): when, where (machine), with what (library versions). Kinds:
 
-specdec.bench/1      one `specdec bench` run
+specdec.bench/1      one `specdec bench` run (bench.py defines each statistic)
     config      {name, draft, target, k, temperature, top_k, top_p, n_prompts, warmup,
-                 max_new_tokens, drafter, compare}
+                 max_new_tokens, drafter, compare, device}
     models      {"draft": MODEL, "target": MODEL}; MODEL = {spec, backend, name, device, sha256,
-                 vocab_size, n_ctx}
+                 vocab_size, n_ctx, dtype (hf: torch dtype name; null for llama.cpp and mock)}
     rows        one per recorded (non-warm-up) prompt:
-                {prompt_id, category, prompt_tokens, seed, order ("base-first"|"spec-first"),
-                 baseline: RUN, speculative: RUN, hf_assisted?: RUN}
+                {index (position in the prompt set), prompt_id, category, prompt_tokens, seed,
+                 order ("base-first"|"spec-first"), sequence [methods in the order run],
+                 baseline: RUN, speculative: RUN, hf_assisted?: HF_RUN}
                 RUN = GenerationStats.to_dict() (decode.py defines each field) + {tokens: [ids],
                 stop_reason}
+                HF_RUN = {tokens, stop_reason, prompt_tokens, generated, wall_s, tokens_per_s,
+                          ttft_s (null), rounds, drafted, accepted, acceptance_rate,
+                          tokens_per_round} (transformers' assisted generation; bench.py says
+                          how rounds and drafted are counted)
     aggregates  {baseline: AGG, speculative: AGG, hf_assisted?: AGG, speedup,
-                 speedup_pooled, peak_rss_mb, peak_vram_mb (null without CUDA)}
-                AGG = {n, tok_s_mean, tok_s_std, ttft_s_mean, generated, rounds, drafted,
-                       accepted, acceptance_rate, positional_acceptance [K], tokens_per_round,
-                       ms_per_token: {draft, verify, sampling, other}}
+                 speedup_pooled, speedup_hf_assisted?, peak_rss_mb, peak_vram_mb (null without
+                 CUDA)}
+                AGG = {n, tok_s_mean, tok_s_std, tok_s_pooled, ttft_s_mean, generated, rounds,
+                       drafted, accepted, acceptance_rate, positional_acceptance [K],
+                       tokens_per_round, ms_per_token: {draft, verify, sampling, other}}
+                tok_s_std is the sample std (ddof 1; 0.0 for one row); a statistic a method
+                cannot have is null (baseline acceptance_rate, its positional list being [];
+                hf_assisted ttft_s_mean, positional_acceptance, ms_per_token)
                 speedup = spec tok_s_mean / baseline tok_s_mean (mean of per-prompt rates);
-                speedup_pooled = (sum tokens / sum wall) ratio
+                speedup_pooled = (sum tokens / sum wall) ratio; speedup_hf_assisted =
+                hf_assisted tok_s_mean / baseline tok_s_mean
     complete    false if the run was interrupted (Ctrl-C keeps the finished rows)
 
-specdec.sweep/1      summary of a K-sweep: config (without k), ks, points: [{k, artifact,
-                     baseline_tok_s, speculative_tok_s, speedup, acceptance_rate,
-                     tokens_per_round, positional_acceptance}]
+specdec.sweep/1      summary of a K-sweep: config (without k), ks, complete, points: [{k,
+                     artifact (file name, beside the summary), baseline_tok_s,
+                     baseline_tok_s_std, speculative_tok_s, speculative_tok_s_std, speedup,
+                     speedup_pooled, acceptance_rate, tokens_per_round, positional_acceptance}]
 
-specdec.microbench/1 cost curves:
+specdec.microbench/1 cost curves (microbench.py defines each term):
     models      {"target": MODEL, "draft": MODEL | null}
-    prefix_tokens, repeats
-    verify      [{b, median_ms, ratio}] ratio = median_ms(b) / median_ms(1): v(b) in steps
+    prefix_tokens, repeats, max_batch, threads (CPU threads per model; null = all cores)
+    verify      [{b, median_ms, ratio, samples_ms [repeats]}] ratio = median_ms(b) / median_ms(1):
+                v(b) in steps
     target_step_ms, draft_step_ms (null without a draft), c = draft_step_ms / target_step_ms
-    acceptance  {source, positional_acceptance [K], p_at_least [K]} or null
-    prediction  [{k, expected_tokens_per_round, cost_in_target_steps, predicted_speedup}]
+                (null without a draft), draft_samples_ms [repeats] | null
+    acceptance  {source, config, k, temperature, n_rows, drafted_per_pos [K],
+                 accepted_per_pos [K], positional_acceptance [K], p_at_least [K]} or null
+                (pooled over a bench artifact's speculative rows; the two lists are equal by
+                definition: acceptance at position i implies all earlier positions accepted)
+    prediction_c  the c the prediction used: c, or 0.0 without a draft (a model-free drafter)
+    prediction  [{k, expected_tokens_per_round, cost_in_target_steps, predicted_speedup}] for
+                k = 1..min(max_batch - 1, len(p_at_least)); without acceptance, k = 1..max_batch-1
+                with expected_tokens_per_round and predicted_speedup null (cost is then the
+                break-even tokens per round)
                 predicted_speedup = E[tokens/round] / (v(k+1) + k * c)
+    best_k      argmax of predicted_speedup over k = 0..K (0: speculation cannot pay), or null
 
-specdec.gate/1       level-3 equivalence: config, models,
-    sampled     {n_prompts, max_new_tokens, temperature, seeds, tokens_speculative,
-                 tokens_baseline, chi2, dof, p_value, passed, smoothed_kl, bins: [{label,
-                 speculative, baseline}] (bins as tested: top tokens + one pooled bin)}
-    greedy      {n_prompts, max_new_tokens, rows: [{prompt_id, match, n_baseline,
-                 n_speculative, first_mismatch}], passed}
-    passed
+specdec.gate/1       level-3 equivalence (gate.py):
+    config      {name, draft, target, quick, threads, prompts, max_new_tokens, temperature, k,
+                 greedy_prompts, greedy_tokens}
+    models      {"draft": MODEL, "target": MODEL}
+    sampled     {n_prompts, max_new_tokens, temperature, k, seeds: {rule, baseline [n],
+                 speculative [n]}, tokens_speculative, tokens_baseline, distinct_tokens,
+                 min_expected, n_bins, chi2, dof, p_value, p_value_permutation, n_permutations,
+                 p_min, decided_by, passed, smoothed_kl, kl_definition, acceptance_rate, wall_s,
+                 bins: [{label, token_id, speculative, baseline}] (bins as tested: top tokens by
+                 combined count, then one pooled bin with token_id null; every expected count
+                 >= min_expected)}
+                p_value is the chi2(dof) reference; p_value_permutation calibrates the same
+                statistic by swapping the methods' generations within prompts (stats.py says
+                why the reference is too small on real text)
+                passed = dof >= 1 and p_value_permutation > p_min  (decided_by names the field)
+    greedy      {n_prompts, max_new_tokens, k, rows: [{prompt_id, match, n_baseline,
+                 n_speculative, first_mismatch (null when match)}], passed}
+    passed      sampled.passed and greedy.passed
 """
 
 from __future__ import annotations
@@ -68,6 +100,9 @@ _AGG_KEYS = ("n", "tok_s_mean", "tok_s_std", "acceptance_rate", "positional_acce
              "tokens_per_round", "ms_per_token")  # fmt: skip
 
 
+_PREDICTION_KEYS = ("k", "expected_tokens_per_round", "cost_in_target_steps", "predicted_speedup")
+
+
 class SchemaError(ValueError):
     pass
 
@@ -89,18 +124,32 @@ def validate(artifact: dict[str, Any]) -> str:
             agg = artifact["aggregates"].get(side)
             if not isinstance(agg, dict) or any(k not in agg for k in _AGG_KEYS):
                 raise SchemaError(f"bench: aggregates.{side} must hold {_AGG_KEYS}")
+        sides = ("baseline", "speculative")
+        if "hf_assisted" in artifact["aggregates"]:
+            sides += ("hf_assisted",)
+            agg = artifact["aggregates"]["hf_assisted"]
+            if not isinstance(agg, dict) or any(k not in agg for k in _AGG_KEYS):
+                raise SchemaError(f"bench: aggregates.hf_assisted must hold {_AGG_KEYS}")
         for row in artifact["rows"]:
-            for side in ("baseline", "speculative"):
+            for side in sides:
                 if not isinstance(row.get(side), dict) or "tokens_per_s" not in row[side]:
                     raise SchemaError(f"bench: every row needs {side}.tokens_per_s")
     if schema == "specdec.microbench/1":
         for pt in artifact["verify"]:
             if not {"b", "median_ms", "ratio"} <= set(pt):
                 raise SchemaError("microbench: verify points need b, median_ms, ratio")
+        for row in artifact["prediction"]:
+            if not set(_PREDICTION_KEYS) <= set(row):
+                raise SchemaError(f"microbench: prediction rows need {_PREDICTION_KEYS}")
     if schema == "specdec.gate/1":
         for key in ("chi2", "dof", "p_value", "passed"):
             if key not in artifact["sampled"]:
                 raise SchemaError(f"gate: sampled.{key} missing")
+        for b in artifact["sampled"].get("bins", []):
+            if not {"label", "speculative", "baseline"} <= set(b):
+                raise SchemaError("gate: sampled.bins need label, speculative, baseline")
+        if not isinstance(artifact["greedy"].get("rows"), list):
+            raise SchemaError("gate: greedy.rows must be a list")
     return schema
 
 

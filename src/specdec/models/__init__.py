@@ -1,0 +1,112 @@
+"""Model backends and `load_model`, the one way the rest of specdec gets a SpecModel.
+
+Spec strings are BACKEND:NAME_OR_PATH:
+
+    llamacpp:smollm2-135m          registry name -> cached .gguf, run by llama.cpp (quantized)
+    hf:qwen2.5-coder-0.5b          the same GGUF dequantized into a transformers model
+    hf:/path/to/hf_model_dir       any local transformers causal-LM directory
+    mock:vocab=48,seed=0           a deterministic MockModel (key=value pairs)
+
+Backends import lazily: `mock:` needs neither transformers nor llama.cpp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import SpecModel, SpecModelError, TokenIds, as_token_list
+from .mock import MockModel
+
+BACKENDS = ("hf", "llamacpp", "mock")
+_MOCK_KEYS = {"vocab": "vocab_size", "vocab_size": "vocab_size", "seed": "seed", "scale": "scale"}
+_MOCK_KEYS |= {"n_ctx": "n_ctx", "name": "name"}
+
+__all__ = [
+    "BACKENDS",
+    "MockModel",
+    "SpecModel",
+    "SpecModelError",
+    "TokenIds",
+    "as_token_list",
+    "load_model",
+    "parse_spec",
+]
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """'BACKEND:REST' -> (backend, rest), with an error that lists the valid backends."""
+    usage = (
+        "expected BACKEND:NAME_OR_PATH with BACKEND one of "
+        f"{', '.join(BACKENDS)} (e.g. llamacpp:smollm2-135m, hf:/path/to/model_dir, "
+        "mock:vocab=48,seed=0)"
+    )
+    if not isinstance(spec, str) or ":" not in spec:
+        raise SpecModelError(f"model spec {spec!r} has no backend prefix; {usage}")
+    backend, rest = spec.split(":", 1)
+    backend = backend.strip().lower()
+    if backend not in BACKENDS:
+        raise SpecModelError(f"unknown backend {backend!r} in model spec {spec!r}; {usage}")
+    if not rest and backend != "mock":
+        raise SpecModelError(f"model spec {spec!r} names no model; {usage}")
+    return backend, rest
+
+
+def _mock(args: str, kwargs: dict[str, Any]) -> MockModel:
+    params: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in args.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _MOCK_KEYS:
+            raise SpecModelError(
+                f"bad mock option {item!r}; use key=value pairs with keys "
+                f"{', '.join(sorted(_MOCK_KEYS))} (e.g. mock:vocab=48,seed=0)"
+            )
+        target = _MOCK_KEYS[key]
+        if target == "name":
+            params[target] = value
+            continue
+        try:
+            params[target] = float(value) if target == "scale" else int(value)
+        except ValueError as e:
+            raise SpecModelError(f"mock option {key}={value!r} is not a number") from e
+    if kwargs.get("n_ctx") is not None:
+        params.setdefault("n_ctx", int(kwargs["n_ctx"]))
+    return MockModel(**params)
+
+
+def load_model(spec: str, device: str | torch.device | None = None, **kwargs: Any) -> SpecModel:
+    """Load a model from a spec string (see the module docstring).
+
+    kwargs: n_ctx (context window; llama.cpp default 4096, HF default min(max positions, 32768)),
+    dtype (HF only; fp32 on CPU by default), n_threads (default: all cores), plus
+    backend-specific options (llama.cpp: n_batch, n_gpu_layers, flash_attn).
+    Raises SpecModelError for a malformed spec, registry.ModelFetchError for a missing or unknown
+    model, registry.CorruptModelError for a file that is not a complete GGUF.
+    """
+    backend, rest = parse_spec(spec)
+    if backend == "mock":
+        return _mock(rest, kwargs)
+
+    from ..registry import check_gguf_file, resolve
+
+    path = resolve(rest)
+    if path.is_file():
+        # transformers' reader and llama.cpp both fail badly (tracebacks deep in numpy, or an
+        # abort) on a truncated file; this gives a Python error that says what is wrong.
+        check_gguf_file(path)
+    name = f"{backend}:{rest}"
+    if backend == "hf":
+        from .hf import HFModel
+
+        return HFModel.load(path, device=device, name=name, **kwargs)
+    from .llamacpp import LlamaCppModel
+
+    if path.is_dir():
+        raise SpecModelError(
+            f"{spec!r}: llama.cpp needs a .gguf file, got the directory {path}; use hf:{rest} "
+            "for a transformers model directory"
+        )
+    kwargs.pop("dtype", None)  # llama.cpp computes in the file's own quantization
+    return LlamaCppModel.load(path, device=device, name=name, **kwargs)

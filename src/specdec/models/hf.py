@@ -1,0 +1,149 @@
+"""Hugging Face backend: any causal LM behind the SpecModel contract.
+
+The KV cache is one `DynamicCache`; rollback crops it in place, so truncate costs no recompute.
+A .gguf file loads through transformers' GGUF reader, which dequantizes every tensor (fp32 on the
+CPU by default): the logits are those of the dequantized weights, close to but not bit-equal to
+llama.cpp's quantized kernels on the same file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..device import get_device
+from .base import SpecModel, SpecModelError
+
+# Upper bound on the default context window: some configs advertise 128k+ positions, and a
+# context check should catch a runaway prompt long before memory does. Pass n_ctx to go higher.
+HF_MAX_DEFAULT_N_CTX = 32768
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # fp32 on the CPU: half-precision CPU matmuls are slow, and fp32 keeps a token's logits within
+    # ~1e-4 whatever the batch shape (tests/test_contract.py). fp16 on accelerators (the paper).
+    return torch.float32 if device.type == "cpu" else torch.float16
+
+
+def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise SpecModelError(f"unknown dtype {dtype!r}; use float32, float16 or bfloat16")
+    return found
+
+
+def _load_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path)
+    from ..tokenizer import cached_conversion
+
+    # Reading a GGUF's metadata through transformers parses the whole vocabulary (seconds); the
+    # config is cached beside the converted tokenizer so later loads parse the file only once.
+    def convert(out: Path) -> None:
+        AutoConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+
+    return AutoConfig.from_pretrained(cached_conversion("configs", path, convert))
+
+
+class HFModel(SpecModel):
+    """A transformers causal LM with one DynamicCache (batch size 1)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        name: str = "hf",
+        n_ctx: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.device = next(model.parameters()).device
+        # The logit width is the output layer's row count, which can exceed len(tokenizer).
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        text_cfg = model.config.get_text_config()
+        max_pos = getattr(text_cfg, "max_position_embeddings", None)
+        if n_ctx is None:
+            n_ctx = min(max_pos or HF_MAX_DEFAULT_N_CTX, HF_MAX_DEFAULT_N_CTX)
+        elif max_pos is not None and n_ctx > max_pos:
+            raise SpecModelError(
+                f"{name}: n_ctx={n_ctx} exceeds the model's max_position_embeddings={max_pos}; "
+                f"pass n_ctx <= {max_pos}"
+            )
+        self.n_ctx = int(n_ctx)
+        self.cache = self._new_cache()
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+        name: str | None = None,
+    ) -> HFModel:
+        """Load a model directory or a .gguf file (dequantized) onto `device`."""
+        from transformers import AutoModelForCausalLM
+
+        from ..tokenizer import load_tokenizer
+
+        path = Path(path)
+        dev = get_device(device)
+        dtype = _parse_dtype(dtype) or default_dtype(dev)
+        if n_threads is not None:
+            torch.set_num_threads(n_threads)  # process-wide: torch has no per-model thread pool
+        config = _load_config(path)
+        kw: dict[str, Any] = {"config": config, "dtype": dtype}
+        if path.is_dir():
+            model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kw)
+        model = model.to(dev)
+        return cls(model, load_tokenizer(path), name=name or f"hf:{path.name}", n_ctx=n_ctx)
+
+    # ---------------------------------------------------------------------------- contract
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        # Sliding-window layers forget states past the window unless told to keep them for a
+        # later crop; rollback needs them. A no-op for plain full-attention layers.
+        if hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()
+        return cache
+
+    def _logits(self, ids: list[int], cache: Any) -> torch.Tensor:
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=cache is not None)
+        return out.logits[0].float().cpu()  # [n, V] float32, CPU
+
+    @torch.inference_mode()
+    def _extend(self, ids: list[int]) -> torch.Tensor:
+        return self._logits(ids, self.cache)
+
+    def _truncate(self, n: int) -> None:
+        if n == 0:
+            self.cache = self._new_cache()  # drops the tensors instead of keeping empty views
+            return
+        # Negative = number of positions to drop: the one spelling both transformers 4.x and 5.x
+        # accept (5.x refuses a positive absolute length).
+        self.cache.crop(n - self.n_cached)
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        return self._logits(ids, None)
+
+    def close(self) -> None:
+        self.cache = None
+        self.model = None

@@ -1,0 +1,285 @@
+"""llama.cpp backend (GGUF, quantized) behind the SpecModel contract, on the low-level C API.
+
+Why not `llama_cpp.Llama`: rejection sampling needs full-vocabulary logits at every drafted
+position, and `Llama(logits_all=True)` gets them by keeping an [n_ctx, V] float buffer (2.5 GB for
+V = 151936, n_ctx = 4096) and re-tokenizing through its own helpers. Here a `llama_batch` flags
+every token for output, and only the new rows are copied out with `llama_get_logits_ith`; the
+logits buffer llama.cpp keeps is [n_batch, V].
+
+Rollback is one call, as in llama.cpp's common/speculative: `llama_memory_seq_rm(mem, 0, n, -1)`.
+
+Numerics, measured on CPU (the contract tests pin them): the logits of a position must not depend
+on how the tokens were batched, or a verify batch of K+1 tokens disagrees with one-token-at-a-time
+decoding and greedy speculative output drifts from greedy plain output at near-ties. Two settings
+buy that batch invariance:
+  * flash attention ON. Without it KQ runs through matmul kernels picked by batch size, and a
+    short batch differs from single tokens (the team measured up to ~1.0 on real text).
+  * K cache in q8_0 (V stays f16). With llama.cpp's default f16 K, ggml's flash attention takes
+    other code paths for a single query once the cache spans >= 512 cells (split-KV across
+    threads: from position 256 on we measured a 1.75 logit difference vs a batch) and for long
+    batches (tiled prompt processing: 2.6 vs token by token). A quantized K sends every shape
+    through one kernel: prefill, verify and single-token logits were bit-identical in all our
+    runs. Measured cost: ~3% per decoded token (22.1 vs 21.4 ms, smollm2, 1 thread); top-1
+    agreement with the fp32 HF model on 300 positions of real text was 96.7% (94.7% with f32 KV).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..device import get_device
+from .base import SpecModel, SpecModelError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_N_CTX = 4096
+# Largest batch per llama_decode call. Every position needs its logits, so llama.cpp reserves an
+# [n_batch, V] float32 output buffer: 512 x 151936 x 4 B = 311 MB for Qwen. Longer extends (prompt
+# prefills) are split into n_batch-sized calls.
+DEFAULT_N_BATCH = 512
+_SEQ = 0  # the one sequence id this wrapper uses
+# ggml_type of the K cache: q8_0, for batch invariance (module docstring). Pass type_k=1 (f16) for
+# llama.cpp's default.
+DEFAULT_TYPE_K = 8  # GGML_TYPE_Q8_0
+_GGML_LOG_LEVEL_ERROR = 3
+
+_backend_ready = False
+_log_callback: Any = None  # keeps the ctypes callback alive for as long as llama.cpp may call it
+
+
+def _usable_cores() -> int:
+    # The cores this process may run on (a container's cpuset can be smaller than cpu_count).
+    # Never more: ggml's threads spin at a barrier after every op, so a pool larger than the free
+    # cores stalls badly (measured ~100x slower per token with 2 threads on 1 free core).
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def _llama() -> Any:
+    """The ctypes bindings, with the backend initialized and llama.cpp's logging tamed (once)."""
+    global _backend_ready, _log_callback
+    try:
+        import llama_cpp.llama_cpp as llama
+    except ImportError as e:
+        raise SpecModelError(
+            "the llamacpp backend needs llama-cpp-python (pip install llama-cpp-python); "
+            "or load the model with the hf: backend"
+        ) from e
+    if not _backend_ready:
+
+        @llama.llama_log_callback
+        def forward_errors(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+            # llama.cpp prints hundreds of info lines per model load; keep only its errors.
+            if level == _GGML_LOG_LEVEL_ERROR:
+                log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+        _log_callback = forward_errors
+        llama.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        llama.llama_backend_init()
+        _backend_ready = True
+    return llama
+
+
+class LlamaCppModel(SpecModel):
+    """A GGUF model in llama.cpp with one KV sequence (batch size 1)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        tokenizer: Any = None,
+        name: str | None = None,
+        n_ctx: int | None = None,
+        n_batch: int = DEFAULT_N_BATCH,
+        n_threads: int | None = None,
+        n_gpu_layers: int = 0,
+        flash_attn: bool = True,
+        type_k: int = DEFAULT_TYPE_K,
+    ) -> None:
+        super().__init__()
+        llama = self._llama = _llama()
+        path = Path(path)
+        self.name = name or f"llamacpp:{path.name}"
+        self.tokenizer = tokenizer
+        self._model = self._ctx = self._scratch = self._batch = None
+
+        mparams = llama.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        self._model = llama.llama_model_load_from_file(str(path).encode("utf-8"), mparams)
+        if not self._model:
+            raise SpecModelError(
+                f"llama.cpp could not load {path} (unsupported architecture or damaged file); "
+                "check the file, or try the hf: backend"
+            )
+        vocab = llama.llama_model_get_vocab(self._model)
+        # llama.cpp's logits are exactly n_vocab wide (the GGUF's token list, padding included).
+        self.vocab_size = int(llama.llama_vocab_n_tokens(vocab))
+        n_ctx_train = int(llama.llama_model_n_ctx_train(self._model))
+        if n_ctx is None:
+            n_ctx = min(DEFAULT_N_CTX, n_ctx_train)
+        if not 1 <= n_ctx <= n_ctx_train or n_batch < 1:
+            self.close()
+            raise SpecModelError(
+                f"{self.name}: need 1 <= n_ctx <= {n_ctx_train} (the positions the model was "
+                f"trained for) and n_batch >= 1; got n_ctx={n_ctx}, n_batch={n_batch}"
+            )
+        self.n_ctx = int(n_ctx)
+        self.n_batch = int(min(n_batch, n_ctx))
+        if tokenizer is not None:
+            self._check_tokenizer(vocab, tokenizer)
+
+        cparams = llama.llama_context_default_params()
+        cparams.n_ctx = self.n_ctx
+        cparams.n_batch = cparams.n_ubatch = self.n_batch  # one physical pass per decode call
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = n_threads or _usable_cores()
+        cparams.flash_attn_type = (
+            llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if flash_attn
+            else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cparams.type_k = type_k
+        cparams.no_perf = True
+        self._cparams = cparams
+        try:
+            self._ctx = self._new_context()
+        except SpecModelError:
+            self.close()
+            raise
+        self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
+        offload = n_gpu_layers != 0 and bool(llama.llama_supports_gpu_offload())
+        self.device = torch.device("cuda" if offload else "cpu")
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        device: str | torch.device | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> LlamaCppModel:
+        """Load a .gguf file; on a non-CPU `device` all layers are offloaded if llama.cpp can.
+
+        kwargs: n_ctx, n_batch, n_threads, n_gpu_layers, flash_attn, type_k (see the module
+        docstring for why flash attention and a q8_0 K cache are the defaults).
+        """
+        from ..registry import check_gguf_file
+        from ..tokenizer import load_tokenizer
+
+        path = Path(path)
+        # llama.cpp aborts the whole process on some damaged files; refuse them in Python first.
+        check_gguf_file(path)
+        dev = get_device(device)
+        if dev.type != "cpu":
+            kwargs.setdefault("n_gpu_layers", -1)
+            if device is not None and not _llama().llama_supports_gpu_offload():
+                log.warning("this llama.cpp build cannot offload to %s; running on the CPU", dev)
+        tokenizer = load_tokenizer(path)  # the same cached conversion HFModel uses
+        return cls(path, tokenizer=tokenizer, name=name, **kwargs)
+
+    def _check_tokenizer(self, vocab: Any, tokenizer: Any) -> None:
+        """Ids go to llama.cpp untranslated, so its vocabulary must read them as the HF tokenizer
+        does: compare every id's token text (~0.2 s for 150k tokens)."""
+        n = self.vocab_size
+        hf_texts = tokenizer.convert_ids_to_tokens(list(range(min(n, len(tokenizer)))))
+        for i, hf_text in enumerate(hf_texts):
+            text = self._llama.llama_vocab_get_text(vocab, i).decode("utf-8", "replace")
+            if text != hf_text:
+                self.close()
+                raise SpecModelError(
+                    f"{self.name}: token id {i} is {text!r} to llama.cpp but {hf_text!r} to the HF "
+                    f"tokenizer ({len(tokenizer)} tokens, llama.cpp has {n}); the tokenizer does "
+                    "not belong to this GGUF file"
+                )
+
+    def _new_context(self) -> Any:
+        ctx = self._llama.llama_init_from_model(self._model, self._cparams)
+        if not ctx:
+            raise SpecModelError(
+                f"llama.cpp could not create a context of {self.n_ctx} tokens for {self.name} "
+                "(out of memory?); pass a smaller n_ctx or n_batch"
+            )
+        return ctx
+
+    # ---------------------------------------------------------------------------- contract
+    def _decode(self, ctx: Any, ids: list[int], start: int) -> torch.Tensor:
+        """Run `ids` at positions start.. in `ctx`; [n, V] float32 CPU logits, every row.
+
+        On failure the positions >= start are removed again, so the cache is as it was.
+        """
+        llama, batch, V = self._llama, self._batch, self.vocab_size
+        out = np.empty((len(ids), V), dtype=np.float32)  # [n, V] float32
+        try:
+            for lo in range(0, len(ids), self.n_batch):
+                chunk = ids[lo : lo + self.n_batch]
+                batch.n_tokens = len(chunk)
+                for i, tok in enumerate(chunk):
+                    batch.token[i] = tok
+                    batch.pos[i] = start + lo + i
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = _SEQ
+                    batch.logits[i] = True  # full-vocabulary logits at every position
+                rc = llama.llama_decode(ctx, batch)
+                if rc != 0:
+                    raise SpecModelError(
+                        f"{self.name}: llama_decode failed with code {rc} at cache position "
+                        f"{start + lo} (1 = no room in the KV cache; a larger n_ctx may help)"
+                    )
+                for i in range(len(chunk)):
+                    row = llama.llama_get_logits_ith(ctx, i)  # float* into llama's [n_batch, V]
+                    out[lo + i] = np.ctypeslib.as_array(row, shape=(V,))
+        except BaseException:
+            # Includes KeyboardInterrupt: drop whatever earlier chunks appended, then re-raise.
+            llama.llama_memory_seq_rm(llama.llama_get_memory(ctx), _SEQ, start, -1)
+            raise
+        return torch.from_numpy(out)  # [n, V] float32, CPU
+
+    def _extend(self, ids: list[int]) -> torch.Tensor:
+        return self._decode(self._ctx, ids, self.n_cached)
+
+    def _truncate(self, n: int) -> None:
+        mem = self._llama.llama_get_memory(self._ctx)
+        if not self._llama.llama_memory_seq_rm(mem, _SEQ, n, -1):
+            # Only recurrent/hybrid memories refuse a partial removal; attention KV never does.
+            raise SpecModelError(
+                f"{self.name}: llama.cpp cannot roll this model's memory back to {n} tokens "
+                "(recurrent state); speculative decoding needs a rollback-capable model"
+            )
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        # A second context on the same weights, made on first use: evaluating in the main context
+        # and re-prefilling the old tokens afterwards would leave the cache holding the same
+        # tokens under other batch shapes. Costs one more KV cache and logits buffer.
+        if self._scratch is None:
+            self._scratch = self._new_context()
+        try:
+            return self._decode(self._scratch, ids, 0)
+        finally:
+            self._llama.llama_memory_clear(self._llama.llama_get_memory(self._scratch), True)
+
+    def close(self) -> None:
+        llama = self._llama
+        if self._batch is not None:
+            llama.llama_batch_free(self._batch)
+            self._batch = None
+        for attr in ("_scratch", "_ctx"):
+            if getattr(self, attr):
+                llama.llama_free(getattr(self, attr))
+                setattr(self, attr, None)
+        if self._model:  # after its contexts: llama.cpp frees a model's contexts first
+            llama.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        # Interpreter shutdown may have torn the bindings down already; nothing to free then.
+        if getattr(self, "_llama", None) is not None:
+            self.close()

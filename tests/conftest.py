@@ -1,0 +1,97 @@
+"""Shared fixtures: the real test model, loaded once per session.
+
+    smol_path        Path of smollm2-135m.gguf (SmolLM2-135M-Instruct Q4_1, vocab 49152), fetched
+                     into $SPECDEC_HOME on first use.
+    smol_hf          load_model("hf:smollm2-135m"): dequantized, fp32, CPU, 1 thread.
+    smol_llamacpp    load_model("llamacpp:smollm2-135m"): Q4_1 in llama.cpp, default settings
+                     except 1 thread (see TEST_THREADS).
+    smol_prompt_ids  ~300 token ids of real text: a chat-templated prompt plus an answer.
+
+The two models are session-wide (loading the HF one takes ~10 s), and every test that asks for
+one gets it with an EMPTY cache: the fixture resets it before handing it out. Tests that use them
+should be marked `@pytest.mark.slow` (they still run in `make test`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from specdec.models import load_model
+from specdec.models.base import SpecModel
+
+SMOL = "smollm2-135m"
+# One thread per model, not the library default (all cores). Both ggml and torch's OpenMP sync
+# every op with spinning barriers, so when another process holds a core a 2-thread pool stalls at
+# each barrier. Measured per single-token decode on the 2-core test box with one core busy:
+# llama.cpp 2000 ms with 2 threads vs 18 ms with 1; HF 612 ms vs 59 ms (33 ms with 2 threads on an
+# idle box). Tests share their machine. No logits depend on the thread count here (llama.cpp: q8_0
+# K cache; HF: fp32, checked within the contract tolerance).
+TEST_THREADS = 1
+LLAMACPP_TEST_THREADS = TEST_THREADS  # the earlier name, referenced from other test files
+
+_QUESTION = "Explain what speculative decoding is and why its output is lossless."
+# An answer long enough to carry the contract tests past position 256, where llama.cpp's
+# flash-attention kernels would change code path for an f16 K cache (models/llamacpp.py).
+_ANSWER = (
+    "Speculative decoding speeds up text generation by letting a small draft model guess several "
+    "tokens ahead, and then asking the large target model to check all of the guesses in a single "
+    "forward pass. Because the target scores every drafted position at once, a round that accepts "
+    "four guesses costs roughly one step of the big model instead of four. The accept rule is the "
+    "clever part: each drafted token is kept with probability min(1, p/q), where p is the target's "
+    "probability and q the draft's, and when a guess is rejected a replacement is sampled from the "
+    "normalized positive part of p minus q. A short calculation shows that every emitted token is "
+    "then distributed exactly as if the target had produced it alone, which is why the method is "
+    "called lossless: it changes the speed, never the distribution. In practice the speedup "
+    "depends on how often the draft agrees with the target, on how cheap the draft is, "
+    "and on how well the "
+    "hardware turns a batch of several tokens into one pass. On a laptop CPU a verify pass of five "
+    "tokens may cost almost as much as five single steps, and then no draft can help; on a GPU the "
+    "same pass is nearly free, and acceptance rates of one half already pay off."
+)
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> Path:
+    from specdec.registry import resolve
+
+    return resolve(SMOL, progress=False)
+
+
+@pytest.fixture(scope="session")
+def _smol_hf_session(smol_path: Path) -> Iterator[SpecModel]:
+    model = load_model(f"hf:{SMOL}", n_threads=TEST_THREADS)  # torch.set_num_threads: global
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
+def _smol_llamacpp_session(smol_path: Path) -> Iterator[SpecModel]:
+    model = load_model(f"llamacpp:{SMOL}", n_threads=TEST_THREADS)
+    yield model
+    model.close()
+
+
+@pytest.fixture
+def smol_hf(_smol_hf_session: SpecModel) -> SpecModel:
+    _smol_hf_session.reset()
+    return _smol_hf_session
+
+
+@pytest.fixture
+def smol_llamacpp(_smol_llamacpp_session: SpecModel) -> SpecModel:
+    _smol_llamacpp_session.reset()
+    return _smol_llamacpp_session
+
+
+@pytest.fixture(scope="session")
+def smol_prompt_ids(_smol_llamacpp_session: SpecModel) -> list[int]:
+    tok = _smol_llamacpp_session.tokenizer
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": _QUESTION}, {"role": "assistant", "content": _ANSWER}],
+        tokenize=True,
+        return_dict=False,
+    )
+    return list(ids)

@@ -1,0 +1,292 @@
+"""The benchmark harness: artifacts that validate and agree with their own rows, the interleaved
+order, Ctrl-C keeping finished rows, the sweep, flag validation, and (slow) real-model smoke runs
+including transformers' assisted generation as the anchor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+import specdec.bench as bench
+from specdec import prompting, registry, schema
+from specdec.bench import BenchConfig, format_table, resolve_config, run_bench, run_sweep
+from specdec.cli import main
+from specdec.decode import generate
+from specdec.models.mock import MockModel
+
+V = 48
+TARGET_SPEC, DRAFT_SPEC = f"mock:vocab={V},seed=0", f"mock:vocab={V},seed=1"
+MOCK_CLI = ["--draft", DRAFT_SPEC, "--target", TARGET_SPEC, "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[MockModel, MockModel]:
+    """(draft, target) as run_bench takes them: a draft close to the target."""
+    target = MockModel(V, seed=0)
+    return MockModel.near(target, noise=0.7, seed=1), target
+
+
+def _cfg(**kw) -> BenchConfig:
+    settings = dict(k=3, n_prompts=5, warmup=2, max_new_tokens=12)
+    return BenchConfig("mock", DRAFT_SPEC, TARGET_SPEC, **{**settings, **kw})
+
+
+def _load(path: Path) -> dict:
+    art = json.loads(path.read_text())
+    schema.validate(art)
+    return art
+
+
+# ------------------------------------------------------------------------------ end to end
+def test_bench_artifact_validates_and_matches_its_rows(pair, tmp_path) -> None:
+    cfg = _cfg()
+    art = run_bench(cfg, tmp_path, progress=False, models=pair)
+    on_disk = _load(tmp_path / "bench_mock_k3_t0.8.json")
+    assert on_disk["complete"] is True
+    assert on_disk["rows"] == art["rows"] and on_disk["aggregates"] == art["aggregates"]
+
+    rows = art["rows"]
+    assert len(rows) == cfg.n_prompts - cfg.warmup
+    assert [r["index"] for r in rows] == [2, 3, 4]
+    assert [r["seed"] for r in rows] == [2, 3, 4]  # per-prompt seed = prompt index
+    # Interleaved, alternating order: even index -> baseline first.
+    assert [r["order"] for r in rows] == ["base-first", "spec-first", "base-first"]
+    assert rows[1]["sequence"] == ["speculative", "baseline"]
+
+    agg = art["aggregates"]
+    spec = [r["speculative"] for r in rows]
+    base = [r["baseline"] for r in rows]
+    drafted = sum(r["drafted"] for r in spec)
+    assert agg["speculative"]["acceptance_rate"] == pytest.approx(
+        sum(r["accepted"] for r in spec) / drafted
+    )
+    for i, rate in enumerate(agg["speculative"]["positional_acceptance"]):
+        acc = sum(r["accepted_per_pos"][i] for r in spec)
+        assert rate == pytest.approx(acc / sum(r["drafted_per_pos"][i] for r in spec))
+    assert len(agg["speculative"]["positional_acceptance"]) == cfg.k
+    assert agg["speculative"]["tokens_per_round"] == pytest.approx(
+        sum(r["generated"] for r in spec) / sum(r["rounds"] for r in spec)
+    )
+    means = {
+        m: sum(r[m]["tokens_per_s"] for r in rows) / len(rows) for m in ("baseline", "speculative")
+    }
+    assert agg["baseline"]["tok_s_mean"] == pytest.approx(means["baseline"])
+    assert agg["speedup"] == pytest.approx(means["speculative"] / means["baseline"])
+    ms = agg["speculative"]["ms_per_token"]
+    gen = sum(r["generated"] for r in spec)
+    assert ms["verify"] == pytest.approx(1000 * sum(r["verify_s"] for r in spec) / gen)
+    assert agg["baseline"]["acceptance_rate"] is None  # nothing drafted
+    assert agg["baseline"]["tokens_per_round"] == 1.0
+    assert all(r["generated"] == cfg.max_new_tokens for r in base)  # mocks have no stop ids
+    assert agg["peak_rss_mb"] > 0
+
+    # The rows are what generate() gives for that prompt and seed: nothing else leaks in.
+    ids = bench._prompt_ids(None, prompting.load_prompts(3)[2].text, V)
+    assert rows[0]["prompt_tokens"] == len(ids)
+    again = generate(pair[1], ids, max_new_tokens=12, temperature=0.8, seed=2)
+    assert rows[0]["baseline"]["tokens"] == again.tokens
+
+    table = bench.format_table(art)
+    assert "mock" in table and f"{agg['speedup']:.2f}x" in table
+
+
+def test_greedy_bench_speculative_tokens_equal_baseline(pair, tmp_path) -> None:
+    art = run_bench(_cfg(temperature=0.0, k=4), tmp_path, progress=False, models=pair)
+    for row in art["rows"]:
+        assert row["speculative"]["tokens"] == row["baseline"]["tokens"]
+    assert (tmp_path / "bench_mock_k4_t0.json").is_file()
+
+
+def test_ctrl_c_keeps_finished_rows(pair, tmp_path, monkeypatch) -> None:
+    cfg = _cfg(n_prompts=6, warmup=1)
+    calls = {"n": 0}
+
+    def interrupted_generate(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2 * (cfg.warmup + 2):  # two methods per prompt; 2 recorded prompts done
+            raise KeyboardInterrupt
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "generate", interrupted_generate)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(cfg, tmp_path, progress=False, models=pair, tag="cc")
+    art = _load(tmp_path / "bench_mock_k3_t0.8_cc.json")
+    assert art["complete"] is False
+    assert [r["index"] for r in art["rows"]] == [1, 2]
+    assert art["aggregates"]["baseline"]["n"] == 2
+    assert "(partial)" in bench.format_table(art)
+
+
+def test_sweep_on_mock(pair, tmp_path) -> None:
+    summary = run_sweep(_cfg(n_prompts=3, warmup=1), [1, 2], tmp_path, progress=False, models=pair)
+    on_disk = _load(tmp_path / "sweep_mock_t0.8.json")
+    assert on_disk["schema"] == "specdec.sweep/1" and on_disk["complete"] is True
+    assert on_disk["ks"] == [1, 2] and "k" not in on_disk["config"]
+    assert [p["k"] for p in summary["points"]] == [1, 2]
+    for p in on_disk["points"]:
+        art = _load(tmp_path / p["artifact"])
+        assert art["config"]["k"] == p["k"]
+        assert p["speedup"] == pytest.approx(art["aggregates"]["speedup"])
+        assert p["acceptance_rate"] == art["aggregates"]["speculative"]["acceptance_rate"]
+        assert len(p["positional_acceptance"]) == p["k"]
+    assert "speedup" in bench.format_sweep_table(summary)
+
+
+# ----------------------------------------------------------------------------------- the CLI
+def test_cli_bench_and_sweep_on_mock_specs(tmp_path, capsys) -> None:
+    args = ["--prompts", "3", "--warmup", "1", "--max-new-tokens", "6", "--out", str(tmp_path)]
+    assert main(["bench", *MOCK_CLI, *args, "-k", "2", "-t", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "custom" in out and "wrote" in out
+    art = _load(tmp_path / "bench_custom_k2_t0.json")
+    assert art["config"]["name"] == "custom" and art["config"]["temperature"] == 0
+    assert main(["sweep", *MOCK_CLI, *args, "--k", "1,3"]) == 0
+    assert _load(tmp_path / "sweep_custom_t0.8.json")["ks"] == [1, 3]
+
+
+def test_cli_ctrl_c_exits_130_and_keeps_rows(tmp_path, monkeypatch) -> None:
+    calls = {"n": 0}
+
+    def interrupted_generate(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 4:  # prompts 0 (warm-up) and 1 finished
+            raise KeyboardInterrupt
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "generate", interrupted_generate)
+    argv = ["bench", *MOCK_CLI, "--prompts", "4", "--warmup", "1", "--max-new-tokens", "4",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 130
+    art = _load(tmp_path / "bench_custom_k4_t0.8.json")
+    assert art["complete"] is False and len(art["rows"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--config", "smoke", "-k", "0"], "K must be >= 1"),
+        (["bench", "--config", "smoke", "--prompts", "0"], "prompts must be in [1, 100]"),
+        (["bench", "--config", "smoke", "--prompts", "101"], "prompts must be in [1, 100]"),
+        (["bench", "--config", "smoke", "--prompts", "2", "--warmup", "2"], "must be < prompts"),
+        (["bench", "--config", "smoke", "--warmup", "-1"], "warmup must be >= 0"),
+        (["bench", "--config", "smoke", "-t", "-1"], "temperature must be"),
+        (["bench", "--config", "smoke", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["bench", "--config", "smoke", "--top-k", "0"], "top_k must be >= 1"),
+        (["bench", "--config", "smoke", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["bench", "--config", "nope"], "unknown config 'nope'"),
+        (["bench"], "give --config NAME"),
+        (["bench", "--draft", DRAFT_SPEC], "give both --draft and --target"),
+        (["bench", "--config", "smoke", *MOCK_CLI], "already fixes the pair"),
+        (["bench", "--draft", "gpt:x", "--target", TARGET_SPEC], "unknown backend 'gpt'"),
+        (["bench", "--config", "smoke", "--tag", "a/b"], "--tag 'a/b'"),
+        (["bench", "--config", "smoke", "--compare", "hf-assisted"], "must use the hf backend"),
+        (["bench", "--config", "smoke", "--compare", "vllm"], "invalid choice: 'vllm'"),
+        (["bench", "--config", "smoke", "-k", "two"], "expected an int >= 1, 'auto' or 'schedule'"),
+        (["bench", "--config", "smoke", "--variants", "ngram:4"], "must be DRAFTER:K"),
+        (["sweep", "--config", "smoke", "--k", "1,x"], "comma-separated integers"),
+        (["sweep", "--config", "smoke", "--k", "0,2"], "every K must be an integer >= 1"),
+    ],
+)
+def test_bad_flags_fail_fast_with_a_clear_message(argv, message, capsys) -> None:
+    assert main(argv) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_hf_assisted_refuses_a_non_hf_pair(pair, tmp_path) -> None:
+    with pytest.raises(ValueError, match="both models must use the hf backend"):
+        _cfg(compare="hf-assisted")
+    cfg = BenchConfig("x", "hf:a", "hf:b", n_prompts=2, warmup=0, compare="hf-assisted")
+    with pytest.raises(ValueError, match="transformers models"):
+        run_bench(cfg, tmp_path, progress=False, models=pair)  # mocks have no .model
+
+
+def test_resolve_config() -> None:
+    c = resolve_config("smoke", k=2)
+    assert (c.name, c.draft, c.target, c.k) == ("smoke", *bench.CONFIGS["smoke"], 2)
+    assert resolve_config(None, DRAFT_SPEC, TARGET_SPEC).name == "custom"
+    assert resolve_config("custom", DRAFT_SPEC, TARGET_SPEC).name == "custom"
+    with pytest.raises(ValueError, match="custom"):
+        resolve_config("custom")
+
+
+def test_write_json_is_atomic_and_compact(tmp_path) -> None:
+    path = tmp_path / "a" / "x.json"
+    obj = {"tokens": [1, 2, 3], "nested": {"xs": [0.5, -1e-05]}, "s": "[1,\n 2]", "path": "p"}
+    bench.write_json(path, obj)
+    text = path.read_text()
+    assert "[1, 2, 3]" in text and "[0.5, -1e-05]" in text
+    assert json.loads(text) == {k: v for k, v in obj.items() if k != "path"}
+    assert [p.name for p in path.parent.iterdir()] == ["x.json"]  # no temp file left behind
+
+
+# -------------------------------------------------------------------------- real models (slow)
+@pytest.mark.slow
+def test_cli_smoke_config(tmp_path) -> None:
+    argv = ["bench", "--config", "smoke", "--prompts", "2", "--warmup", "1", "-k", "2",
+            "--max-new-tokens", "8", "--out", str(tmp_path), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    art = _load(tmp_path / "bench_smoke_k2_t0.8.json")
+    assert art["complete"] and len(art["rows"]) == 1
+    models = art["models"]
+    assert (models["draft"]["backend"], models["target"]["backend"]) == ("hf", "llamacpp")
+    assert models["target"]["sha256"] == registry.MODELS["smollm2-135m"].sha256
+    row = art["rows"][0]
+    assert 1 <= row["speculative"]["generated"] <= 8 and row["prompt_tokens"] > 10
+
+
+@pytest.mark.slow
+def test_hf_assisted_matches_our_greedy_baseline(tmp_path) -> None:
+    """transformers' assisted generation, greedy, on the same prompt: the same tokens as our
+    target-only baseline (both fp32 on the CPU; a near-tie in the logits could in principle
+    flip an argmax between batch shapes, which this tiny case does not hit)."""
+    spec = "hf:smollm2-135m"
+    cfg = resolve_config(None, spec, spec, k=3, temperature=0.0, n_prompts=1, warmup=0,
+                         max_new_tokens=8, compare="hf-assisted")  # fmt: skip
+    art = run_bench(cfg, tmp_path, progress=False)
+    schema.validate(art)
+    row = art["rows"][0]
+    hf = row["hf_assisted"]
+    assert hf["tokens"] == row["baseline"]["tokens"] == row["speculative"]["tokens"]
+    assert hf["generated"] == len(hf["tokens"]) and hf["ttft_s"] is None
+    # Same model on both sides: every draft is accepted, so K is honoured exactly.
+    assert hf["acceptance_rate"] == 1.0 and hf["drafted"] == 6 and hf["rounds"] == 2
+    agg = art["aggregates"]
+    assert agg["hf_assisted"]["n"] == 1 and agg["speedup_hf_assisted"] > 0
+
+
+def test_model_block_hashes_local_files(tmp_path) -> None:
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"not really a model")
+    block = bench.model_block(f"llamacpp:{f}", MockModel(V))
+    assert block["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+    assert bench.model_block(TARGET_SPEC, MockModel(V))["sha256"] is None
+
+
+def test_variants_and_categories_in_one_run(pair, tmp_path) -> None:
+    """Issue 5's comparison tables: several speculative methods on the same prompts, with
+    speedups per prompt category, all from one interleaved run."""
+    cfg = _cfg(k="auto", variants=("lookup:auto", "model:2"), n_prompts=4, warmup=1)
+    art = run_bench(cfg, tmp_path, progress=False, models=pair)
+    schema.validate(art)
+    assert art["variants"] == ["lookup-kauto", "model-k2"]
+    for row in art["rows"]:
+        assert set(row["variants"]) == {"lookup-kauto", "model-k2"}
+        assert set(row["sequence"]) == {"baseline", "speculative", "lookup-kauto", "model-k2"}
+    agg = art["aggregates"]
+    for v in ("lookup-kauto", "model-k2"):
+        runs = [r["variants"][v] for r in art["rows"]]
+        mean = sum(r["tokens_per_s"] for r in runs) / len(runs)
+        assert agg["variants"][v]["tok_s_mean"] == pytest.approx(mean)
+        assert agg["variants"][v]["speedup"] == pytest.approx(
+            mean / agg["baseline"]["tok_s_mean"]
+        )
+    cats = agg["by_category"]
+    assert set(cats) == {r["category"] for r in art["rows"]}
+    for c, methods in cats.items():
+        assert methods["baseline"]["speedup"] == pytest.approx(1.0)
+        assert methods["baseline"]["n"] == sum(r["category"] == c for r in art["rows"])
+    assert "lookup-kauto" in format_table(art)

@@ -1,0 +1,208 @@
+"""Level 3 of the exactness gate (gate.py): its binning, its verdicts, its power, its artifact.
+
+On mock models (injected, fast) the gate must pass a correct pair, fail a deliberately broken
+accept rule (so a pass means something), and catch a greedy mismatch. The real-model run
+(`gate --quick --config smoke`) is slow-marked.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import specdec.decode as decode_mod
+import specdec.models as models_mod
+from specdec import cli, schema
+from specdec.gate import (
+    MIN_PROMPTS,
+    QUICK,
+    GateSettings,
+    build_artifact,
+    first_mismatch,
+    greedy_leg,
+    run_gate,
+)
+from specdec.models.mock import MockModel
+from specdec.stats import MIN_EXPECTED, frequency_bins, paired_permutation_p, two_sample_chi2
+
+V = 48
+N_PROMPTS = 40
+N_TOK = 25
+P_MIN = 0.01
+SETTINGS = GateSettings(prompts=N_PROMPTS, max_new_tokens=N_TOK, greedy_prompts=3,
+                        greedy_tokens=30)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[MockModel, MockModel]:
+    target = MockModel(V, seed=0)
+    # A loose draft (acceptance ~15%): an always-accept rule then emits mostly draft tokens, a
+    # difference that ~1,000 tokens per method detect.
+    draft = MockModel.near(target, noise=2.0, seed=1)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[tuple[str, list[int]]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (f"m{i:02d}", torch.randint(0, V, (3,), generator=g).tolist()) for i in range(N_PROMPTS)
+    ]
+
+
+# ------------------------------------------------------------------------------ binning
+def test_bins_keep_every_expected_count_at_least_min_expected() -> None:
+    rng = np.random.default_rng(0)
+    zipf = 1.0 / np.arange(1, 2001)  # a long tail, like token frequencies
+    zipf /= zipf.sum()
+    a = rng.multinomial(3000, zipf)
+    b = rng.multinomial(2500, zipf)
+    bins = frequency_bins(a, b)
+    assert bins.pooled and bins.a.sum() == a.sum() and bins.b.sum() == b.sum()
+    table = bins.table
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    assert expected.min() >= MIN_EXPECTED
+    tot = (a + b)[bins.index]
+    assert list(tot) == sorted(tot, reverse=True)  # top tokens by combined count, then the pool
+
+
+def test_an_underfilled_pool_absorbs_the_least_frequent_kept_bins() -> None:
+    a = np.array([50, 40, 30, 1, 0])
+    b = np.array([50, 40, 30, 2, 0])
+    bins = frequency_bins(a, b)  # the pool alone (3 tokens) would have expected 1.5
+    assert bins.pooled and list(bins.index) == [0, 1]
+    assert list(bins.a) == [50, 40, 31] and list(bins.b) == [50, 40, 32]
+    _, dof, p = two_sample_chi2(a, b)
+    assert dof == 2 and p > 0.9
+
+
+def _count(seqs: list[list[int]]) -> np.ndarray:
+    return np.bincount([t for s in seqs for t in s], minlength=20)
+
+
+def test_permutation_p_is_calibrated_where_tokens_are_correlated() -> None:
+    """Each generation repeats one token 20 times: the null holds, yet tokens are far from
+    independent. Over 40 such null datasets the asymptotic chi-square rejects nearly always; the
+    within-pair permutation test at about its nominal 1% rate."""
+    probs = 1.0 / np.arange(1, 21)
+    probs /= probs.sum()
+    asymptotic, permutation = [], []
+    for trial in range(40):
+        rng = np.random.default_rng(trial)
+        a = [[int(rng.choice(20, p=probs))] * 20 for _ in range(40)]
+        b = [[int(rng.choice(20, p=probs))] * 20 for _ in range(40)]
+        asymptotic.append(two_sample_chi2(_count(a), _count(b))[2])
+        permutation.append(paired_permutation_p(a, b, n_perm=200, seed=trial))
+    assert np.mean(np.array(asymptotic) < P_MIN) > 0.9  # miscalibrated
+    assert np.sum(np.array(permutation) < P_MIN) <= 3  # expected 0.4 of 40
+
+
+def test_permutation_p_has_power() -> None:
+    rng = np.random.default_rng(2)
+    a = [rng.choice(20, size=20).tolist() for _ in range(20)]  # uniform
+    tilted = np.array([2.0] * 10 + [1.0] * 10) / 30  # half the tokens twice as likely
+    b = [rng.choice(20, size=20, p=tilted).tolist() for _ in range(20)]
+    assert paired_permutation_p(a, b) < P_MIN
+
+
+# ------------------------------------------------------------------------------ verdicts
+def test_gate_passes_a_correct_pair(pair, prompts) -> None:
+    target, draft = pair
+    res = run_gate(target, draft, prompts, SETTINGS, progress=False)
+    s = res["sampled"]
+    assert s["tokens_speculative"] == s["tokens_baseline"] == N_PROMPTS * N_TOK
+    assert s["dof"] >= 30, "too few bins for the test to mean anything"
+    assert s["passed"] and s["p_value_permutation"] > P_MIN, f"chi2={s['chi2']:.1f} dof={s['dof']}"
+    assert s["p_value"] > P_MIN  # on mock chains the chi2(dof) reference agrees
+    assert res["greedy"]["passed"] and res["passed"]
+    assert all(r["first_mismatch"] is None for r in res["greedy"]["rows"])
+    # the speculative and baseline seed streams never overlap: the samples are independent
+    assert not set(s["seeds"]["baseline"]) & set(s["seeds"]["speculative"])
+    assert sum(b["speculative"] for b in s["bins"]) == s["tokens_speculative"]
+    assert sum(b["baseline"] for b in s["bins"]) == s["tokens_baseline"]
+    assert s["n_bins"] == len(s["bins"]) == s["dof"] + 1
+
+    art = build_artifact({"name": "mock"}, {"draft": None, "target": None}, res)
+    assert schema.validate(art) == "specdec.gate/1"
+    json.dumps(art)  # plain JSON types only
+
+
+def test_gate_fails_an_always_accept_rule(pair, prompts, monkeypatch) -> None:
+    """The gate has power: accepting every draft (output ~ draft, not target) must fail it."""
+    target, draft = pair
+
+    def accept_all(x, q, p, generator):
+        bonus = torch.multinomial(p[-1], 1, generator=generator)
+        return torch.cat([x, bonus]), x.numel()
+
+    monkeypatch.setattr(decode_mod, "rejection_sample", accept_all)
+    res = run_gate(target, draft, prompts, SETTINGS, progress=False)
+    s = res["sampled"]
+    assert not s["passed"] and s["p_value_permutation"] < P_MIN and s["p_value"] < P_MIN
+    assert not res["passed"]
+
+
+def test_gate_catches_a_greedy_mismatch(pair, prompts, monkeypatch) -> None:
+    target, draft = pair
+
+    def greedy_accept_all(x, logits):
+        return torch.cat([x, logits[-1:].argmax(-1)]), x.numel()
+
+    monkeypatch.setattr(decode_mod, "greedy_verify", greedy_accept_all)
+    g = greedy_leg(target, draft, prompts[:3], SETTINGS, progress=False)
+    assert not g["passed"]
+    assert all(not r["match"] and r["first_mismatch"] is not None for r in g["rows"])
+
+
+def test_first_mismatch() -> None:
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2  # one stopped early: a mismatch too
+    assert first_mismatch([], []) is None
+
+
+def test_gate_needs_enough_prompts(pair, prompts) -> None:
+    with pytest.raises(ValueError, match="needs 40 prompts"):
+        run_gate(*pair, prompts[:10], SETTINGS, progress=False)
+    too_few = GateSettings(prompts=MIN_PROMPTS - 1)  # the permutation test could never reject
+    with pytest.raises(ValueError, match="to be able to fail"):
+        run_gate(*pair, prompts, too_few, progress=False)
+
+
+# ------------------------------------------------------------------------------ CLI
+def test_gate_cli_ctrl_c_is_a_clean_message(tmp_path, monkeypatch, capsys) -> None:
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models_mod, "load_model", interrupted)
+    rc = cli.main(["gate", "--quick", "--config", "smoke", "--out", str(tmp_path)])
+    assert rc == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # a partial sample writes no artifact
+
+
+def test_gate_cli_rejects_unknown_config_and_bad_sizes(tmp_path, capsys) -> None:
+    assert cli.main(["gate", "--config", "nope", "--out", str(tmp_path)]) == 2
+    assert "known configs" in capsys.readouterr().err
+    assert cli.main(["gate", "--config", "smoke", "-t", "0", "--out", str(tmp_path)]) == 2
+    assert "temperature > 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gate_quick_on_smoke_passes(tmp_path) -> None:
+    # one thread: the test box is shared (see conftest.LLAMACPP_TEST_THREADS)
+    rc = cli.main(["gate", "--quick", "--config", "smoke", "--threads", "1", "--out",
+                   str(tmp_path), "--no-progress"])  # fmt: skip
+    art = json.loads((tmp_path / "gate_smoke.json").read_text())
+    assert schema.validate(art) == "specdec.gate/1"
+    s = art["sampled"]
+    why = f"chi2={s['chi2']:.1f} dof={s['dof']} p_perm={s['p_value_permutation']:.4f}"
+    assert rc == 0 and art["passed"], why
+    assert s["n_prompts"] == QUICK.prompts and art["config"]["quick"]
+    assert s["dof"] >= 6, "the quick sizes leave the chi-square too few bins"
+    assert len(art["greedy"]["rows"]) == QUICK.greedy_prompts
+    assert art["models"]["target"]["backend"] == "llamacpp"
