@@ -138,6 +138,20 @@ def test_batch_shape_does_not_change_logits(model: SpecModel, seq: list[int], ba
     assert max_diff(chunked, one_by_one) <= TOL[backend]
 
 
+def test_prefill_builds_the_same_cache_as_extend(model: SpecModel, seq: list[int], backend: str):
+    """prefill (no logits asked for) leaves the cache that extend would: the logits that follow
+    match a fresh evaluation within TOL, and the bookkeeping is the same."""
+    fresh = model.forward(seq)  # [n, V]
+    cut = len(seq) // 2
+    model.prefill(seq[:cut])
+    assert model.n_cached == cut and model.cached_tokens == seq[:cut]
+    rest = model.extend(seq[cut:])  # [n - cut, V]
+    assert max_diff(rest, fresh[cut:]) <= TOL[backend]
+    with pytest.raises(SpecModelError, match="empty"):
+        model.prefill([])
+    assert model.n_cached == len(seq)
+
+
 def test_truncate_at_or_past_the_end_is_a_noop(model: SpecModel, seq: list[int]) -> None:
     model.extend(seq[:6])
     for n in (6, 7, 1000):

@@ -279,7 +279,7 @@ def _loop(
     with clock.phase("verify_s"):  # prefill: the target holds seq[:-1] between rounds
         target.reset()
         if len(seq) > 1:
-            target.extend(seq[:-1])
+            target.prefill(seq[:-1])
     if draft_model is not None:
         # Fresh caches per call, so a seeded run never depends on what ran before it (reusing a
         # shared prefix would change draft numerics slightly, and with them the sampled drafts).

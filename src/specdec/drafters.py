@@ -89,7 +89,9 @@ class ModelDrafter:
         if n == len(context):  # the model must see at least the last context token
             n -= 1
         m.truncate(n)
-        logits = m.extend(context[n:])[-1]  # [V_model] next-token logits after the context
+        if len(context) - n > 1:  # e.g. the prompt: only the last position's logits are needed
+            m.prefill(context[n:-1])
+        logits = m.extend(context[-1:])[-1]  # [V_model] next-token logits after the context
         self._base = len(context)
         xs: list[int] = []
         qs: list[torch.Tensor] = []

@@ -123,14 +123,20 @@ class HFModel(SpecModel):
             cache.activate_past_recording()
         return cache
 
-    def _logits(self, ids: list[int], cache: Any) -> torch.Tensor:
+    def _logits(self, ids: list[int], cache: Any, keep: int = 0) -> torch.Tensor:
+        """[n, V] float32 CPU logits (keep=0), or only the last `keep` rows."""
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=cache is not None)
-        return out.logits[0].float().cpu()  # [n, V] float32, CPU
+        out = self.model(input_ids=input_ids, past_key_values=cache,
+                         use_cache=cache is not None, logits_to_keep=keep)  # fmt: skip
+        return out.logits[0].float().cpu()  # [n or keep, V] float32, CPU
 
     @torch.inference_mode()
     def _extend(self, ids: list[int]) -> torch.Tensor:
         return self._logits(ids, self.cache)
+
+    @torch.inference_mode()
+    def _prefill(self, ids: list[int]) -> None:
+        self._logits(ids, self.cache, keep=1)  # the output layer for one row instead of n
 
     def _truncate(self, n: int) -> None:
         if n == 0:

@@ -211,13 +211,14 @@ class LlamaCppModel(SpecModel):
         return ctx
 
     # ---------------------------------------------------------------------------- contract
-    def _decode(self, ctx: Any, ids: list[int], start: int) -> torch.Tensor:
-        """Run `ids` at positions start.. in `ctx`; [n, V] float32 CPU logits, every row.
+    def _decode(self, ctx: Any, ids: list[int], start: int, logits: bool = True) -> torch.Tensor:
+        """Run `ids` at positions start.. in `ctx`; [n, V] float32 CPU logits, every row (or an
+        empty [0, V] tensor when `logits` is False: no output layer, no copy).
 
         On failure the positions >= start are removed again, so the cache is as it was.
         """
         llama, batch, V = self._llama, self._batch, self.vocab_size
-        out = np.empty((len(ids), V), dtype=np.float32)  # [n, V] float32
+        out = np.empty((len(ids) if logits else 0, V), dtype=np.float32)  # [n, V] float32
         try:
             for lo in range(0, len(ids), self.n_batch):
                 chunk = ids[lo : lo + self.n_batch]
@@ -227,14 +228,14 @@ class LlamaCppModel(SpecModel):
                     batch.pos[i] = start + lo + i
                     batch.n_seq_id[i] = 1
                     batch.seq_id[i][0] = _SEQ
-                    batch.logits[i] = True  # full-vocabulary logits at every position
+                    batch.logits[i] = logits  # full-vocabulary logits at every position
                 rc = llama.llama_decode(ctx, batch)
                 if rc != 0:
                     raise SpecModelError(
                         f"{self.name}: llama_decode failed with code {rc} at cache position "
                         f"{start + lo} (1 = no room in the KV cache; a larger n_ctx may help)"
                     )
-                for i in range(len(chunk)):
+                for i in range(len(chunk) if logits else 0):
                     row = llama.llama_get_logits_ith(ctx, i)  # float* into llama's [n_batch, V]
                     out[lo + i] = np.ctypeslib.as_array(row, shape=(V,))
         except BaseException:
@@ -245,6 +246,9 @@ class LlamaCppModel(SpecModel):
 
     def _extend(self, ids: list[int]) -> torch.Tensor:
         return self._decode(self._ctx, ids, self.n_cached)
+
+    def _prefill(self, ids: list[int]) -> None:
+        self._decode(self._ctx, ids, self.n_cached, logits=False)
 
     def _truncate(self, n: int) -> None:
         mem = self._llama.llama_get_memory(self._ctx)
