@@ -153,6 +153,7 @@ def test_microbench_cli_on_mock_models_writes_a_valid_artifact(tmp_path, capsys)
     art = json.loads(path.read_text())
     assert schema.validate(art) == "specdec.microbench/1"
     assert [pt["b"] for pt in art["verify"]] == [1, 2, 3, 4, 5]
+    assert art["models"]["target"]["backend"] == "mock" and "dtype" in art["models"]["target"]
     assert art["verify"][0]["ratio"] == 1.0
     assert all(len(pt["samples_ms"]) == 3 for pt in art["verify"])
     assert art["c"] is not None and art["prediction_c"] == art["c"]
