@@ -396,8 +396,9 @@ class Gate:
     tokens_baseline: int | None
     chi2: float
     dof: int
-    p_value: float
-    p_min: float | None  # the sampled leg passes at p_value > p_min
+    p_value: float  # the chi-square distribution's p-value (assumes independent tokens)
+    p_perm: float | None  # the permutation p-value (gate.py: the verdict when present)
+    p_min: float | None  # the sampled leg passes at p > p_min
     min_expected: float | None
     sampled_passed: bool
     smoothed_kl: float | None
@@ -458,6 +459,7 @@ def _gate(d: dict, src: str, path: Path) -> Gate:
         chi2=_num(d, "sampled.chi2", src),  # type: ignore[arg-type]
         dof=int(_num(d, "sampled.dof", src)),  # type: ignore[arg-type]
         p_value=_num(d, "sampled.p_value", src),  # type: ignore[arg-type]
+        p_perm=_num(d, "sampled.p_value_permutation", src, optional=True),
         p_min=_num(d, "sampled.p_min", src, optional=True),
         min_expected=_num(d, "sampled.min_expected", src, optional=True),
         sampled_passed=bool(d["sampled"]["passed"]),
@@ -708,10 +710,16 @@ def _box(ax: Any, text: str, x: float, y: float, ha: str, va: str, size: float =
     )
 
 
+def _p_text(g: Gate) -> str:
+    if g.p_perm is None:
+        return f"p = {_p(g.p_value)}"
+    return f"permutation p = {_p(g.p_perm)} (χ²-table p = {_p(g.p_value)})"
+
+
 def _gate_lines(g: Gate) -> list[str]:
     rule = f" (threshold p > {g.p_min:g})" if g.p_min is not None else ""
     lines = [
-        f"χ² = {g.chi2:.1f}, dof = {g.dof}, p = {_p(g.p_value)} "
+        f"χ² = {g.chi2:.1f}, dof = {g.dof}, {_p_text(g)} "
         f"→ {'pass' if g.sampled_passed else 'FAIL'}{rule}"
     ]
     if g.tokens_speculative is not None and g.tokens_baseline is not None:
@@ -1434,7 +1442,7 @@ def _section_gate(s: Study, figures: Path, report: Path) -> list[str]:
             binning += f", every expected count ≥ {g.min_expected:g}"
         out.append(
             f"- Sampled leg ({setup}): χ² = {g.chi2:.2f}, dof = {g.dof}, "
-            f"p = {_p(g.p_value)} → {'pass' if g.sampled_passed else 'FAIL'}{rule}; "
+            f"{_p_text(g)} → {'pass' if g.sampled_passed else 'FAIL'}{rule}; "
             f"{binning}."
         )
         if g.acceptance_rate is not None:
