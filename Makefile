@@ -1,6 +1,7 @@
 # specdec: every target creates .venv and installs pinned dependencies on first use.
 #   make test    the test suite (what CI runs)
-#   make demo    the main job: fetch the default models and run a short speculative generation
+#   make demo    the main job: fetch the default models, a short bench on all_gguf, figures
+#   make study   regenerate the committed results/ (takes a while; run on an idle machine)
 #   make lint    ruff check + format check
 PYTHON ?= python3
 VENV   := .venv
@@ -16,7 +17,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 TARGET ?= llamacpp:qwen2.5-coder-1.5b
 DRAFT  ?= llamacpp:qwen2.5-coder-0.5b
 
-.PHONY: venv test lint demo clean
+.PHONY: venv test lint demo study clean
 
 venv: $(STAMP)
 
@@ -34,10 +35,36 @@ lint: venv
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 
+# The main job: a short study on the default pair (all_gguf: llama.cpp 0.5B draft -> 1.5B target).
 demo: venv
 	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b
-	$(BIN)/specdec generate --target $(TARGET) --draft $(DRAFT) -k 4 -t 0 --max-new-tokens 96 \
-	  "Rewrite this function with type hints and a docstring: def area(w, h): return w * h"
+	$(BIN)/specdec bench --config all_gguf -k 4 -t 0.8 --prompts 5 --warmup 1 \
+	  --max-new-tokens 48 --out runs/demo
+	$(BIN)/specdec figures runs/demo
+	$(BIN)/specdec report runs/demo
+	@echo "figures and REPORT.md in runs/demo/"
+
+# The study whose artifacts are committed under results/ (sizes reduced to fit this 2-core CPU;
+# the README says which). Run on an otherwise idle machine: two busy processes make llama.cpp's
+# spin barriers stall (see tests/conftest.py), and every number would be meaningless.
+STUDY := results/cpu
+study: venv
+	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b smollm2-135m
+	$(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b \
+	  --draft llamacpp:qwen2.5-coder-0.5b --out $(STUDY)
+	$(BIN)/specdec bench --config all_gguf -k 4 -t 0.8 --prompts 18 --warmup 2 \
+	  --max-new-tokens 64 --out $(STUDY)
+	$(BIN)/specdec bench --config all_gguf -t 0 --drafter composite -k auto \
+	  --variants model:4,model:auto,lookup:auto --prompts 18 --warmup 2 --max-new-tokens 64 \
+	  --out $(STUDY) --tag methods
+	$(BIN)/specdec bench --config all_gguf -t 0.8 --drafter composite -k auto \
+	  --variants model:4,model:auto,lookup:auto --prompts 18 --warmup 2 --max-new-tokens 64 \
+	  --out $(STUDY) --tag methods
+	$(BIN)/specdec bench --config all_hf -k 4 -t 0 --compare hf-assisted \
+	  --variants lookup:auto --prompts 5 --warmup 1 --max-new-tokens 32 --out $(STUDY)
+	$(BIN)/specdec gate --config smoke --prompts 40 --max-new-tokens 60 --out $(STUDY)
+	$(BIN)/specdec figures $(STUDY)
+	$(BIN)/specdec report $(STUDY)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -281,9 +281,7 @@ def test_variants_and_categories_in_one_run(pair, tmp_path) -> None:
         runs = [r["variants"][v] for r in art["rows"]]
         mean = sum(r["tokens_per_s"] for r in runs) / len(runs)
         assert agg["variants"][v]["tok_s_mean"] == pytest.approx(mean)
-        assert agg["variants"][v]["speedup"] == pytest.approx(
-            mean / agg["baseline"]["tok_s_mean"]
-        )
+        assert agg["variants"][v]["speedup"] == pytest.approx(mean / agg["baseline"]["tok_s_mean"])
     cats = agg["by_category"]
     assert set(cats) == {r["category"] for r in art["rows"]}
     for c, methods in cats.items():

@@ -2,8 +2,9 @@
 
 The `smoke` pair: hf:smollm2-135m (fp32, dequantized) drafts for llamacpp:smollm2-135m (Q4_1,
 flash attention) — the same tokenizer, different numerics, so many drafts are rejected and the
-recovered tokens are exercised. Equality needs a batch-invariant target: with flash attention a
-llama.cpp verify batch gives the same logits as one-token-at-a-time decoding (tests/test_contract.py).
+recovered tokens are exercised. Equality needs a batch-invariant target: with flash attention and
+a q8_0 K cache, a llama.cpp verify batch gives the same logits as one-token-at-a-time decoding
+(tests/test_contract.py).
 """
 
 from __future__ import annotations

@@ -194,7 +194,9 @@ def stream(
     width = _validate(target, draft, drafter, prompt, k, k_max, p_min, max_new_tokens, warp)
     generator = torch.Generator().manual_seed(seed)
     drafter_obj = _make_drafter(drafter, draft, warp, generator, width, p_min)
-    policy = make_policy(k, k_max if k in ("auto", "schedule") else int(k)) if drafter_obj else None
+    policy = None
+    if drafter_obj is not None:
+        policy = k if _is_policy(k) else make_policy(k, k_max if k in _NAMED_K else int(k))
     state: dict = {"stats": GenerationStats(prompt_tokens=len(prompt)), "tokens": []}
     state["stop_reason"] = "length"
     chunks = _loop(target, drafter_obj, policy, prompt, max_new_tokens, warp, width, generator,
@@ -226,8 +228,8 @@ def generate(
     sampler, the baseline. `drafter`: "model" (the default with a draft), "lookup" (prompt
     lookup, needs no draft model), "composite" (lookup, else the draft model), or a Drafter.
     `k`: an int >= 1, "auto" (K in 0..k_max chosen each round from measured costs, see
-    control.py) or "schedule" (transformers' +2/-1). `p_min`: stop drafting when the draft's
-    top probability falls below it. `temperature=0` is greedy. `seed` makes the run
+    control.py), "schedule" (transformers' +2/-1) or a KPolicy object. `p_min`: stop drafting
+    when the draft's top probability falls below it. `temperature=0` is greedy. `seed` makes the run
     bit-reproducible. `debug` checks the cache invariant after every round.
     """
     s = stream(target, prompt_ids, draft=draft, drafter=drafter, k=k, k_max=k_max, p_min=p_min,
@@ -284,7 +286,8 @@ def _loop(
         # Fresh caches per call, so a seeded run never depends on what ran before it (reusing a
         # shared prefix would change draft numerics slightly, and with them the sampled drafts).
         draft_model.reset()
-    if isinstance(policy, CostModelK):  # v(b) measured once per model, then refined online
+    if isinstance(policy, CostModelK) and not policy.verify_s:  # k="auto": v(b) measured once
+        # per model, then refined online
         with clock.phase("calibration_s"):
             policy.verify_s.update(calibrate_verify(target, policy.k_max, seq))
     while len(out) < max_new_tokens:
@@ -346,6 +349,14 @@ def _check_caches(target: SpecModel, drafter: Drafter | None, seq: list[int]) ->
         raise AssertionError("draft cache is not a prefix of the committed sequence")
 
 
+_NAMED_K = ("auto", "schedule")
+
+
+def _is_policy(k: object) -> bool:
+    """A KPolicy object passed as k (control.py), e.g. a CostModelK with a known cost curve."""
+    return hasattr(k, "choose") and hasattr(k, "observe")
+
+
 def _validate(
     target: SpecModel,
     draft: SpecModel | None,
@@ -364,7 +375,9 @@ def _validate(
         raise ValueError(f"top_p must be in (0, 1], got {warp.top_p}")
     if warp.top_k is not None and warp.top_k < 1:
         raise ValueError(f"top_k must be >= 1 (or None to disable), got {warp.top_k}")
-    if k not in ("auto", "schedule") and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+    if _is_policy(k):
+        pass
+    elif k not in _NAMED_K and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(
             f"k (draft tokens per round) must be an integer >= 1, 'auto' or 'schedule'; got {k!r}"
         )
