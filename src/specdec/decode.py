@@ -14,6 +14,7 @@ sample from p_1 through the same sampler. Greedy (temperature 0) consumes no ran
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -196,7 +197,12 @@ def stream(
     drafter_obj = _make_drafter(drafter, draft, warp, generator, width, p_min)
     policy = None
     if drafter_obj is not None:
-        policy = k if _is_policy(k) else make_policy(k, k_max if k in _NAMED_K else int(k))
+        if _is_policy(k):
+            policy = k
+        elif k == "auto":
+            policy = _auto_policy(target, draft, drafter, k_max)
+        else:
+            policy = make_policy(k, k_max if k in _NAMED_K else int(k))
     state: dict = {"stats": GenerationStats(prompt_tokens=len(prompt)), "tokens": []}
     state["stop_reason"] = "length"
     chunks = _loop(target, drafter_obj, policy, prompt, max_new_tokens, warp, width, generator,
@@ -322,9 +328,8 @@ def _loop(
         if k > 0:
             drafter.observe(n_acc)
         if policy is not None:
-            policy.observe(
-                source or "none", k, n_acc, clock.last["draft_s"], clock.last["verify_s"]
-            )
+            draft_s = clock.last["draft_s"] - (getattr(drafter, "catchup_s", 0.0) if k else 0.0)
+            policy.observe(source or "none", k, n_acc, max(0.0, draft_s), clock.last["verify_s"])
         stats.record_round(k, n_acc, len(new))
         if debug:
             _check_caches(target, drafter, seq)
@@ -350,6 +355,22 @@ def _check_caches(target: SpecModel, drafter: Drafter | None, seq: list[int]) ->
 
 
 _NAMED_K = ("auto", "schedule")
+
+#: k="auto" policies, kept per target model for the life of the process: what one generation
+#: learned (acceptance per draft source, draft cost, v(b)) carries over to the next, so a pair
+#: where drafting cannot pay stops exploring it after the first request instead of every time.
+_AUTO_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _auto_policy(
+    target: SpecModel, draft: SpecModel | None, drafter: object, k_max: int
+) -> CostModelK:
+    kind = drafter if isinstance(drafter, str) or drafter is None else id(drafter)
+    key = (kind, id(draft) if draft is not None else None, k_max)
+    per_target = _AUTO_POLICIES.setdefault(target, {})
+    if key not in per_target:
+        per_target[key] = CostModelK(k_max)
+    return per_target[key]
 
 
 def _is_policy(k: object) -> bool:

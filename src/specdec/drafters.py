@@ -17,6 +17,7 @@ draft side (context, drafted tokens, q): the accept rule is then exact for every
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,6 +80,7 @@ class ModelDrafter:
         self.width = width  # shared sampling width V (see tokenizer.check_pair)
         self.p_min = p_min
         self._base = 0  # len(context) at the last propose
+        self.catchup_s = 0.0  # seconds of the last propose spent prefilling uncached context
 
     def source(self, context: list[int]) -> str | None:
         return "model"
@@ -89,8 +91,13 @@ class ModelDrafter:
         if n == len(context):  # the model must see at least the last context token
             n -= 1
         m.truncate(n)
+        t0 = time.perf_counter()
         if len(context) - n > 1:  # e.g. the prompt: only the last position's logits are needed
             m.prefill(context[n:-1])
+            synchronize(m.device)
+        # Catching up on the prompt (or on tokens committed without this drafter) is not a
+        # per-drafted-token cost; the K controller learns the per-token cost without it.
+        self.catchup_s = time.perf_counter() - t0
         logits = m.extend(context[-1:])[-1]  # [V_model] next-token logits after the context
         self._base = len(context)
         xs: list[int] = []
@@ -197,6 +204,10 @@ class CompositeDrafter:
     def observe(self, n_accepted: int) -> None:
         if self._last is not None:
             self._last.observe(n_accepted)
+
+    @property
+    def catchup_s(self) -> float:
+        return getattr(self._last, "catchup_s", 0.0)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -167,7 +167,7 @@ class Bench:
     src: str
     path: Path
     name: str  # config.name
-    k: int
+    k: int | str
     temperature: float | None
     max_new_tokens: int | None
     draft: Model | None
@@ -207,7 +207,7 @@ def _bench(d: dict, src: str, path: Path) -> Bench:
         src=src,
         path=path,
         name=_str(d, "config.name", src),
-        k=int(_num(d, "config.k", src)),  # type: ignore[arg-type]
+        k=_k_of(d, src),
         temperature=_num(d, "config.temperature", src, optional=True),
         max_new_tokens=_opt_int(_num(d, "config.max_new_tokens", src, optional=True)),
         draft=_model(d, "models.draft", src),
@@ -1332,6 +1332,12 @@ def _section_latency(s: Study, figures: Path, report: Path) -> list[str]:
         rows,
     )
     return [*out, "", *_figure("latency_split.png", figures, report)]
+
+
+def _k_of(d: dict, src: str) -> int | str:
+    """config.k: an int, or the policy name ("auto", "schedule") when K varies by round."""
+    k = _get(d, "config.k", src)
+    return k if k in ("auto", "schedule") else int(_num(d, "config.k", src))  # type: ignore[arg-type]
 
 
 def _measured(s: Study, m: Micro, k: int) -> tuple[float, str] | None:
