@@ -38,7 +38,7 @@ lint: venv
 # The main job: a short study on the default pair (all_gguf: llama.cpp 0.5B draft -> 1.5B target).
 demo: venv
 	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b
-	$(BIN)/specdec bench --config all_gguf -k 4 -t 0.8 --prompts 5 --warmup 1 \
+	$(BIN)/specdec bench --config all_gguf -k 4 -t 0.8 --variants lookup:auto --prompts 5 --warmup 1 \
 	  --max-new-tokens 48 --out runs/demo
 	$(BIN)/specdec figures runs/demo
 	$(BIN)/specdec report runs/demo
@@ -48,20 +48,23 @@ demo: venv
 # the README says which). Run on an otherwise idle machine: two busy processes make llama.cpp's
 # spin barriers stall (see tests/conftest.py), and every number would be meaningless.
 STUDY := results/cpu
+STUDY_METHODS := --drafter lookup -k auto --variants composite:auto,model:auto,model:4 \
+  --prompts 18 --warmup 2 --max-new-tokens 128 --out $(STUDY) --tag methods
 study: venv
 	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b smollm2-135m
+	$(BIN)/specdec bench --config all_gguf -t 0 $(STUDY_METHODS)
+	$(BIN)/specdec bench --config all_gguf -t 0.8 $(STUDY_METHODS)
+	$(BIN)/specdec bench --config all_gguf -t 0 --drafter lookup -k auto --category code_editing \
+	  --prompts 13 --warmup 1 --max-new-tokens 128 --out $(STUDY)
+	$(BIN)/specdec bench --config all_gguf -t 0.8 --drafter lookup -k auto --category code_editing \
+	  --prompts 13 --warmup 1 --max-new-tokens 128 --out $(STUDY)
+	$(BIN)/specdec sweep --config all_gguf -t 0.8 -k 1,2,4,8 --prompts 6 --warmup 1 \
+	  --max-new-tokens 96 --out $(STUDY)/sweep
 	$(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b \
-	  --draft llamacpp:qwen2.5-coder-0.5b --out $(STUDY)
-	$(BIN)/specdec bench --config all_gguf -k 4 -t 0.8 --prompts 18 --warmup 2 \
-	  --max-new-tokens 64 --out $(STUDY)
-	$(BIN)/specdec bench --config all_gguf -t 0 --drafter composite -k auto \
-	  --variants model:4,model:auto,lookup:auto --prompts 18 --warmup 2 --max-new-tokens 64 \
-	  --out $(STUDY) --tag methods
-	$(BIN)/specdec bench --config all_gguf -t 0.8 --drafter composite -k auto \
-	  --variants model:4,model:auto,lookup:auto --prompts 18 --warmup 2 --max-new-tokens 64 \
-	  --out $(STUDY) --tag methods
+	  --draft llamacpp:qwen2.5-coder-0.5b --check $(STUDY)/sweep/bench_*.json --out $(STUDY)
 	$(BIN)/specdec bench --config all_hf -k 4 -t 0 --compare hf-assisted \
 	  --variants lookup:auto --prompts 5 --warmup 1 --max-new-tokens 32 --out $(STUDY)
+	$(BIN)/specdec gate --config all_gguf --prompts 40 --max-new-tokens 100 --out $(STUDY)
 	$(BIN)/specdec gate --config smoke --prompts 40 --max-new-tokens 60 --out $(STUDY)
 	$(BIN)/specdec figures $(STUDY)
 	$(BIN)/specdec report $(STUDY)

@@ -187,6 +187,15 @@ def test_cli_ctrl_c_exits_130_and_keeps_rows(tmp_path, monkeypatch) -> None:
         (["bench", "--config", "smoke", "--compare", "vllm"], "invalid choice: 'vllm'"),
         (["bench", "--config", "smoke", "-k", "two"], "expected an int >= 1, 'auto' or 'schedule'"),
         (["bench", "--config", "smoke", "--variants", "ngram:4"], "must be DRAFTER:K"),
+        (
+            ["bench", "--config", "smoke", "--category", "coding,nope"],
+            "unknown prompt category 'nope'; choose from explanation, code_editing",
+        ),
+        (["sweep", "--config", "smoke", "--category", "poetry"], "unknown prompt category"),
+        (
+            ["bench", "--config", "smoke", "--category", "coding", "--prompts", "14"],
+            "prompts (of categories coding) must be in [1, 13], got 14",
+        ),
         (["sweep", "--config", "smoke", "--k", "1,x"], "comma-separated integers"),
         (["sweep", "--config", "smoke", "--k", "0,2"], "every K must be an integer >= 1"),
     ],
@@ -288,3 +297,40 @@ def test_variants_and_categories_in_one_run(pair, tmp_path) -> None:
         assert methods["baseline"]["speedup"] == pytest.approx(1.0)
         assert methods["baseline"]["n"] == sum(r["category"] == c for r in art["rows"])
     assert "lookup-kauto" in format_table(art)
+
+
+def test_category_filter_runs_the_first_prompts_of_those_categories(pair, tmp_path) -> None:
+    cats = ("reasoning", "coding")
+    cfg = _cfg(categories=cats, n_prompts=4, warmup=1, max_new_tokens=4)
+    art = run_bench(cfg, tmp_path, progress=False, models=pair)
+    on_disk = _load(tmp_path / "bench_mock_k3_t0.8_cat-reasoning-coding.json")  # not the full run's
+    assert on_disk["config"]["categories"] == list(cats)
+    want = [p.id for p in prompting.load_prompts() if p.category in cats][:4]  # file order
+    assert [r["prompt_id"] for r in art["rows"]] == want[1:]  # after the warm-up prompt
+    assert {r["category"] for r in art["rows"]} <= set(cats)
+    assert set(art["aggregates"]["by_category"]) <= set(cats)
+    # An artifact without the field (written before the filter existed) still validates.
+    del on_disk["config"]["categories"]
+    schema.validate(on_disk)
+    with pytest.raises(ValueError, match="unknown prompt category 'poetry'; choose from"):
+        _cfg(categories=("poetry",))
+
+
+def test_cli_category_caps_the_default_prompt_count(tmp_path) -> None:
+    from specdec.cli import build_parser
+
+    def cfg(*argv: str) -> BenchConfig:
+        args = build_parser().parse_args(["bench", *MOCK_CLI, *argv])
+        return bench._config_from(args, args.k, None)
+
+    assert cfg().n_prompts == 30 and cfg().categories == ()
+    c = cfg("--category", "coding, reasoning")  # 13 prompts each
+    assert c.categories == ("coding", "reasoning") and c.n_prompts == 26
+    assert cfg("--category", "howto").n_prompts == 12  # fewer than the default 30
+    assert cfg("--category", "howto", "--prompts", "5").n_prompts == 5
+    args = ["--category", "creative", "--prompts", "3", "--warmup", "1", "--max-new-tokens", "3"]
+    assert main(["sweep", *MOCK_CLI, *args, "--k", "2", "--out", str(tmp_path)]) == 0
+    summary = _load(tmp_path / "sweep_custom_t0.8_cat-creative.json")
+    assert summary["config"]["categories"] == ["creative"]
+    art = _load(tmp_path / summary["points"][0]["artifact"])
+    assert {r["category"] for r in art["rows"]} == {"creative"}

@@ -289,3 +289,59 @@ def test_clashing_config_names_are_told_apart_by_the_setting_that_differs(tmp_pa
     art["config"]["k"] = 2
     (tmp_path / "b.json").write_text(json.dumps(art))
     assert [b.label for b in scan(tmp_path).benches] == ["all_gguf (K=4)", "all_gguf (K=2)"]
+
+
+def test_variants_get_a_bar_each_labelled_with_its_speedup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specdec import figures
+
+    art = _load("bench_all_gguf_k4_t0.8.json")
+    agg = art["aggregates"]
+    base = agg["baseline"]["tok_s_mean"]
+    agg["variants"] = {}
+    for name, scale in (("lookup-kauto", 1.3), ("model-k2", 0.9)):
+        v = dict(agg["speculative"], tok_s_mean=base * scale)
+        agg["variants"][name] = v  # speedup left out: recomputed from the means
+    art["config"]["drafter"] = "composite"
+    (tmp_path / "a.json").write_text(json.dumps(art))
+    other = _load("bench_all_gguf_k4_t0.8.json")
+    other["config"]["temperature"] = 0.0  # same name and K, no variants
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    study = figures.scan(tmp_path)
+    b = next(b for b in study.benches if b.variants)
+    bars = figures._bars(b)
+    assert [bar.method for bar in bars] == ["target-only", "composite K=4", "lookup K=auto",
+                                            "model K=2"]  # fmt: skip
+    assert [bar.speedup for bar in bars[2:]] == [pytest.approx(1.3), pytest.approx(0.9)]
+    assert sorted(x.label for x in study.benches) == ["all_gguf (composite)", "all_gguf (model)"]
+
+    drawn: dict[str, list] = {}
+
+    def capture(fig, path, sources):
+        ax = fig.axes[0]
+        drawn["bars"] = [p for p in ax.patches if p.get_height() > 0]
+        drawn["texts"] = [t.get_text() for t in ax.texts]
+        return path
+
+    monkeypatch.setattr(figures, "_finish", capture)
+    assert figures.fig_throughput(study, tmp_path / "t.png") is not None
+    assert len(drawn["bars"]) == 4 + 2  # this run's four methods, the other's two
+    for text in ("lookup K=auto", "model K=2", "1.30×", "0.90×"):
+        assert text in drawn["texts"]
+
+
+def test_clashing_names_with_no_single_telling_setting_combine_the_differing_ones(
+    tmp_path: Path,
+) -> None:
+    from specdec.figures import scan
+
+    for i, (drafter, t) in enumerate((("composite", 0.8), ("composite", 0.0), ("model", 0.8))):
+        art = _load("bench_all_gguf_k4_t0.8.json")
+        art["config"].update(drafter=drafter, temperature=t)
+        (tmp_path / f"{i}.json").write_text(json.dumps(art))
+    assert sorted(b.label for b in scan(tmp_path).benches) == [
+        "all_gguf (composite, T=0)",
+        "all_gguf (composite, T=0.8)",
+        "all_gguf (model, T=0.8)",
+    ]

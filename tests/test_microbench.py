@@ -199,3 +199,36 @@ def test_microbench_real_tiny_run(tmp_path) -> None:
     assert [pt["b"] for pt in art["verify"]] == [1, 2, 3, 4]
     assert art["models"]["target"]["sha256"] is not None
     assert len(art["prediction"]) == 3
+
+
+def test_check_prediction_arithmetic_and_fixed_k_requirement() -> None:
+    from specdec.microbench import check_prediction
+
+    art = {"verify": [{"b": b, "ratio": r} for b, r in [(1, 1.0), (2, 1.5), (3, 1.8)]],
+           "c": 0.25}  # fmt: skip
+    bench = _bench_artifact([
+        {"rounds": 10, "drafted_per_pos": [10, 10], "accepted_per_pos": [8, 4]},
+    ])  # fmt: skip
+    bench["config"].update(k=2, drafter="model")
+    bench["aggregates"].update(decode_speedup=0.8, speedup=0.7)
+    ch = check_prediction(art, bench, "b.json")
+    # E = 1 + 0.8 + 0.4 = 2.2 tokens per round; cost = v(3) + 2 c = 1.8 + 0.5 = 2.3 steps
+    assert ch["predicted_speedup"] == pytest.approx(2.2 / 2.3)
+    assert ch["relative_error"] == pytest.approx((2.2 / 2.3 - 0.8) / 0.8)
+    assert ch["measured_speedup"] == 0.7
+    bench["config"]["drafter"] = "lookup"  # model-free: no draft cost
+    assert check_prediction(art, bench, "b.json")["predicted_speedup"] == pytest.approx(2.2 / 1.8)
+    bench["config"]["k"] = "auto"
+    with pytest.raises(ValueError, match="fixed-K"):
+        check_prediction(art, bench, "b.json")
+
+
+def test_microbench_check_refuses_auto_k_before_loading_models(tmp_path, capsys) -> None:
+    bench = _bench_artifact([{"rounds": 5, "drafted_per_pos": [5], "accepted_per_pos": [4]}])
+    bench["config"]["k"] = "auto"
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps(bench))
+    rc = cli.main(["microbench", "--target", "hf:does-not-exist", "--check", str(path),
+                   "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 2
+    assert "fixed-K" in capsys.readouterr().err

@@ -311,3 +311,25 @@ def test_general_rule_on_one_hots_equals_greedy() -> None:
         assert [t.tolist() for t in rejection_sample(x, q, p, g)[:1]] == [
             greedy_verify(x, logits)[0].tolist()
         ]
+
+
+def test_inverse_cdf_sampler_matches_p_and_skips_zero_mass() -> None:
+    """`sample` (inverse CDF, not torch.multinomial) on a row with holes and an unnormalized
+    scale: zero-mass tokens never drawn, frequencies match p (chi-square, 50,000 draws)."""
+    from specdec.sampling import sample
+
+    p = _zipf(11).double()
+    p[::3] = 0.0  # every third token impossible, including the first
+    p[-1] = 0.0  # and the last: the round-up fallback must not land on it
+    p = p / p.sum()
+    g = torch.Generator().manual_seed(12)
+    counts = np.zeros(V, dtype=np.int64)
+    row = (p * 7.5).float()  # sample() must not assume a normalized row
+    for _ in range(N_TRIALS):
+        counts[sample(row, g)] += 1
+    assert counts[p.numpy() == 0].sum() == 0
+    keep = p.numpy() > 0
+    chi2, dof, pval = gof_chi2(counts[keep], p.numpy()[keep])
+    assert pval > P_MIN, f"chi2={chi2:.1f} dof={dof} p={pval:.2e}"
+    with pytest.raises(ValueError, match="total mass"):
+        sample(torch.zeros(V), g)

@@ -4,7 +4,8 @@ same prompts, and the K-sweep.
 Names as in the paper: p is the target, q the draft, K the speculation length.
 
 Protocol (`run_bench`):
-    * the first `n_prompts` vendored prompts, chat-templated with the target's tokenizer;
+    * the first `n_prompts` vendored prompts (of `categories` only, when given: `--category`),
+      chat-templated with the target's tokenizer;
     * per prompt i: seed = i, and every method runs on it back to back. The order alternates
       (even i: baseline first; odd i: the reverse), so a slow drift of the machine (thermal,
       another process) charges every method alike instead of favouring whichever runs second;
@@ -17,12 +18,15 @@ Statistics, as written into `aggregates` (schema.py, specdec.bench/1):
     tok_s_mean, tok_s_std   mean and *sample* standard deviation (ddof = 1; 0.0 for one row) of
                             the per-prompt rates generated / wall_s
     tok_s_pooled            sum generated / sum wall_s (a long prompt weighs more)
+    decode_tok_s_pooled     sum generated / sum (wall_s - prefill_s - catchup_s): the decode
+                            phase alone, without the prompt prefills that every method pays
+                            once; what the microbench's per-round cost model predicts
     acceptance_rate         pooled: sum accepted / sum drafted (None when nothing was drafted)
     positional_acceptance   pooled per draft position: sum accepted_per_pos / sum drafted_per_pos
     tokens_per_round        pooled: sum generated / sum rounds (includes the bonus token)
     ms_per_token            pooled latency split: 1000 * sum <phase>_s / sum generated
     speedup                 speculative tok_s_mean / baseline tok_s_mean; speedup_pooled the
-                            same ratio of tok_s_pooled
+                            same ratio of tok_s_pooled; decode_speedup of decode_tok_s_pooled
     peak_rss_mb             the process's high-water RSS (ru_maxrss): it never decreases within
                             one process, so after earlier runs it is an upper bound for this one
     peak_vram_mb            torch.cuda.max_memory_allocated since this run started; torch
@@ -49,7 +53,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import prompting
+from . import cli_args, prompting
 from .configs import CONFIGS as PAIRS
 from .configs import model_record
 from .decode import generate
@@ -89,6 +93,9 @@ class BenchConfig:
     # Extra speculative methods run on the same prompts, "DRAFTER:K" each (e.g. "lookup:auto"):
     # one run holds every method of a comparison table, so their ratios are valid.
     variants: tuple[str, ...] = ()
+    # Prompt categories to run (prompts.jsonl's "category"); () = every prompt. Applied before
+    # n_prompts: the run takes the first n_prompts prompts of these categories, in file order.
+    categories: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _SAFE_NAME.match(self.name):
@@ -111,8 +118,13 @@ class BenchConfig:
             isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1
         ):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        n_available = len(prompting.load_prompts())
-        _check_int("prompts", self.n_prompts, 1, n_available)
+        if isinstance(self.categories, str) or not all(isinstance(c, str) for c in self.categories):
+            raise ValueError(f"categories must be a tuple of names, got {self.categories!r}")
+        n_available = len(select_prompts(self.categories))  # checks the category names
+        what = "prompts"
+        if self.categories:
+            what = f"prompts (of categories {', '.join(self.categories)})"
+        _check_int(what, self.n_prompts, 1, n_available)
         _check_int("warmup", self.warmup, 0)
         if self.warmup >= self.n_prompts:
             raise ValueError(
@@ -130,6 +142,39 @@ class BenchConfig:
                     f"{self.draft} with target {self.target} (use --config all_hf, or "
                     "--draft hf:... --target hf:...)"
                 )
+
+
+def prompt_categories() -> tuple[str, ...]:
+    """The categories of the vendored prompt set, in order of first appearance."""
+    return tuple(dict.fromkeys(p.category for p in prompting.load_prompts()))
+
+
+CATEGORIES = prompt_categories()
+
+
+def parse_categories(text: str | None) -> tuple[str, ...]:
+    """'coding,reasoning' -> ('coding', 'reasoning'); None or '' -> () (every prompt)."""
+    if text is None:
+        return ()
+    return tuple(dict.fromkeys(c.strip() for c in text.split(",") if c.strip()))
+
+
+def select_prompts(
+    categories: Sequence[str] = (), limit: int | None = None
+) -> list[prompting.Prompt]:
+    """The first `limit` vendored prompts of `categories` (all when empty), in file order.
+    ValueError naming the valid categories for an unknown one."""
+    prompts = prompting.load_prompts()
+    valid = tuple(dict.fromkeys(p.category for p in prompts))
+    unknown = [c for c in categories if c not in valid]
+    if unknown:
+        raise ValueError(
+            f"unknown prompt categor{'ies' if len(unknown) > 1 else 'y'} "
+            f"{', '.join(map(repr, unknown))}; choose from {', '.join(valid)}"
+        )
+    if categories:
+        prompts = [p for p in prompts if p.category in categories]
+    return prompts[:limit] if limit is not None else prompts
 
 
 def _check_k(k: Any) -> None:
@@ -187,7 +232,14 @@ def resolve_config(
 def artifact_name(cfg: BenchConfig, tag: str | None = None) -> str:
     """bench_<config>_k<K>_t<T>[_<tag>].json: deterministic, so a rerun replaces its artifact."""
     drafter = "" if cfg.drafter == "model" else f"_{cfg.drafter}"
-    return f"bench_{cfg.name}{drafter}_k{cfg.k}_t{cfg.temperature:g}{_suffix(tag)}.json"
+    cats = _categories_part(cfg)
+    return f"bench_{cfg.name}{drafter}_k{cfg.k}_t{cfg.temperature:g}{cats}{_suffix(tag)}.json"
+
+
+def _categories_part(cfg: BenchConfig) -> str:
+    """'_cat-coding-reasoning' for a category-filtered run (so it never replaces the run on the
+    whole set); '' otherwise."""
+    return "".join(["_cat", *(f"-{c}" for c in cfg.categories)]) if cfg.categories else ""
 
 
 def _suffix(tag: str | None) -> str:
@@ -300,7 +352,7 @@ def _run(
         "complete": False,
     }
     rows: list[dict[str, Any]] = artifact["rows"]
-    bar = tqdm(prompting.load_prompts(cfg.n_prompts), desc=f"bench {cfg.name} K={cfg.k}",
+    bar = tqdm(select_prompts(cfg.categories, cfg.n_prompts), desc=f"bench {cfg.name} K={cfg.k}",
                unit="prompt", disable=not progress)  # fmt: skip
     try:
         for i, prompt in enumerate(bar):
@@ -454,10 +506,12 @@ def aggregate(k: int | str, rows: list[dict[str, Any]], methods: Sequence[str]) 
     for m in extra:
         agg = aggregate_runs([_run_of(r, m) for r in rows])
         agg["speedup"] = _ratio(agg["tok_s_mean"], base["tok_s_mean"])
+        agg["decode_speedup"] = _ratio(agg["decode_tok_s_pooled"], base["decode_tok_s_pooled"])
         out["variants"][m] = agg
     out["by_category"] = _by_category(rows, methods)
     out["speedup"] = _ratio(spec["tok_s_mean"], base["tok_s_mean"])
     out["speedup_pooled"] = _ratio(spec["tok_s_pooled"], base["tok_s_pooled"])
+    out["decode_speedup"] = _ratio(spec["decode_tok_s_pooled"], base["decode_tok_s_pooled"])
     if "hf_assisted" in aggs:
         out["speedup_hf_assisted"] = _ratio(aggs["hf_assisted"]["tok_s_mean"], base["tok_s_mean"])
     out["peak_rss_mb"] = peak_rss_mb()
@@ -497,6 +551,9 @@ def aggregate_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         dr = [sum(_at(r["drafted_per_pos"], i) for r in runs) for i in range(width)]
         ac = [sum(_at(r["accepted_per_pos"], i) for r in runs) for i in range(width)]
         positional = [a / d for a, d in zip(ac, dr, strict=True)]
+    decode_s = None  # artifacts written before prefill_s existed have no decode phase
+    if runs and all("prefill_s" in r for r in runs):
+        decode_s = sum(r["wall_s"] - r["prefill_s"] - r.get("catchup_s", 0.0) for r in runs)
     ms = None
     if runs and generated and all("draft_s" in r for r in runs):
         ms = {ph: 1000 * sum(r[f"{ph}_s"] for r in runs) / generated
@@ -506,6 +563,7 @@ def aggregate_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "tok_s_mean": statistics.fmean(rates) if rates else None,
         "tok_s_std": statistics.stdev(rates) if len(rates) > 1 else (0.0 if rates else None),
         "tok_s_pooled": _ratio(generated, wall),
+        "decode_tok_s_pooled": _ratio(generated, decode_s),
         "ttft_s_mean": statistics.fmean(ttfts) if ttfts else None,
         "generated": generated,
         "rounds": rounds,
@@ -612,7 +670,8 @@ def run_sweep(
     for k in ks:
         _check_int("every K of the sweep", k, 1)
     configs = [replace(cfg, k=k) for k in ks]
-    path = Path(out_dir) / f"sweep_{cfg.name}_t{cfg.temperature:g}{_suffix(tag)}.json"
+    name = f"sweep_{cfg.name}_t{cfg.temperature:g}{_categories_part(cfg)}{_suffix(tag)}.json"
+    path = Path(out_dir) / name
     if models is None:
         with loaded_pair(cfg) as pair:
             return run_sweep(cfg, ks, out_dir, progress, pair, tag)
@@ -759,28 +818,23 @@ def _add_common(p: argparse.ArgumentParser, prompts: int, max_new: int, out: str
         default=None,
         help="target model BACKEND:NAME_OR_PATH for a custom pair (str; default off)",
     )
+    cli_args.add_sampling_args(p, seed=False, max_new_tokens=False)
     p.add_argument(
-        "-t",
-        "--temperature",
-        type=float,
-        default=0.8,
-        help="sampling temperature >= 0, 0 = greedy (float; default 0.8)",
-    )
-    p.add_argument(
-        "--top-k",
-        type=int,
+        "--category",
         default=None,
-        help="keep the k most likely tokens, k >= 1 (int; default off)",
-    )
-    p.add_argument(
-        "--top-p", type=float, default=None, help="nucleus mass in (0, 1] (float; default off)"
+        metavar="NAME[,NAME...]",
+        help=f"run only the prompts of these categories: {', '.join(CATEGORIES)} "
+        "(comma-separated str; default: all)",
     )
     p.add_argument(
         "--prompts",
         type=int,
-        default=prompts,
-        help=f"prompts to run, the first N of the set, 1..{n} (int; default {prompts})",
+        default=None,
+        help=f"prompts to run, the first N of the set (of the --category prompts, in file "
+        f"order, when given), 1..{n} (int; default {prompts}, or all the --category prompts "
+        "when fewer)",
     )
+    p.set_defaults(default_prompts=prompts)
     p.add_argument(
         "--warmup",
         type=int,
@@ -799,15 +853,15 @@ def _add_common(p: argparse.ArgumentParser, prompts: int, max_new: int, out: str
         metavar="DIR",
         help=f"directory for the JSON artifacts (path; default {out})",
     )
-    p.add_argument("--device", default=None, help="cpu, cuda or mps (str; default: best available)")
+    cli_args.add_device_args(
+        p, threads=False, device_help="cpu, cuda or mps (str; default: best available)"
+    )
     p.add_argument(
         "--tag",
         default=None,
         help="suffix for the artifact file names, [A-Za-z0-9_.-] (str; default none)",
     )
-    p.add_argument(
-        "--no-progress", action="store_true", help="hide the progress bar (flag; default off)"
-    )
+    cli_args.add_no_progress_arg(p)
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -815,30 +869,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="baseline vs speculative throughput on the prompt set (paper, Table 3)"
     )
     _add_common(p, prompts=30, max_new=128, out="results/")
-    from .cli import k_value
-
-    p.add_argument(
-        "-k",
-        "--k",
-        type=k_value,
-        default=4,
-        help="draft tokens per round: an int >= 1, 'auto' or 'schedule' (default 4)",
-    )
-    p.add_argument(
-        "--k-max", type=int, default=8, help="largest K for -k auto|schedule (int >= 1; default 8)"
-    )
-    p.add_argument(
-        "--drafter",
-        choices=DRAFTERS,
-        default="model",
-        help="the speculative method's drafter: model, lookup (prompt lookup, no draft model) or "
-        "composite (str; default model)",
-    )
-    p.add_argument(
-        "--p-min",
-        type=float,
-        default=None,
-        help="draft confidence cutoff in [0, 1) (float; default off)",
+    cli_args.add_spec_args(
+        p,
+        k_help="draft tokens per round: an int >= 1, 'auto' or 'schedule' (default 4)",
+        drafter_default="model",
+        drafter_help="the speculative method's drafter: model, lookup (prompt lookup, no draft "
+        "model) or composite (str; default model)",
+        p_min_help="draft confidence cutoff in [0, 1) (float; default off)",
     )
     p.add_argument(
         "--variants",
@@ -873,13 +910,17 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) -> BenchConfig:
-    extra = {}
+    categories = parse_categories(args.category)
+    n_prompts = args.prompts
+    if n_prompts is None:  # the default, capped at what the categories hold
+        n_prompts = min(args.default_prompts, len(select_prompts(categories)))
+    extra: dict[str, Any] = {"categories": categories}
     if hasattr(args, "drafter"):  # bench only; the sweep is the draft model at fixed K
         variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-        extra = dict(drafter=args.drafter, k_max=args.k_max, p_min=args.p_min, variants=variants)
+        extra.update(drafter=args.drafter, k_max=args.k_max, p_min=args.p_min, variants=variants)
     return resolve_config(
         args.config, args.draft, args.target, k=k, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, n_prompts=args.prompts, warmup=args.warmup,
+        top_k=args.top_k, top_p=args.top_p, n_prompts=n_prompts, warmup=args.warmup,
         max_new_tokens=args.max_new_tokens, compare=compare, device=args.device, **extra,
     )  # fmt: skip
 

@@ -7,13 +7,11 @@ Each subcommand is a pair: `_add_<name>(subparsers)` declares it and sets `func=
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import sys
 from collections.abc import Callable
 
-from specdec import registry
-from specdec.drafters import DRAFTERS
+from specdec import bench, cli_args, figures, gate, microbench, registry, server
+from specdec.cli_args import k_value  # noqa: F401  (re-exported: `specdec.cli.k_value`)
 
 _SHA_PREFIX = 12
 _EXIT_ERROR = 2
@@ -90,74 +88,12 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
             metavar="SPEC",
             help="draft model SPEC, or 'none' for target-only decoding (str; default none)",
         )
-    p.add_argument(
-        "--device",
-        default=None,
-        help="cpu, cuda or mps for HF models (str; default: best available)",
-    )
-
-
-def k_value(text: str) -> int | str:
-    """argparse type for -k: an int >= 1, 'auto' or 'schedule'."""
-    if text in ("auto", "schedule"):
-        return text
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an int >= 1, 'auto' or 'schedule', got {text!r}"
-        ) from None
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"K must be >= 1, got {k}")
-    return k
+    cli_args.add_device_args(p, threads=False)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "-k",
-        "--k",
-        type=k_value,
-        default=4,
-        help="draft tokens per round: an int >= 1, 'auto' (K in 0..--k-max from measured costs) "
-        "or 'schedule' (transformers' +2/-1) (default 4)",
-    )
-    p.add_argument(
-        "--k-max", type=int, default=8, help="largest K for -k auto|schedule (int >= 1; default 8)"
-    )
-    p.add_argument(
-        "--drafter",
-        choices=DRAFTERS,
-        default=None,
-        help="model (needs --draft), lookup (prompt lookup, no draft model) or composite (lookup, "
-        "else the draft model) (default: model when --draft is given, else none)",
-    )
-    p.add_argument(
-        "--p-min",
-        type=float,
-        default=None,
-        help="stop drafting when the draft's top probability is below this, in [0, 1) "
-        "(float; default off)",
-    )
-    p.add_argument(
-        "-t",
-        "--temperature",
-        type=float,
-        default=0.8,
-        help="sampling temperature >= 0, 0 = greedy (float; default 0.8)",
-    )
-    p.add_argument(
-        "--top-k",
-        type=int,
-        default=None,
-        help="keep the k most likely tokens, k >= 1 (int; default off)",
-    )
-    p.add_argument(
-        "--top-p", type=float, default=None, help="nucleus mass in (0, 1] (float; default off)"
-    )
-    p.add_argument("--seed", type=int, default=0, help="random seed (int; default 0)")
-    p.add_argument(
-        "--max-new-tokens", type=int, default=128, help="generation budget >= 1 (int; default 128)"
-    )
+    cli_args.add_spec_args(p)
+    cli_args.add_sampling_args(p)
 
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
@@ -228,7 +164,7 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_models,
 
 #: Harness modules that declare their own subcommands with `add_cli(subparsers)`; each sets
 #: `func` on its parser, like the pairs above.
-_HARNESS_MODULES = ("bench", "microbench", "gate", "figures", "server")
+_HARNESS_MODULES = (bench, microbench, gate, figures, server)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,8 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in _SUBCOMMANDS:
         add(subparsers)
     for mod in _HARNESS_MODULES:
-        if importlib.util.find_spec(f"specdec.{mod}") is not None:  # TEMP while being written
-            importlib.import_module(f"specdec.{mod}").add_cli(subparsers)
+        mod.add_cli(subparsers)
     return parser
 
 

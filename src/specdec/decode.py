@@ -46,6 +46,11 @@ class GenerationStats:
     wall_s            start of the call to the last committed token
     draft_s           time inside the drafter (draft forward passes and draft-side sampling)
     verify_s          time inside target forward passes, the prefill included
+    prefill_s         the part of verify_s spent on the prompt prefill (paid once per request
+                      whatever the method; wall_s - prefill_s - catchup_s is the decode phase
+                      that the microbench's cost model predicts)
+    catchup_s         the part of draft_s a draft model spent prefilling context it had not
+                      seen (the prompt in the first round; tokens committed by lookup rounds)
     sampling_s        target-side warping plus the accept/reject walk
     calibration_s     k="auto" only: the one-off measurement of the verify cost curve for a
                       model not seen before in this process (0 afterwards)
@@ -65,6 +70,8 @@ class GenerationStats:
     verify_s: float = 0.0
     sampling_s: float = 0.0
     calibration_s: float = 0.0
+    prefill_s: float = 0.0
+    catchup_s: float = 0.0
 
     @property
     def other_s(self) -> float:
@@ -90,6 +97,12 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.generated / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """generated / decode-phase seconds: the prompt prefills (target and draft) left out."""
+        decode_s = self.wall_s - self.prefill_s - self.catchup_s
+        return self.generated / decode_s if decode_s > 0 else 0.0
+
     def record_round(self, k: int, n_accepted: int, n_emitted: int) -> None:
         self.rounds += 1
         self.drafted += k
@@ -111,6 +124,7 @@ class GenerationStats:
             tokens_per_round=self.tokens_per_round,
             positional_acceptance=self.positional_acceptance,
             tokens_per_s=self.tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
         )
         return d
 
@@ -288,6 +302,7 @@ def _loop(
         target.reset()
         if len(seq) > 1:
             target.prefill(seq[:-1])
+    stats.prefill_s = clock.last["verify_s"]
     if draft_model is not None:
         # Fresh caches per call, so a seeded run never depends on what ran before it (reusing a
         # shared prefix would change draft numerics slightly, and with them the sampled drafts).
@@ -327,9 +342,11 @@ def _loop(
         target.truncate(len(seq) - 1)
         if k > 0:
             drafter.observe(n_acc)
+        catchup_s = getattr(drafter, "catchup_s", 0.0) if k else 0.0
+        stats.catchup_s += catchup_s
         if policy is not None:
-            draft_s = clock.last["draft_s"] - (getattr(drafter, "catchup_s", 0.0) if k else 0.0)
-            policy.observe(source or "none", k, n_acc, max(0.0, draft_s), clock.last["verify_s"])
+            draft_s = max(0.0, clock.last["draft_s"] - catchup_s)
+            policy.observe(source or "none", k, n_acc, draft_s, clock.last["verify_s"])
         stats.record_round(k, n_acc, len(new))
         if debug:
             _check_caches(target, drafter, seq)

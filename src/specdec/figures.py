@@ -161,6 +161,22 @@ def _agg(d: Any, path: str, src: str) -> Agg:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One of a bench run's extra speculative methods (`aggregates.variants[name]`)."""
+
+    name: str  # bench.variant_name: "DRAFTER-kK", e.g. "lookup-kauto"
+    agg: Agg
+    speedup: float | None  # its tok_s_mean / the same run's baseline tok_s_mean
+    decode_speedup: float | None = None  # prompt prefills left out; None in older artifacts
+
+    @property
+    def method(self) -> str:
+        """'lookup K=auto' for 'lookup-kauto'."""
+        drafter, sep, k = self.name.rpartition("-k")
+        return f"{drafter} K={k}" if sep and drafter else self.name
+
+
+@dataclass(frozen=True)
 class Bench:
     """A `specdec bench` run with at least one recorded prompt."""
 
@@ -184,6 +200,17 @@ class Bench:
     peak_rss_mb: float | None
     peak_vram_mb: float | None
     label: str = ""  # unique among the plotted benches (set by `scan`)
+    drafter: str = "model"  # config.drafter: the speculative method's drafter
+    # aggregates.variants: more speculative methods measured in the same run, in run order
+    variants: tuple[Variant, ...] = ()
+    decode_speedup: float | None = None  # prompt prefills left out (bench.py); None when older
+    # aggregates.by_category: {category: {method: {n, tok_s_mean, speedup}}}, as written
+    by_category: dict = field(default_factory=dict)
+
+    @property
+    def method(self) -> str:
+        """The speculative method, 'model K=4' style."""
+        return f"{self.drafter} K={self.k}"
 
     @property
     def n_prompts(self) -> int:
@@ -223,7 +250,33 @@ def _bench(d: dict, src: str, path: Path) -> Bench:
         speedup_hf_assisted=hf_speedup,
         peak_rss_mb=_num(d, "aggregates.peak_rss_mb", src, optional=True),
         peak_vram_mb=_num(d, "aggregates.peak_vram_mb", src, optional=True),
+        drafter=_str(d, "config.drafter", src, default="model"),
+        variants=_variants(d, src, base),
+        decode_speedup=_num(d, "aggregates.decode_speedup", src, optional=True),
+        by_category=dict(_get(d, "aggregates.by_category", src, optional=True) or {}),
     )
+
+
+def _variants(d: dict, src: str, base: Agg) -> tuple[Variant, ...]:
+    """aggregates.variants (absent in older artifacts), each with its speedup over the baseline
+    (recomputed from the means when the field is missing)."""
+    vs = _get(d, "aggregates.variants", src, optional=True)
+    if vs is None:
+        return ()
+    if not isinstance(vs, dict):
+        raise ArtifactError(f"{src}: field 'aggregates.variants' must be an object")
+    out = []
+    for name in vs:
+        path = f"aggregates.variants.{name}"
+        agg = _agg(d, path, src)
+        if agg.tok_s_mean is None:
+            continue
+        sp = _num(d, f"{path}.speedup", src, optional=True)
+        if sp is None and base.tok_s_mean:
+            sp = agg.tok_s_mean / base.tok_s_mean
+        dsp = _num(d, f"{path}.decode_speedup", src, optional=True)
+        out.append(Variant(str(name), agg, sp, dsp))
+    return tuple(out)
 
 
 def _opt_int(x: float | None) -> int | None:
@@ -327,6 +380,9 @@ class Micro:
     acceptance_source: str | None
     prediction: tuple[Prediction, ...]
     best_k: int | None
+    # microbench --check: [{source, k, drafter, temperature, predicted_speedup,
+    # measured_decode_speedup, measured_speedup, relative_error}] as written (schema.py)
+    checks: tuple[dict, ...] = ()
 
     @property
     def label(self) -> str:
@@ -370,6 +426,7 @@ def _micro(d: dict, src: str, path: Path) -> Micro:
         acceptance_source=str(acc.get("source")) if isinstance(acc, dict) else None,
         prediction=tuple(sorted(preds, key=lambda p: p.k)),
         best_k=_opt_int(_num(d, "best_k", src, optional=True)),
+        checks=tuple(c for c in d.get("checks") or () if isinstance(c, dict)),
     )
 
 
@@ -581,9 +638,12 @@ def _attach_members(sweep: Sweep, benches: list[Bench], members: set[str]) -> Sw
 
 def _labelled(benches: list[Bench]) -> list[Bench]:
     """Label each bench by its config name; when names clash, add the first setting that tells
-    the clashing runs apart (device, K, T, tokens), else the file name."""
+    the clashing runs apart (device, drafter, K, T, tokens); when no one setting does, every
+    setting that differs among them (e.g. 'all_gguf (composite, K=auto, T=0)'); when even those
+    clash, the file name."""
     settings: tuple[tuple[str, Callable[[Bench], Any]], ...] = (
         ("{}", lambda b: b.target.device if b.target else None),
+        ("{}", lambda b: b.drafter),
         ("K={}", lambda b: b.k),
         ("T={:g}", lambda b: b.temperature),
         ("{} tokens", lambda b: b.max_new_tokens),
@@ -594,11 +654,20 @@ def _labelled(benches: list[Bench]) -> list[Bench]:
         label = b.name
         if len(clash) > 1:
             label = f"{b.name} ({Path(b.src).stem})"
+            differing = []
             for fmt, get in settings:
                 values = [get(o) for o in clash]
-                if None not in values and len(set(values)) == len(values):
+                if None in values or len(set(values)) == 1:
+                    continue
+                if len(set(values)) == len(values):
                     label = f"{b.name} ({fmt.format(get(b))})"
                     break
+                differing.append((fmt, get))
+            else:
+                combos = [tuple(get(o) for _, get in differing) for o in clash]
+                if differing and len(set(combos)) == len(combos):
+                    parts = ", ".join(fmt.format(get(b)) for fmt, get in differing)
+                    label = f"{b.name} ({parts})"
         out.append(replace(b, label=label))
     return out
 
@@ -801,60 +870,129 @@ def fig_token_frequency(study: Study, path: Path) -> Path | None:
 
 
 def _bench_tick(b: Bench) -> str:
-    """'all_gguf' over 'llamacpp→llamacpp · cpu'; the model names are in the report."""
-    lines = [b.label]
+    """'all_gguf' over 'llamacpp→llamacpp · cpu'; the model names are in the report. A label
+    with settings ('all_gguf (composite, K=auto, T=0)') puts them on a line of their own."""
+    name, sep, rest = b.label.partition(" (")
+    lines = [name, f"({rest}"] if sep else [b.label]
     if b.draft and b.target:
         lines.append(f"{b.draft.backend}→{b.target.backend} · {b.target.device}")
     if not b.complete:
         lines.append("(incomplete)")
-    return "\n".join(lines)
+    return "\n".join(textwrap.fill(line, _TICK_CHARS) for line in lines)
+
+
+_TICK_CHARS = 30  # a config's tick label wraps at this width
+_VARIANT_COLORS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#d62728")
+
+
+@dataclass(frozen=True)
+class _Bar:
+    """One method's bar in a config's group: tok/s mean ± std, speedup over the same run's
+    baseline (None for the baseline itself)."""
+
+    key: str  # legend entry / colour: a _COLORS side or a variant name
+    method: str  # the text in the bar, e.g. "target-only", "lookup K=auto"
+    mean: float
+    std: float
+    speedup: float | None
+
+
+def _bars(b: Bench) -> list[_Bar]:
+    """The methods measured in one bench run, in the order they are drawn."""
+    out = []
+    for side, sp in (
+        ("baseline", None),
+        ("speculative", b.speedup),
+        ("hf_assisted", b.speedup_hf_assisted),
+    ):
+        ms = _tok_s(b, side)
+        if ms is None:
+            continue
+        method = {"baseline": "target-only", "speculative": b.method}.get(side, "HF assisted")
+        out.append(_Bar(side, method, ms[0], ms[1], sp))
+    for v in b.variants:
+        if v.agg.tok_s_mean is not None:
+            out.append(_Bar(v.name, v.method, v.agg.tok_s_mean, v.agg.tok_s_std or 0.0, v.speedup))
+    return out
+
+
+def _bar_colors(groups: Sequence[Sequence[_Bar]]) -> dict[str, str]:
+    colors = dict(_COLORS)
+    for bars in groups:
+        for bar in bars:
+            if bar.key not in colors:
+                n = len(colors) - len(_COLORS)
+                colors[bar.key] = _VARIANT_COLORS[n % len(_VARIANT_COLORS)]
+    return colors
+
+
+def _legend_name(bar: _Bar) -> str:
+    if bar.key == "speculative":
+        return "speculative (the run's main method)"
+    return _SIDE_NAMES.get(bar.key, f"variant {bar.method}")
 
 
 def fig_throughput(study: Study, path: Path) -> Path | None:
-    """Figure 3a: baseline vs speculative (and HF-assisted) tok/s per config, speedup labelled."""
+    """Figure 3a: tok/s per config of target-only, the speculative method, HF-assisted and any
+    variants measured in the same run (`aggregates.variants`); each bar names its method and is
+    labelled with its speedup over the same run's target-only baseline."""
     benches = study.benches
     if not benches:
         return None
     plt = _pyplot()
-    sides = [s for s in _COLORS if any(_tok_s(b, s) for b in benches)]
-    width = 0.8 / len(sides)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * len(benches) + 2), 5))
-    top = max(m + s for b in benches for side in sides if (ms := _tok_s(b, side)) for m, s in [ms])
+    groups = [_bars(b) for b in benches]
+    colors = _bar_colors(groups)
+    width, gap = 0.8, 0.9  # a bar, and the space between two configs' groups
+    n_bars = sum(len(g) for g in groups)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.62 * n_bars + 0.9 * len(benches) + 1.5), 5.5))
+    top = max(bar.mean + bar.std for g in groups for bar in g)
     labelled: set[str] = set()
-    for i, b in enumerate(benches):
-        present = [side for side in sides if _tok_s(b, side)]
-        for j, side in enumerate(present):
-            mean, std = _tok_s(b, side)  # type: ignore[misc]
-            x = i + (j - (len(present) - 1) / 2) * width  # bars centred on the config's tick
+    ticks, x = [], 0.0
+    for bars in groups:
+        xs = [x + j * width for j in range(len(bars))]
+        ticks.append(sum(xs) / len(xs))
+        for xi, bar in zip(xs, bars, strict=True):
             ax.bar(
-                x,
-                mean,
-                width,
-                yerr=std,
+                xi,
+                bar.mean,
+                width * 0.92,
+                yerr=bar.std,
                 capsize=3,
-                color=_COLORS[side],
-                label=None if side in labelled else _SIDE_NAMES[side],
+                color=colors[bar.key],
+                label=None if bar.key in labelled else _legend_name(bar),
             )
-            labelled.add(side)
-            sp = {"speculative": b.speedup, "hf_assisted": b.speedup_hf_assisted}.get(side)
-            if sp is not None:
+            labelled.add(bar.key)
+            ax.text(  # the method, inside the bar's foot
+                xi,
+                0.012 * top,
+                bar.method,
+                rotation=90,
+                ha="center",
+                va="bottom",
+                fontsize=7.5,
+                color="white" if bar.key != "baseline" else "black",
+                clip_on=True,
+            )
+            if bar.speedup is not None:
                 ax.text(
-                    x,
-                    mean + std + 0.015 * top,
-                    f"{sp:.2f}×",
+                    xi,
+                    bar.mean + bar.std + 0.015 * top,
+                    f"{bar.speedup:.2f}×",
                     ha="center",
                     va="bottom",
-                    fontsize=9,
+                    fontsize=8.5 if len(bars) > 3 else 9,
                     fontweight="bold",
                 )
-    ax.set_xticks(range(len(benches)), [_bench_tick(b) for b in benches], fontsize=9)
+        x = xs[-1] + width + gap
+    ax.set_xticks(ticks, [_bench_tick(b) for b in benches], fontsize=8.5)
+    ax.set_xlim(-width, x - gap)
     ax.set_ylabel("tokens / s (mean ± std over prompts)")
     ax.set_ylim(0, top * 1.15)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(loc="upper right", fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8.5)
     settings = _settings(benches)
     ax.set_title(
-        "Throughput, target-only vs speculative; label = speedup over target-only"
+        "Throughput per method; label = speedup over the same run's target-only"
         + (f"\n({settings})" if settings else ""),
         fontsize=11,
     )
@@ -1189,7 +1327,39 @@ def _section_main(s: Study, figures: Path, report: Path) -> list[str]:
             for b in benches
         ],
     )
+    for b in benches:
+        out += _methods_table(b)
     return [*out, "", *_figure("throughput.png", figures, report)]
+
+
+def _methods_table(b: Bench) -> list[str]:
+    """Every method of one run (main + variants) and its speedup by prompt category."""
+    if not b.variants and not b.by_category:
+        return []
+    out = ["", f"Methods measured in one run, {b.label} ({_cite(b.src)}): Decode is the "
+           "speedup with the prompt prefills (paid once by every method) left out "
+           "(`decode_speedup`).", ""]  # fmt: skip
+    rows = [["target-only", _pm(b.baseline.tok_s_mean, b.baseline.tok_s_std), "1.00x", "—",
+             "—", "—"]]  # fmt: skip
+    rows.append([b.method, _pm(b.speculative.tok_s_mean, b.speculative.tok_s_std),
+                 _x(b.speedup), _x(b.decode_speedup), _pct(b.speculative.acceptance_rate),
+                 _f(b.speculative.tokens_per_round, 2)])  # fmt: skip
+    for v in b.variants:
+        rows.append([v.method, _pm(v.agg.tok_s_mean, v.agg.tok_s_std), _x(v.speedup),
+                     _x(v.decode_speedup), _pct(v.agg.acceptance_rate),
+                     _f(v.agg.tokens_per_round, 2)])  # fmt: skip
+    out += _table(["Method", "tok/s", "Speedup", "Decode", "Accept.", "Tokens/round"], rows)
+    if b.by_category:
+        methods = [m for m in next(iter(b.by_category.values())) if m != "baseline"]
+        names = {"speculative": b.method, **{v.name: v.method for v in b.variants}}
+        out += ["", "Speedup by prompt category (vs the same prompts' target-only mean; n "
+                "prompts per category):", ""]  # fmt: skip
+        crow = []
+        for cat, per in sorted(b.by_category.items()):
+            n = per.get("baseline", {}).get("n")
+            crow.append([f"{cat} ({n})", *(_x(per.get(m, {}).get("speedup")) for m in methods)])
+        out += _table(["Category", *(names.get(m, m) for m in methods)], crow)
+    return out
 
 
 def _sweep_cell(mean: float, std: float | None, member_std: float | None) -> str:
@@ -1411,6 +1581,21 @@ def _section_micro(s: Study, figures: Path, report: Path) -> list[str]:
             if m.best_k is not None:
                 best = "0 (speculation cannot pay)" if m.best_k == 0 else str(m.best_k)
                 out += ["", f"Predicted best K: {best} (`best_k`)."]
+        if m.checks:
+            out += ["", "Prediction checked against fixed-K benches (`microbench --check`), each "
+                    "with its own acceptance profile; measured on the decode phase (prompt "
+                    "prefills left out), end to end beside it:", ""]  # fmt: skip
+            rows = []
+            for ch in m.checks:
+                err = ch.get("relative_error")
+                rows.append([str(ch.get("k")), str(ch.get("drafter")),
+                             _f(ch.get("temperature"), 2), _x(ch.get("predicted_speedup")),
+                             _x(ch.get("measured_decode_speedup")),
+                             _x(ch.get("measured_speedup")),
+                             "—" if err is None else f"{err:+.1%}",
+                             _cite(str(ch.get("source")))])  # fmt: skip
+            out += _table(["K", "Drafter", "T", "Predicted", "Measured (decode)",
+                           "Measured (end to end)", "Error", "Bench"], rows)  # fmt: skip
         elif m.prediction:
             out += [
                 "",

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from . import decode
+from . import cli_args, decode
 from .models.base import SpecModel
 from .stats import (
     KL_SMOOTHING,
@@ -313,18 +313,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="named draft -> target configuration (str; e.g. smoke, all_gguf)",
     )
-    p.add_argument(
-        "--device",
-        default=None,
-        help="cpu, cuda or mps for HF models (str; default: best available)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads per model, >= 1 (int; default: all cores). Use 1 on a shared machine: "
-        "llama.cpp's spin barriers stall when another process holds a core",
-    )
+    cli_args.add_device_args(p)
     p.add_argument(
         "--prompts",
         type=int,
@@ -376,9 +365,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="directory for gate_<config>.json (path; default results/)",
     )
-    p.add_argument(
-        "--no-progress", action="store_true", help="hide the progress bars (flag; default off)"
-    )
+    cli_args.add_no_progress_arg(p, help="hide the progress bars (flag; default off)")
     p.set_defaults(func=_cmd_gate)
 
 
@@ -392,8 +379,7 @@ def _settings(args: argparse.Namespace) -> GateSettings:
     if s.max_new_tokens < 1 or s.greedy_tokens < 1 or s.greedy_prompts < 0 or s.k < 1:
         raise ValueError("--max-new-tokens, --greedy-tokens and -k must be >= 1, "
                          "--greedy-prompts >= 0")  # fmt: skip
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    cli_args.check_threads(args.threads)
     if s.temperature <= 0:
         raise ValueError(f"the sampled leg needs a temperature > 0, got {s.temperature}")
     return s

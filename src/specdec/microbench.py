@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from . import cli_args
 from .device import synchronize
 from .models.base import SpecModel
 
@@ -118,6 +119,44 @@ def acceptance_profile(bench: dict[str, Any], source: str = "") -> dict[str, Any
         # under their own names so neither reader has to know that.
         "positional_acceptance": p,
         "p_at_least": p,
+    }
+
+
+def check_prediction(art: dict[str, Any], bench: dict[str, Any], source: str = "") -> dict:
+    """Predicted vs measured speedup for one fixed-K bench artifact, from this microbench's
+    cost curve and the bench's own acceptance profile (the paper's claim that acceptance plus
+    v(b) and c predict speed, tested).
+
+    Measured is compared on the decode phase (bench `decode_speedup`: prompt prefills, paid
+    once per request by every method, left out), which is what the per-round model describes;
+    the end-to-end `speedup` is recorded beside it.
+    """
+    cfg = bench.get("config", {})
+    k = cfg.get("k")
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"{source}: the prediction check needs a fixed-K bench, got k={k!r}")
+    prof = acceptance_profile(bench, source)
+    v = [pt["ratio"] for pt in art["verify"]]
+    model_free = cfg.get("drafter") == "lookup"
+    c = 0.0 if model_free else art["c"]
+    if c is None:
+        raise ValueError(f"{source}: drafts with a model but this microbench measured no draft")
+    k_eff = min(k, len(prof["p_at_least"]), len(v) - 1)
+    pred = predicted_speedup(v, c, prof["p_at_least"], k_eff)
+    agg = bench["aggregates"]
+    measured = agg.get("decode_speedup")
+    return {
+        "source": source,
+        "config": cfg.get("name"),
+        "drafter": cfg.get("drafter"),
+        "k": k,
+        "temperature": cfg.get("temperature"),
+        "c": c,
+        "p_at_least": prof["p_at_least"],
+        "predicted_speedup": pred,
+        "measured_decode_speedup": measured,
+        "measured_speedup": agg.get("speedup"),
+        "relative_error": (pred - measured) / measured if measured else None,
     }
 
 
@@ -297,7 +336,19 @@ def format_table(art: dict[str, Any]) -> str:
         lines.append(f"{row['k']:>3}  {e_txt:>12}  {row['cost_in_target_steps']:>6.2f}  {s_txt:>7}")
     if art["best_k"] is not None:
         lines.append(f"best K = {art['best_k']} (0 = speculation cannot pay)")
+    for ch in art.get("checks") or []:
+        err = ch["relative_error"]
+        lines.append(
+            f"check {ch['source']}: K={ch['k']} {ch['drafter']} T={ch['temperature']}: predicted "
+            f"{ch['predicted_speedup']:.2f}x, measured {_x(ch['measured_decode_speedup'])} "
+            f"decode phase ({_x(ch['measured_speedup'])} end to end), error "
+            + ("-" if err is None else f"{err:+.1%}")
+        )
     return "\n".join(lines)
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
 
 
 def artifact_path(out: Path, target_name: str) -> Path:
@@ -323,18 +374,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help="draft model SPEC for the step ratio c, or 'none' (str; default none)",
     )
-    p.add_argument(
-        "--device",
-        default=None,
-        help="cpu, cuda or mps for HF models (str; default: best available)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads per model, >= 1 (int; default: all cores). Use 1 on a shared machine: "
-        "llama.cpp's spin barriers stall when another process holds a core",
-    )
+    cli_args.add_device_args(p)
     p.add_argument(
         "--prefix",
         type=int,
@@ -361,14 +401,20 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         "(path; default none: cost only)",
     )
     p.add_argument(
+        "--check",
+        nargs="+",
+        default=None,
+        metavar="BENCH_JSON",
+        help="fixed-K bench artifacts (e.g. a sweep's) whose measured decode-phase speedup is "
+        "compared with this curve's prediction from their own acceptance (paths; default none)",
+    )
+    p.add_argument(
         "--out",
         default="results",
         metavar="DIR",
         help="directory for microbench_<target>.json (path; default results/)",
     )
-    p.add_argument(
-        "--no-progress", action="store_true", help="hide the progress bar (flag; default off)"
-    )
+    cli_args.add_no_progress_arg(p)
     p.set_defaults(func=_cmd_microbench)
 
 
@@ -376,8 +422,7 @@ def _cmd_microbench(args: argparse.Namespace) -> int:
     from .bench import model_block  # the MODEL block every artifact shares
     from .models import load_model
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    cli_args.check_threads(args.threads)
     acceptance = None
     if args.acceptance is not None:  # read it first: a bad path should not cost a model load
         path = Path(args.acceptance)
@@ -386,6 +431,17 @@ def _cmd_microbench(args: argparse.Namespace) -> int:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read the acceptance artifact {path}: {e}") from e
         acceptance = acceptance_profile(bench, source=str(path))
+    benches = []
+    for path in map(Path, args.check or []):
+        try:
+            bench = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the bench artifact {path}: {e}") from e
+        k = bench.get("config", {}).get("k")
+        if isinstance(k, bool) or not isinstance(k, int):  # before the minutes of measuring
+            raise ValueError(f"{path}: --check needs fixed-K bench artifacts, this one has k={k!r}")
+        acceptance_profile(bench, source=str(path))  # validates the schema and the rows
+        benches.append((str(path), bench))
     kw = {"device": args.device, "n_threads": args.threads}
     target = load_model(args.target, **kw)
     draft = None if args.draft.lower() == "none" else load_model(args.draft, **kw)
@@ -395,6 +451,7 @@ def _cmd_microbench(args: argparse.Namespace) -> int:
               repeats=args.repeats, acceptance=acceptance,
               progress=not args.no_progress)  # fmt: skip
     art["threads"] = args.threads  # None: the backends' default, all cores
+    art["checks"] = [check_prediction(art, b, src) for src, b in benches]
     out = artifact_path(Path(args.out), target.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(art, indent=1) + "\n")

@@ -50,10 +50,7 @@ def probs_from_logits(
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    x = logits.detach().to("cpu", torch.float32)  # [..., V]
-    if torch.isnan(x).any() or torch.isposinf(x).any():
-        raise ValueError("logits contain NaN or +inf; the model produced invalid numbers")
-    x = x / temperature
+    x = logits.detach().to("cpu", torch.float32) / temperature  # [..., V]
     if top_k is not None and top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [..., 1]
         x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th value are kept
@@ -66,23 +63,44 @@ def probs_from_logits(
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
-    if torch.isnan(probs).any():
+    # One check on the output instead of three on the input (this runs once per round on
+    # [K+1, 151936] rows): NaN or +inf logits, and rows with every logit -inf, all give NaN here.
+    if torch.isnan(probs.sum()):
+        if torch.isnan(x).any() or torch.isposinf(x).any():
+            raise ValueError("logits contain NaN or +inf; the model produced invalid numbers")
         raise ValueError("every logit is -inf in some row; there is nothing to sample")
     return probs
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a [V] probability vector."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from a [V] probability vector (need not be normalized), by inverse CDF.
+
+    Why not `torch.multinomial`: on a 151,936-entry row it costs 2.8 ms on this CPU, against
+    0.3 ms here, and the baseline samples once per token. The CDF is accumulated in float64, so
+    its rounding (~1e-16 per step) is far below anything a test could see; a token with zero
+    probability has an empty interval [cdf[i-1], cdf[i]) and is never drawn.
+    """
+    cdf = probs.reshape(-1).to(torch.float64).cumsum(0)  # [V]
+    total = cdf[-1]
+    if not bool(total > 0) or not bool(torch.isfinite(total)):
+        raise ValueError(f"cannot sample from a row with total mass {float(total)}")
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * total  # [1] in [0, total)
+    i = int(torch.searchsorted(cdf, u, right=True))  # first i with cdf[i] > u
+    if i >= cdf.numel():  # u rounded up to total: the last token with mass
+        i = int(torch.nonzero(probs.reshape(-1) > 0)[-1])
+    return i
 
 
 def _check_dist(name: str, t: torch.Tensor, rows: int, width: int) -> None:
     if t.dim() != 2 or t.shape[0] != rows or t.shape[1] != width:
         raise ValueError(f"{name} must have shape [{rows}, {width}], got {tuple(t.shape)}")
-    _check_finite(name, t)
-    if (t < 0).any():
+    # Two reductions cover it all: NaN or inf anywhere makes a row sum non-finite, and a NaN
+    # makes min() NaN, which fails `>= 0` (three elementwise passes cost ~1.5 ms on [5, 151936]).
+    sums = t.sum(-1)  # [rows]
+    if not bool(torch.isfinite(sums).all()):
+        _check_finite(name, t)
+    if not bool(t.min() >= 0):
         raise ValueError(f"{name} has negative entries; pass probabilities, not logits")
-    sums = t.sum(-1)
     if ((sums - 1).abs() > ROW_SUM_TOL).any():
         raise ValueError(f"{name} rows must sum to 1 (got {sums.tolist()}); pass probabilities")
 

@@ -5,13 +5,15 @@ block (`meta_block()`): when, where (machine), with what (library versions). Kin
 
 specdec.bench/1      one `specdec bench` run (bench.py defines each statistic)
     config      {name, draft, target, k, temperature, top_k, top_p, n_prompts, warmup,
-                 max_new_tokens, drafter, compare, device}
+                 max_new_tokens, drafter, compare, device, categories? ([] or absent: every
+                 prompt; else the run took the first n_prompts prompts of these categories)}
     models      {"draft": MODEL, "target": MODEL}; MODEL = {spec, backend, name, device, sha256,
                  vocab_size, n_ctx, dtype (hf: torch dtype name; null for llama.cpp and mock)}
     rows        one per recorded (non-warm-up) prompt:
-                {index (position in the prompt set), prompt_id, category, prompt_tokens, seed,
-                 order ("base-first"|"spec-first"), sequence [methods in the order run],
-                 baseline: RUN, speculative: RUN, hf_assisted?: HF_RUN}
+                {index (position in the prompt set, after any category filter), prompt_id,
+                 category, prompt_tokens, seed, order ("base-first"|"spec-first"),
+                 sequence [methods in the order run], baseline: RUN, speculative: RUN,
+                 hf_assisted?: HF_RUN}
                 RUN = GenerationStats.to_dict() (decode.py defines each field) + {tokens: [ids],
                 stop_reason}
                 HF_RUN = {tokens, stop_reason, prompt_tokens, generated, wall_s, tokens_per_s,
@@ -19,16 +21,20 @@ specdec.bench/1      one `specdec bench` run (bench.py defines each statistic)
                           tokens_per_round} (transformers' assisted generation; bench.py says
                           how rounds and drafted are counted)
     aggregates  {baseline: AGG, speculative: AGG, hf_assisted?: AGG, speedup,
-                 speedup_pooled, speedup_hf_assisted?, peak_rss_mb, peak_vram_mb (null without
-                 CUDA)}
-                AGG = {n, tok_s_mean, tok_s_std, tok_s_pooled, ttft_s_mean, generated, rounds,
+                 speedup_pooled, decode_speedup, speedup_hf_assisted?, peak_rss_mb, peak_vram_mb
+                 (null without CUDA), variants: {name: AGG + {speedup, decode_speedup}},
+                 by_category}
+                AGG = {n, tok_s_mean, tok_s_std, tok_s_pooled, decode_tok_s_pooled (null for
+                       hf_assisted and for artifacts older than prefill_s), ttft_s_mean,
+                       generated, rounds,
                        drafted, accepted, acceptance_rate, positional_acceptance [K],
                        tokens_per_round, ms_per_token: {draft, verify, sampling, other}}
                 tok_s_std is the sample std (ddof 1; 0.0 for one row); a statistic a method
                 cannot have is null (baseline acceptance_rate, its positional list being [];
                 hf_assisted ttft_s_mean, positional_acceptance, ms_per_token)
                 speedup = spec tok_s_mean / baseline tok_s_mean (mean of per-prompt rates);
-                speedup_pooled = (sum tokens / sum wall) ratio; speedup_hf_assisted =
+                speedup_pooled = (sum tokens / sum wall) ratio; decode_speedup = the
+                decode_tok_s_pooled ratio (prompt prefills excluded); speedup_hf_assisted =
                 hf_assisted tok_s_mean / baseline tok_s_mean
     complete    false if the run was interrupted (Ctrl-C keeps the finished rows)
 
@@ -39,7 +45,10 @@ specdec.sweep/1      summary of a K-sweep: config (without k), ks, complete, poi
 
 specdec.microbench/1 cost curves (microbench.py defines each term):
     models      {"target": MODEL, "draft": MODEL | null}
-    prefix_tokens, repeats, max_batch, threads (CPU threads per model; null = all cores)
+    prefix_tokens, repeats, max_batch, threads (CPU threads per model; null = all cores),
+    checks      [{source, config, drafter, k, temperature, c, p_at_least, predicted_speedup,
+                  measured_decode_speedup, measured_speedup, relative_error}] (--check; may be
+                  absent in older artifacts)
     verify      [{b, median_ms, ratio, samples_ms [repeats]}] ratio = median_ms(b) / median_ms(1):
                 v(b) in steps
     target_step_ms, draft_step_ms (null without a draft), c = draft_step_ms / target_step_ms

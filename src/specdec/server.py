@@ -1101,8 +1101,7 @@ def serve(cfg: ServeConfig) -> None:
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    from .cli import k_value
-    from .drafters import DRAFTERS
+    from . import cli_args
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat + completions)")
     p.add_argument(
@@ -1118,42 +1117,20 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help="draft model SPEC, or none (str; default none: target-only unless --drafter lookup)",
     )
-    p.add_argument(
-        "--drafter",
-        choices=DRAFTERS,
-        default=None,
-        help="model (needs --draft), lookup (prompt lookup, no draft model) or "
+    cli_args.add_spec_args(
+        p,
+        k_default=None,  # None: the engine's defaults
+        k_help="draft tokens per round: an int >= 1, 'auto' or 'schedule' "
+        "(default: the engine's, 4)",
+        k_max_default=None,
+        k_max_help="largest K for -k auto|schedule (int >= 1; default: the engine's, 8)",
+        drafter_help="model (needs --draft), lookup (prompt lookup, no draft model) or "
         "composite (default: model when --draft is given, else none)",
+        p_min_help="stop drafting below this draft top probability, in [0, 1) (float; default off)",
     )
-    p.add_argument(
-        "-k",
-        "--k",
-        type=k_value,
-        default=None,
-        help="draft tokens per round: an int >= 1, 'auto' or 'schedule' (default: the engine's, 4)",
-    )
-    p.add_argument(
-        "--k-max",
-        type=int,
-        default=None,
-        help="largest K for -k auto|schedule (int >= 1; default: the engine's, 8)",
-    )
-    p.add_argument(
-        "--p-min",
-        type=float,
-        default=None,
-        help="stop drafting below this draft top probability, in [0, 1) (float; default off)",
-    )
-    p.add_argument(
-        "--device",
-        default=None,
-        help="cpu, cuda or mps for HF models (str; default: best available)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads per model (int >= 1; default: all cores; on a shared "
+    cli_args.add_device_args(
+        p,
+        threads_help="CPU threads per model (int >= 1; default: all cores; on a shared "
         "machine fewer is much faster for llama.cpp)",
     )
     p.add_argument(

@@ -1,0 +1,113 @@
+"""argparse flags that several `specdec` subcommands share, declared once.
+
+Each `add_*` function adds a group of flags to a parser with the canonical name, type, default and
+help text (the help states type, range and default). Where a subcommand has always described a
+flag in its own words or with its own default, it passes that text or default in; the flag's
+parsing and validation stay the ones defined here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.drafters import DRAFTERS
+
+# ------------------------------------------------------------------------------ help texts
+DEVICE_HELP = "cpu, cuda or mps for HF models (str; default: best available)"
+THREADS_HELP = (
+    "CPU threads per model, >= 1 (int; default: all cores). Use 1 on a shared machine: "
+    "llama.cpp's spin barriers stall when another process holds a core"
+)
+K_HELP = (
+    "draft tokens per round: an int >= 1, 'auto' (K in 0..--k-max from measured costs) "
+    "or 'schedule' (transformers' +2/-1) (default 4)"
+)
+K_MAX_HELP = "largest K for -k auto|schedule (int >= 1; default 8)"
+DRAFTER_HELP = (
+    "model (needs --draft), lookup (prompt lookup, no draft model) or composite (lookup, "
+    "else the draft model) (default: model when --draft is given, else none)"
+)
+P_MIN_HELP = (
+    "stop drafting when the draft's top probability is below this, in [0, 1) (float; default off)"
+)
+TEMPERATURE_HELP = "sampling temperature >= 0, 0 = greedy (float; default 0.8)"
+TOP_K_HELP = "keep the k most likely tokens, k >= 1 (int; default off)"
+TOP_P_HELP = "nucleus mass in (0, 1] (float; default off)"
+SEED_HELP = "random seed (int; default 0)"
+MAX_NEW_TOKENS_HELP = "generation budget >= 1 (int; default 128)"
+NO_PROGRESS_HELP = "hide the progress bar (flag; default off)"
+
+
+# ------------------------------------------------------------------------------ types / checks
+def k_value(text: str) -> int | str:
+    """argparse type for -k: an int >= 1, 'auto' or 'schedule'."""
+    if text in ("auto", "schedule"):
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an int >= 1, 'auto' or 'schedule', got {text!r}"
+        ) from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"K must be >= 1, got {k}")
+    return k
+
+
+def check_threads(threads: int | None) -> None:
+    """--threads is None (all cores) or >= 1; ValueError otherwise (the CLI prints it)."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+
+
+# ------------------------------------------------------------------------------ flag groups
+def add_device_args(
+    p: argparse.ArgumentParser,
+    threads: bool = True,
+    device_help: str = DEVICE_HELP,
+    threads_help: str = THREADS_HELP,
+) -> None:
+    """--device (str; None = best available) and, with `threads`, --threads (int; None = all
+    cores; check it with `check_threads`)."""
+    p.add_argument("--device", default=None, help=device_help)
+    if threads:
+        p.add_argument("--threads", type=int, default=None, help=threads_help)
+
+
+def add_spec_args(
+    p: argparse.ArgumentParser,
+    k_default: int | str | None = 4,
+    k_help: str = K_HELP,
+    k_max_default: int | None = 8,
+    k_max_help: str = K_MAX_HELP,
+    drafter_default: str | None = None,
+    drafter_help: str = DRAFTER_HELP,
+    p_min_help: str = P_MIN_HELP,
+) -> None:
+    """The speculative method: -k/--k (`k_value`), --k-max, --drafter (one of DRAFTERS) and
+    --p-min. A None default means "not given" (the consumer applies its own default)."""
+    p.add_argument("-k", "--k", type=k_value, default=k_default, help=k_help)
+    p.add_argument("--k-max", type=int, default=k_max_default, help=k_max_help)
+    p.add_argument("--drafter", choices=DRAFTERS, default=drafter_default, help=drafter_help)
+    p.add_argument("--p-min", type=float, default=None, help=p_min_help)
+
+
+def add_sampling_args(
+    p: argparse.ArgumentParser,
+    seed: bool = True,
+    max_new_tokens: bool = True,
+    temperature_help: str = TEMPERATURE_HELP,
+) -> None:
+    """-t/--temperature (default 0.8), --top-k, --top-p and, optionally, --seed (default 0) and
+    --max-new-tokens (default 128). Ranges are checked by the consumer (decode / BenchConfig)."""
+    p.add_argument("-t", "--temperature", type=float, default=0.8, help=temperature_help)
+    p.add_argument("--top-k", type=int, default=None, help=TOP_K_HELP)
+    p.add_argument("--top-p", type=float, default=None, help=TOP_P_HELP)
+    if seed:
+        p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    if max_new_tokens:
+        p.add_argument("--max-new-tokens", type=int, default=128, help=MAX_NEW_TOKENS_HELP)
+
+
+def add_no_progress_arg(p: argparse.ArgumentParser, help: str = NO_PROGRESS_HELP) -> None:
+    p.add_argument("--no-progress", action="store_true", help=help)
