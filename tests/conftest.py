@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec.models import load_model
-from specdec.models.base import SpecModel
+from specdec.backends import load_model
+from specdec.core.model import SpecModel
 
 SMOL = "smollm2-135m"
 # One thread per model, not the library default (all cores). Both ggml and torch's OpenMP sync
@@ -55,7 +55,7 @@ _ANSWER = (
 
 @pytest.fixture(scope="session")
 def smol_path() -> Path:
-    from specdec.registry import resolve
+    from specdec.backends.registry import resolve
 
     return resolve(SMOL, progress=False)
 

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
-import specdec.bench as bench
-from specdec import prompting, registry, schema
-from specdec.bench import BenchConfig, format_table, resolve_config, run_bench, run_sweep
-from specdec.cli import main
-from specdec.decode import generate
-from specdec.models.mock import MockModel
+import specdec.study.bench as bench
+from specdec.backends import registry
+from specdec.backends.mock import MockModel
+from specdec.cli.main import main
+from specdec.core.config import Warp
+from specdec.core.decode import generate
+from specdec.study import artifacts as schema
+from specdec.study import prompts as prompt_set
+from specdec.study.bench import BenchConfig, format_table, resolve_config, run_bench, run_sweep
 
 V = 48
 TARGET_SPEC, DRAFT_SPEC = f"mock:vocab={V},seed=0", f"mock:vocab={V},seed=1"
@@ -85,9 +88,9 @@ def test_bench_artifact_validates_and_matches_its_rows(pair, tmp_path) -> None:
     assert agg["peak_rss_mb"] > 0
 
     # The rows are what generate() gives for that prompt and seed: nothing else leaks in.
-    ids = bench._prompt_ids(None, prompting.load_prompts(3)[2].text, V)
+    ids = bench._prompt_ids(None, prompt_set.load_prompts(3)[2].text, V)
     assert rows[0]["prompt_tokens"] == len(ids)
-    again = generate(pair[1], ids, max_new_tokens=12, temperature=0.8, seed=2)
+    again = generate(pair[1], ids, max_new_tokens=12, warp=Warp(temperature=0.8), seed=2)
     assert rows[0]["baseline"]["tokens"] == again.tokens
 
     table = bench.format_table(art)
@@ -158,8 +161,18 @@ def test_cli_ctrl_c_exits_130_and_keeps_rows(tmp_path, monkeypatch) -> None:
         return generate(*args, **kwargs)
 
     monkeypatch.setattr(bench, "generate", interrupted_generate)
-    argv = ["bench", *MOCK_CLI, "--prompts", "4", "--warmup", "1", "--max-new-tokens", "4",
-            "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "bench",
+        *MOCK_CLI,
+        "--prompts",
+        "4",
+        "--warmup",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(argv) == 130
     art = _load(tmp_path / "bench_custom_k4_t0.8.json")
     assert art["complete"] is False and len(art["rows"]) == 1
@@ -235,8 +248,22 @@ def test_write_json_is_atomic_and_compact(tmp_path) -> None:
 # -------------------------------------------------------------------------- real models (slow)
 @pytest.mark.slow
 def test_cli_smoke_config(tmp_path) -> None:
-    argv = ["bench", "--config", "smoke", "--prompts", "2", "--warmup", "1", "-k", "2",
-            "--max-new-tokens", "8", "--out", str(tmp_path), "--no-progress"]  # fmt: skip
+    argv = [
+        "bench",
+        "--config",
+        "smoke",
+        "--prompts",
+        "2",
+        "--warmup",
+        "1",
+        "-k",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     art = _load(tmp_path / "bench_smoke_k2_t0.8.json")
     assert art["complete"] and len(art["rows"]) == 1
@@ -253,8 +280,17 @@ def test_hf_assisted_matches_our_greedy_baseline(tmp_path) -> None:
     target-only baseline (both fp32 on the CPU; a near-tie in the logits could in principle
     flip an argmax between batch shapes, which this tiny case does not hit)."""
     spec = "hf:smollm2-135m"
-    cfg = resolve_config(None, spec, spec, k=3, temperature=0.0, n_prompts=1, warmup=0,
-                         max_new_tokens=8, compare="hf-assisted")  # fmt: skip
+    cfg = resolve_config(
+        None,
+        spec,
+        spec,
+        k=3,
+        temperature=0.0,
+        n_prompts=1,
+        warmup=0,
+        max_new_tokens=8,
+        compare="hf-assisted",
+    )
     art = run_bench(cfg, tmp_path, progress=False)
     schema.validate(art)
     row = art["rows"][0]
@@ -305,7 +341,7 @@ def test_category_filter_runs_the_first_prompts_of_those_categories(pair, tmp_pa
     art = run_bench(cfg, tmp_path, progress=False, models=pair)
     on_disk = _load(tmp_path / "bench_mock_k3_t0.8_cat-reasoning-coding.json")  # not the full run's
     assert on_disk["config"]["categories"] == list(cats)
-    want = [p.id for p in prompting.load_prompts() if p.category in cats][:4]  # file order
+    want = [p.id for p in prompt_set.load_prompts() if p.category in cats][:4]  # file order
     assert [r["prompt_id"] for r in art["rows"]] == want[1:]  # after the warm-up prompt
     assert {r["category"] for r in art["rows"]} <= set(cats)
     assert set(art["aggregates"]["by_category"]) <= set(cats)
@@ -317,11 +353,12 @@ def test_category_filter_runs_the_first_prompts_of_those_categories(pair, tmp_pa
 
 
 def test_cli_category_caps_the_default_prompt_count(tmp_path) -> None:
-    from specdec.cli import build_parser
+    from specdec.cli.bench import _config_from
+    from specdec.cli.main import build_parser
 
     def cfg(*argv: str) -> BenchConfig:
         args = build_parser().parse_args(["bench", *MOCK_CLI, *argv])
-        return bench._config_from(args, args.k, None)
+        return _config_from(args, args.k, None)
 
     assert cfg().n_prompts == 30 and cfg().categories == ()
     c = cfg("--category", "coding, reasoning")  # 13 prompts each

@@ -25,9 +25,10 @@ import pytest
 import torch
 from conftest import TEST_THREADS
 
-from specdec.models import MockModel, load_model
-from specdec.models.base import SpecModel, SpecModelError
-from specdec.registry import CorruptModelError, ModelFetchError
+from specdec.backends import load_model
+from specdec.backends.mock import MockModel
+from specdec.backends.registry import CorruptModelError, ModelFetchError
+from specdec.core.model import SpecModel, SpecModelError
 
 TOL = {"mock": 0.0, "hf": 1e-3, "llamacpp": 0.0}
 BACKENDS = [

@@ -13,10 +13,11 @@ import pytest
 import torch
 from stats_util import two_sample_chi2
 
-import specdec.decode as decode_mod
-from specdec.decode import generate, stream
-from specdec.models.mock import MockModel
-from specdec.stats import paired_permutation_p
+import specdec.core.decode as decode_mod
+from specdec.backends.mock import MockModel
+from specdec.core.config import SpecConfig, Warp
+from specdec.core.decode import generate, stream
+from specdec.study.significance import paired_permutation_p
 
 V = 48
 N_GEN = 1000
@@ -32,12 +33,27 @@ def pair() -> tuple[MockModel, MockModel]:
     return target, draft
 
 
+def _gen(target, prompt, **kw):
+    """generate() with flat keywords (k=..., temperature=...), for table-driven tests."""
+    spec = {n: kw.pop(n) for n in ("drafter", "k", "k_max", "p_min") if n in kw}
+    warp = {n: kw.pop(n) for n in ("temperature", "top_k", "top_p") if n in kw}
+    return generate(target, prompt, spec=SpecConfig(**spec), warp=Warp(**warp), **kw)
+
+
 def _sample_many(target, draft, k, seeds, temperature=1.0, **kw) -> list[list[int]]:
     return [
-        generate(target, PROMPT, draft=draft, k=k, max_new_tokens=N_TOK,
-                 temperature=temperature, seed=s, **kw).tokens
+        _gen(
+            target,
+            PROMPT,
+            draft=draft,
+            k=k,
+            max_new_tokens=N_TOK,
+            temperature=temperature,
+            seed=s,
+            **kw,
+        ).tokens
         for s in seeds
-    ]  # fmt: skip
+    ]
 
 
 def _bigram_ids(seqs: list[list[int]]) -> list[list[int]]:
@@ -58,8 +74,10 @@ def test_level2_speculative_matches_baseline(pair, baseline_samples) -> None:
     # Decided by the permutation p-value of the chi-square statistic, as the level-3 gate does:
     # tokens of one generation are dependent, so the chi2(dof) table is anti-conservative here
     # (two target-only samples with different seeds: table p = 0.0024 once in 10 seed sets).
-    for name, a, b in (("token frequencies", spec, baseline_samples),
-                       ("bigrams", _bigram_ids(spec), _bigram_ids(baseline_samples))):  # fmt: skip
+    for name, a, b in (
+        ("token frequencies", spec, baseline_samples),
+        ("bigrams", _bigram_ids(spec), _bigram_ids(baseline_samples)),
+    ):
         count = lambda ss, w: np.bincount([t for s in ss for t in s], minlength=w)  # noqa: E731
         w = V * V if name == "bigrams" else V
         chi2, dof, p_table = two_sample_chi2(count(a, w), count(b, w))
@@ -83,10 +101,19 @@ def test_level2_has_power_against_a_broken_rule(pair, baseline_samples, monkeypa
 def test_greedy_is_bit_identical_to_baseline_for_every_k(pair) -> None:
     target, draft = pair
     for prompt in ([1, 2, 3], [7], [40, 41, 5, 5, 9, 30]):
-        base = generate(target, prompt, max_new_tokens=40, temperature=0, debug=True).tokens
+        base = generate(
+            target, prompt, max_new_tokens=40, warp=Warp(temperature=0), debug=True
+        ).tokens
         for k in (1, 2, 4, 8):
-            spec = generate(target, prompt, draft=draft, k=k, max_new_tokens=40,
-                            temperature=0, debug=True)  # fmt: skip
+            spec = generate(
+                target,
+                prompt,
+                draft=draft,
+                spec=SpecConfig(k=k),
+                warp=Warp(temperature=0),
+                max_new_tokens=40,
+                debug=True,
+            )
             assert spec.tokens == base, f"k={k} prompt={prompt}"
             assert spec.stats.drafted > 0
 
@@ -94,17 +121,54 @@ def test_greedy_is_bit_identical_to_baseline_for_every_k(pair) -> None:
 def test_greedy_with_a_poor_draft_still_identical() -> None:
     target = MockModel(V, seed=5)
     draft = MockModel(V, seed=6)  # unrelated tables: most drafts rejected
-    base = generate(target, PROMPT, max_new_tokens=30, temperature=0).tokens
-    spec = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=30, temperature=0, debug=True)
+    base = generate(
+        target,
+        PROMPT,
+        max_new_tokens=30,
+        warp=Warp(temperature=0),
+    ).tokens
+    spec = generate(
+        target,
+        PROMPT,
+        draft=draft,
+        spec=SpecConfig(k=4),
+        warp=Warp(temperature=0),
+        max_new_tokens=30,
+        debug=True,
+    )
     assert spec.tokens == base
     assert spec.stats.acceptance_rate < 0.5
 
 
 def test_seeded_generation_is_reproducible(pair) -> None:
     target, draft = pair
-    a = generate(target, PROMPT, draft=draft, k=3, max_new_tokens=30, seed=11, top_p=0.9)
-    b = generate(target, PROMPT, draft=draft, k=3, max_new_tokens=30, seed=11, top_p=0.9)
-    c = generate(target, PROMPT, draft=draft, k=3, max_new_tokens=30, seed=12, top_p=0.9)
+    a = generate(
+        target,
+        PROMPT,
+        draft=draft,
+        spec=SpecConfig(k=3),
+        warp=Warp(top_p=0.9),
+        max_new_tokens=30,
+        seed=11,
+    )
+    b = generate(
+        target,
+        PROMPT,
+        draft=draft,
+        spec=SpecConfig(k=3),
+        warp=Warp(top_p=0.9),
+        max_new_tokens=30,
+        seed=11,
+    )
+    c = generate(
+        target,
+        PROMPT,
+        draft=draft,
+        spec=SpecConfig(k=3),
+        warp=Warp(top_p=0.9),
+        max_new_tokens=30,
+        seed=12,
+    )
     assert a.tokens == b.tokens and a.tokens != c.tokens
 
 
@@ -133,12 +197,20 @@ def test_cache_invariant_catches_misalignment(broken_cls) -> None:
     target = broken_cls(V, seed=0)
     draft = MockModel.near(MockModel(V, seed=0), 0.7)
     with pytest.raises(AssertionError, match="cache"):
-        generate(target, PROMPT, draft=draft, k=4, max_new_tokens=20, temperature=0, debug=True)
+        generate(
+            target,
+            PROMPT,
+            draft=draft,
+            spec=SpecConfig(k=4),
+            warp=Warp(temperature=0),
+            max_new_tokens=20,
+            debug=True,
+        )
 
 
 def test_caches_hold_committed_prefix_after_generation(pair) -> None:
     target, draft = pair
-    r = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=20, seed=3)
+    r = generate(target, PROMPT, draft=draft, spec=SpecConfig(k=4), max_new_tokens=20, seed=3)
     seq = PROMPT + r.tokens
     assert target.cached_tokens == seq[:-1]
     assert draft.cached_tokens == seq[: draft.n_cached]
@@ -150,33 +222,49 @@ def test_caches_hold_committed_prefix_after_generation(pair) -> None:
 def test_never_emits_past_max_new_tokens(pair, k, budget) -> None:
     target, draft = pair
     for seed in range(5):
-        r = generate(target, PROMPT, draft=draft, k=k, max_new_tokens=budget, seed=seed)
+        r = generate(
+            target, PROMPT, draft=draft, spec=SpecConfig(k=k), max_new_tokens=budget, seed=seed
+        )
         assert len(r.tokens) == budget and r.stop_reason == "length"
         assert r.stats.generated == budget
 
 
 def test_stop_ids_end_generation(pair) -> None:
     target, draft = pair
-    free = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=60, temperature=0).tokens
+    free = generate(
+        target,
+        PROMPT,
+        draft=draft,
+        spec=SpecConfig(k=4),
+        warp=Warp(temperature=0),
+        max_new_tokens=60,
+    ).tokens
     stop = free[10]
     first = free.index(stop)
-    r = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=60, temperature=0,
-                 stop_ids=[stop])  # fmt: skip
+    r = generate(
+        target,
+        PROMPT,
+        draft=draft,
+        spec=SpecConfig(k=4),
+        warp=Warp(temperature=0),
+        max_new_tokens=60,
+        stop_ids=[stop],
+    )
     assert r.tokens == free[: first + 1] and r.stop_reason == "stop"
 
 
 def test_stream_chunks_concatenate_to_generate(pair) -> None:
     target, draft = pair
-    s = stream(target, PROMPT, draft=draft, k=4, max_new_tokens=33, seed=5)
+    s = stream(target, PROMPT, draft=draft, spec=SpecConfig(k=4), max_new_tokens=33, seed=5)
     chunks = list(s)
     assert all(1 <= len(c) <= 5 for c in chunks)
-    ref = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=33, seed=5)
+    ref = generate(target, PROMPT, draft=draft, spec=SpecConfig(k=4), max_new_tokens=33, seed=5)
     assert [t for c in chunks for t in c] == ref.tokens == s.result.tokens
 
 
 def test_stats_are_consistent(pair) -> None:
     target, draft = pair
-    r = generate(target, PROMPT, draft=draft, k=4, max_new_tokens=50, seed=9)
+    r = generate(target, PROMPT, draft=draft, spec=SpecConfig(k=4), max_new_tokens=50, seed=9)
     st = r.stats
     assert st.generated == len(r.tokens) == 50
     assert st.accepted == sum(st.accepted_per_pos)
@@ -209,7 +297,7 @@ def test_bad_arguments_fail_before_any_work(pair, kwargs, match) -> None:
     target.reset()
     draft.reset()
     with pytest.raises(ValueError, match=match):
-        generate(target, PROMPT, draft=draft, **kwargs)
+        _gen(target, PROMPT, draft=draft, **kwargs)
     assert target.n_cached == 0 and draft.n_cached == 0  # nothing was run
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec import schema
-from specdec.cli import main
-from specdec.figures import FIGURES
+from specdec.cli.main import main
+from specdec.study import artifacts as schema
+from specdec.study.figures import FIGURES
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -261,8 +261,14 @@ def test_bench_interrupted_before_any_row_is_a_note(
     art["rows"], art["complete"] = [], False
     for side in ("baseline", "speculative"):
         agg = art["aggregates"][side]
-        for key in ("tok_s_mean", "tok_s_std", "acceptance_rate", "positional_acceptance",
-                    "tokens_per_round", "ms_per_token"):  # fmt: skip
+        for key in (
+            "tok_s_mean",
+            "tok_s_std",
+            "acceptance_rate",
+            "positional_acceptance",
+            "tokens_per_round",
+            "ms_per_token",
+        ):
             agg[key] = None
         agg["n"] = 0
     art["aggregates"].update(speedup=None, speedup_pooled=None)
@@ -282,7 +288,7 @@ def test_directory_without_artifacts_or_missing(
 
 
 def test_clashing_config_names_are_told_apart_by_the_setting_that_differs(tmp_path: Path) -> None:
-    from specdec.figures import scan
+    from specdec.study.figures import scan
 
     art = _load("bench_all_gguf_k4_t0.8.json")
     (tmp_path / "a.json").write_text(json.dumps(art))
@@ -294,7 +300,7 @@ def test_clashing_config_names_are_told_apart_by_the_setting_that_differs(tmp_pa
 def test_variants_get_a_bar_each_labelled_with_its_speedup(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from specdec import figures
+    from specdec.study import figures
 
     art = _load("bench_all_gguf_k4_t0.8.json")
     agg = art["aggregates"]
@@ -311,8 +317,12 @@ def test_variants_get_a_bar_each_labelled_with_its_speedup(
     study = figures.scan(tmp_path)
     b = next(b for b in study.benches if b.variants)
     bars = figures._bars(b)
-    assert [bar.method for bar in bars] == ["target-only", "composite K=4", "lookup K=auto",
-                                            "model K=2"]  # fmt: skip
+    assert [bar.method for bar in bars] == [
+        "target-only",
+        "composite K=4",
+        "lookup K=auto",
+        "model K=2",
+    ]
     assert [bar.speedup for bar in bars[2:]] == [pytest.approx(1.3), pytest.approx(0.9)]
     assert sorted(x.label for x in study.benches) == ["all_gguf (composite)", "all_gguf (model)"]
 
@@ -334,7 +344,7 @@ def test_variants_get_a_bar_each_labelled_with_its_speedup(
 def test_clashing_names_with_no_single_telling_setting_combine_the_differing_ones(
     tmp_path: Path,
 ) -> None:
-    from specdec.figures import scan
+    from specdec.study.figures import scan
 
     for i, (drafter, t) in enumerate((("composite", 0.8), ("composite", 0.0), ("model", 0.8))):
         art = _load("bench_all_gguf_k4_t0.8.json")

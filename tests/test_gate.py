@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-import specdec.decode as decode_mod
-import specdec.models as models_mod
-from specdec import cli, schema
-from specdec.gate import (
+import specdec.backends as models_mod
+import specdec.core.decode as decode_mod
+from specdec.backends.mock import MockModel
+from specdec.cli import main as cli
+from specdec.study import artifacts as schema
+from specdec.study.gate import (
     MIN_PROMPTS,
     QUICK,
     GateSettings,
@@ -25,15 +27,18 @@ from specdec.gate import (
     greedy_leg,
     run_gate,
 )
-from specdec.models.mock import MockModel
-from specdec.stats import MIN_EXPECTED, frequency_bins, paired_permutation_p, two_sample_chi2
+from specdec.study.significance import (
+    MIN_EXPECTED,
+    frequency_bins,
+    paired_permutation_p,
+    two_sample_chi2,
+)
 
 V = 48
 N_PROMPTS = 40
 N_TOK = 25
 P_MIN = 0.01
-SETTINGS = GateSettings(prompts=N_PROMPTS, max_new_tokens=N_TOK, greedy_prompts=3,
-                        greedy_tokens=30)  # fmt: skip
+SETTINGS = GateSettings(prompts=N_PROMPTS, max_new_tokens=N_TOK, greedy_prompts=3, greedy_tokens=30)
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +200,19 @@ def test_gate_cli_rejects_unknown_config_and_bad_sizes(tmp_path, capsys) -> None
 @pytest.mark.slow
 def test_gate_quick_on_smoke_passes(tmp_path) -> None:
     # one thread: the test box is shared (see conftest.LLAMACPP_TEST_THREADS)
-    rc = cli.main(["gate", "--quick", "--config", "smoke", "--threads", "1", "--out",
-                   str(tmp_path), "--no-progress"])  # fmt: skip
+    rc = cli.main(
+        [
+            "gate",
+            "--quick",
+            "--config",
+            "smoke",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     art = json.loads((tmp_path / "gate_smoke.json").read_text())
     assert schema.validate(art) == "specdec.gate/1"
     s = art["sampled"]

@@ -10,8 +10,10 @@ import json
 
 import pytest
 
-from specdec import cli, schema
-from specdec.microbench import (
+from specdec.backends.mock import MockModel
+from specdec.cli import main as cli
+from specdec.study import artifacts as schema
+from specdec.study.microbench import (
     acceptance_profile,
     artifact_path,
     best_k,
@@ -20,7 +22,6 @@ from specdec.microbench import (
     measure,
     predicted_speedup,
 )
-from specdec.models.mock import MockModel
 
 K_MAX = 8
 FLAT = [1.0] * (K_MAX + 1)  # v(b) = 1: verification perfectly parallel
@@ -75,23 +76,40 @@ def test_best_k_follows_the_costs() -> None:
 
 # ------------------------------------------------------------------------------ acceptance
 def _bench_artifact(rows: list[dict]) -> dict:
-    agg = {k: 0 for k in ("n", "tok_s_mean", "tok_s_std", "acceptance_rate",
-                          "positional_acceptance", "tokens_per_round", "ms_per_token")}  # fmt: skip
+    agg = {
+        k: 0
+        for k in (
+            "n",
+            "tok_s_mean",
+            "tok_s_std",
+            "acceptance_rate",
+            "positional_acceptance",
+            "tokens_per_round",
+            "ms_per_token",
+        )
+    }
     return {
-        "schema": "specdec.bench/1", "meta": {}, "complete": True,
-        "config": {"name": "synthetic", "k": 4, "temperature": 0.8}, "models": {},
+        "schema": "specdec.bench/1",
+        "meta": {},
+        "complete": True,
+        "config": {"name": "synthetic", "k": 4, "temperature": 0.8},
+        "models": {},
         "aggregates": {"baseline": agg, "speculative": agg},
-        "rows": [{"baseline": {"tokens_per_s": 1.0},
-                  "speculative": {"tokens_per_s": 1.0, **r}} for r in rows],
-    }  # fmt: skip
+        "rows": [
+            {"baseline": {"tokens_per_s": 1.0}, "speculative": {"tokens_per_s": 1.0, **r}}
+            for r in rows
+        ],
+    }
 
 
 def test_acceptance_profile_pools_rows_over_rounds_that_drafted_each_position() -> None:
-    bench = _bench_artifact([
-        # 10 rounds at K = 4, the last one clipped to K = 2 by the token budget
-        {"rounds": 10, "drafted_per_pos": [10, 10, 9, 9], "accepted_per_pos": [8, 6, 3, 1]},
-        {"rounds": 10, "drafted_per_pos": [10, 10, 10, 10], "accepted_per_pos": [6, 4, 3, 2]},
-    ])  # fmt: skip
+    bench = _bench_artifact(
+        [
+            # 10 rounds at K = 4, the last one clipped to K = 2 by the token budget
+            {"rounds": 10, "drafted_per_pos": [10, 10, 9, 9], "accepted_per_pos": [8, 6, 3, 1]},
+            {"rounds": 10, "drafted_per_pos": [10, 10, 10, 10], "accepted_per_pos": [6, 4, 3, 2]},
+        ]
+    )
     prof = acceptance_profile(bench, source="x.json")
     assert prof["p_at_least"] == pytest.approx([14 / 20, 10 / 20, 6 / 19, 3 / 19])
     assert prof["positional_acceptance"] == prof["p_at_least"]
@@ -123,8 +141,9 @@ def test_measure_warms_up_then_alternates_the_b_order() -> None:
     target = _Recorder(prefix=10, vocab_size=48, seed=0)
     draft = _Recorder(prefix=10, vocab_size=48, seed=1)
     ids = list(range(14))
-    verify, draft_ms = measure(target, draft, ids, prefix=10, max_batch=4, repeats=3,
-                               progress=False)  # fmt: skip
+    verify, draft_ms = measure(
+        target, draft, ids, prefix=10, max_batch=4, repeats=3, progress=False
+    )
     down, up = [4, 3, 2, 1], [1, 2, 3, 4]
     assert target.lengths == [*down, *up, *down, *up]  # warm-up (down), then 3 timed passes
     assert draft.lengths == [1] * 4  # warm-up + one per repeat
@@ -135,18 +154,40 @@ def test_measure_warms_up_then_alternates_the_b_order() -> None:
 
 def _write_bench(tmp_path) -> str:
     path = tmp_path / "bench.json"
-    path.write_text(json.dumps(_bench_artifact([
-        {"rounds": 5, "drafted_per_pos": [5, 5, 5], "accepted_per_pos": [4, 3, 1]},
-    ])))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            _bench_artifact(
+                [
+                    {"rounds": 5, "drafted_per_pos": [5, 5, 5], "accepted_per_pos": [4, 3, 1]},
+                ]
+            )
+        )
+    )
     return str(path)
 
 
 def test_microbench_cli_on_mock_models_writes_a_valid_artifact(tmp_path, capsys) -> None:
     out = tmp_path / "results"
-    rc = cli.main(["microbench", "--target", "mock:vocab=48,seed=0", "--draft",
-                   "mock:vocab=48,seed=1", "--prefix", "20", "--max-batch", "5", "--repeats", "3",
-                   "--acceptance", _write_bench(tmp_path), "--out", str(out),
-                   "--no-progress"])  # fmt: skip
+    rc = cli.main(
+        [
+            "microbench",
+            "--target",
+            "mock:vocab=48,seed=0",
+            "--draft",
+            "mock:vocab=48,seed=1",
+            "--prefix",
+            "20",
+            "--max-batch",
+            "5",
+            "--repeats",
+            "3",
+            "--acceptance",
+            _write_bench(tmp_path),
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     path = artifact_path(out, "mock:vocab=48,seed=0")
     assert path.name == "microbench_mock-vocab-48-seed-0.json"
@@ -167,8 +208,22 @@ def test_microbench_cli_on_mock_models_writes_a_valid_artifact(tmp_path, capsys)
 
 def test_microbench_without_draft_or_acceptance_reports_cost_only(tmp_path) -> None:
     out = tmp_path / "results"
-    rc = cli.main(["microbench", "--target", "mock:vocab=48", "--prefix", "8", "--max-batch",
-                   "3", "--repeats", "1", "--out", str(out), "--no-progress"])  # fmt: skip
+    rc = cli.main(
+        [
+            "microbench",
+            "--target",
+            "mock:vocab=48",
+            "--prefix",
+            "8",
+            "--max-batch",
+            "3",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     art = json.loads(next(out.glob("microbench_*.json")).read_text())
     schema.validate(art)
@@ -179,8 +234,17 @@ def test_microbench_without_draft_or_acceptance_reports_cost_only(tmp_path) -> N
 
 
 def test_microbench_bad_acceptance_path_is_a_clean_error(tmp_path, capsys) -> None:
-    rc = cli.main(["microbench", "--target", "mock:vocab=48", "--acceptance",
-                   str(tmp_path / "missing.json"), "--out", str(tmp_path)])  # fmt: skip
+    rc = cli.main(
+        [
+            "microbench",
+            "--target",
+            "mock:vocab=48",
+            "--acceptance",
+            str(tmp_path / "missing.json"),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 2
     assert "cannot read the acceptance artifact" in capsys.readouterr().err
 
@@ -189,9 +253,22 @@ def test_microbench_bad_acceptance_path_is_a_clean_error(tmp_path, capsys) -> No
 def test_microbench_real_tiny_run(tmp_path) -> None:
     out = tmp_path / "results"
     # one thread: the test box is shared (see conftest.LLAMACPP_TEST_THREADS)
-    rc = cli.main(["microbench", "--target", "llamacpp:smollm2-135m", "--threads", "1",
-                   "--max-batch", "4", "--repeats", "2", "--out", str(out),
-                   "--no-progress"])  # fmt: skip
+    rc = cli.main(
+        [
+            "microbench",
+            "--target",
+            "llamacpp:smollm2-135m",
+            "--threads",
+            "1",
+            "--max-batch",
+            "4",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     art = json.loads(artifact_path(out, "llamacpp:smollm2-135m").read_text())
     assert schema.validate(art) == "specdec.microbench/1"
@@ -202,13 +279,14 @@ def test_microbench_real_tiny_run(tmp_path) -> None:
 
 
 def test_check_prediction_arithmetic_and_fixed_k_requirement() -> None:
-    from specdec.microbench import check_prediction
+    from specdec.study.microbench import check_prediction
 
-    art = {"verify": [{"b": b, "ratio": r} for b, r in [(1, 1.0), (2, 1.5), (3, 1.8)]],
-           "c": 0.25}  # fmt: skip
-    bench = _bench_artifact([
-        {"rounds": 10, "drafted_per_pos": [10, 10], "accepted_per_pos": [8, 4]},
-    ])  # fmt: skip
+    art = {"verify": [{"b": b, "ratio": r} for b, r in [(1, 1.0), (2, 1.5), (3, 1.8)]], "c": 0.25}
+    bench = _bench_artifact(
+        [
+            {"rounds": 10, "drafted_per_pos": [10, 10], "accepted_per_pos": [8, 4]},
+        ]
+    )
     bench["config"].update(k=2, drafter="model")
     bench["aggregates"].update(decode_speedup=0.8, speedup=0.7)
     ch = check_prediction(art, bench, "b.json")
@@ -228,7 +306,16 @@ def test_microbench_check_refuses_auto_k_before_loading_models(tmp_path, capsys)
     bench["config"]["k"] = "auto"
     path = tmp_path / "auto.json"
     path.write_text(json.dumps(bench))
-    rc = cli.main(["microbench", "--target", "hf:does-not-exist", "--check", str(path),
-                   "--out", str(tmp_path)])  # fmt: skip
+    rc = cli.main(
+        [
+            "microbench",
+            "--target",
+            "hf:does-not-exist",
+            "--check",
+            str(path),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 2
     assert "fixed-K" in capsys.readouterr().err

@@ -6,9 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdec.models import MockModel
-from specdec.registry import is_fetched, resolve
-from specdec.tokenizer import IncompatiblePairError, check_pair, check_tokenizers, load_tokenizer
+from specdec.backends.mock import MockModel
+from specdec.backends.registry import is_fetched, resolve
+from specdec.backends.tokenizer import load_tokenizer
+from specdec.core.pair import IncompatiblePairError, check_pair, check_tokenizers
 
 QWEN = "qwen2.5-coder-0.5b"
 
@@ -61,7 +62,7 @@ def test_tokenizer_must_fit_the_shared_width(smol_path) -> None:
 
 @pytest.mark.slow
 def test_converted_tokenizer_is_cached(smol_path) -> None:
-    from specdec.tokenizer import converted_dir
+    from specdec.backends.tokenizer import converted_dir
 
     tok = load_tokenizer(smol_path)  # converts on first use, then reads the cache
     cache = converted_dir("tokenizers", smol_path)

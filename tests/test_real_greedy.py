@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from specdec import prompting
-from specdec.decode import generate
+from specdec.backends import chat as prompting
+from specdec.core.config import SpecConfig, Warp
+from specdec.core.decode import generate
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +31,24 @@ def test_speculative_greedy_equals_target_only(smol_hf, smol_llamacpp, drafter) 
     tok = target.tokenizer
     for text in PROMPTS:
         ids = prompting.encode(tok, text)
-        base = generate(target, ids, max_new_tokens=N_TOK, temperature=0).tokens
+        base = generate(
+            target,
+            ids,
+            max_new_tokens=N_TOK,
+            warp=Warp(temperature=0),
+        ).tokens
         assert len(base) == N_TOK  # no early stop: the comparison covers all 48 tokens
         ks = (1, 4) if drafter == "model" else (4, "auto")
         for k in ks:
-            spec = generate(target, ids, draft=None if drafter == "lookup" else draft,
-                            drafter=drafter, k=k, max_new_tokens=N_TOK, temperature=0,
-                            debug=True)  # fmt: skip
+            spec = generate(
+                target,
+                ids,
+                draft=None if drafter == "lookup" else draft,
+                spec=SpecConfig(drafter=drafter, k=k),
+                warp=Warp(temperature=0),
+                max_new_tokens=N_TOK,
+                debug=True,
+            )
             assert spec.tokens == base, (drafter, k, text)
             if drafter == "model":
                 assert spec.stats.drafted > 0

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec import registry
-from specdec.cli import main
-from specdec.registry import CorruptModelError, ModelEntry, ModelFetchError
+from specdec.backends import registry
+from specdec.backends.registry import CorruptModelError, ModelEntry, ModelFetchError
+from specdec.cli.main import main
 
 # Captured before the autouse fixture points $SPECDEC_HOME at tmp_path.
 REAL_HOME = registry.specdec_home()

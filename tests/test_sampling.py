@@ -13,7 +13,7 @@ import pytest
 import torch
 from stats_util import gof_chi2, kl
 
-from specdec.sampling import greedy_verify, probs_from_logits, rejection_sample
+from specdec.core.sampling import greedy_verify, probs_from_logits, rejection_sample
 
 V = 30
 N_TRIALS = 50_000
@@ -316,7 +316,7 @@ def test_general_rule_on_one_hots_equals_greedy() -> None:
 def test_inverse_cdf_sampler_matches_p_and_skips_zero_mass() -> None:
     """`sample` (inverse CDF, not torch.multinomial) on a row with holes and an unnormalized
     scale: zero-mass tokens never drawn, frequencies match p (chi-square, 50,000 draws)."""
-    from specdec.sampling import sample
+    from specdec.core.sampling import sample
 
     p = _zipf(11).double()
     p[::3] = 0.0  # every third token impossible, including the first

@@ -1,7 +1,7 @@
 """`specdec serve` through real HTTP on loopback, driven by the real `openai` client.
 
 Each server runs in-process (uvicorn in a background thread, on a socket bound to 127.0.0.1:0)
-so the tests can compare its output with `specdec.decode.generate` on the very same model objects
+so the tests can compare its output with `specdec.generate` on the very same model objects
 (taking `engine.lock`, as the server's worker does). Two kinds of engine:
 
     mock    MockModel pairs (no tokenizer): /v1/completions with token-id prompts; the text is
@@ -29,10 +29,12 @@ import openai
 import pytest
 import uvicorn
 
-from specdec import prompting, registry
-from specdec.decode import generate
-from specdec.models.mock import MockModel
-from specdec.server import Engine, ServeConfig, TextAssembler, create_app
+from specdec.backends import chat as prompting
+from specdec.backends import registry
+from specdec.backends.mock import MockModel
+from specdec.core.config import SpecConfig, Warp
+from specdec.core.decode import generate
+from specdec.serve.app import Engine, ServeConfig, TextAssembler, create_app
 
 V = 48
 MOCK_SPEC = "mock:vocab=48,seed=0"
@@ -120,7 +122,7 @@ def mock_server(**cfg_kw: Any) -> Server:
     delay = cfg_kw.pop("delay", 0.0)
     n_ctx = cfg_kw.pop("n_ctx", 4096)
     with_draft = cfg_kw.pop("with_draft", True)
-    engine_kwargs = cfg_kw.pop("engine_kwargs", {})
+    spec = SpecConfig(**cfg_kw.pop("engine_kwargs", {}))
     target = SlowMock(V, seed=0, n_ctx=n_ctx, name=MOCK_SPEC)
     target.delay = delay
     draft = None
@@ -128,21 +130,27 @@ def mock_server(**cfg_kw: Any) -> Server:
         draft = SlowMock.near(target, noise=0.7, seed=1)
         draft.delay = delay
     cfg = ServeConfig(target=MOCK_SPEC, **cfg_kw)
-    engine = Engine(
-        target, draft, model_id=MOCK_SPEC, engine_kwargs=engine_kwargs, max_queue=cfg.max_queue
-    )
+    engine = Engine(target, draft, model_id=MOCK_SPEC, spec=spec, max_queue=cfg.max_queue)
     engine.warm_up()
     return Server(engine, cfg)
 
 
-def expected(srv: Server, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
-             seed: int = 0) -> Any:  # fmt: skip
+def expected(
+    srv: Server, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0
+) -> Any:
     """What `specdec generate` gives for this request, on the server's own models."""
     e = srv.engine
     with e.lock:
-        return generate(e.target, prompt_ids, draft=e.draft, **e.engine_kwargs,
-                        max_new_tokens=max_tokens, temperature=temperature, seed=seed,
-                        stop_ids=e.stop_ids)  # fmt: skip
+        return generate(
+            e.target,
+            prompt_ids,
+            draft=e.draft,
+            spec=e.spec,
+            warp=Warp(temperature),
+            max_new_tokens=max_tokens,
+            seed=seed,
+            stop_ids=e.stop_ids,
+        )
 
 
 # ---------------------------------------------------------------------------- pure: text assembly
@@ -190,9 +198,13 @@ def test_completions_token_prompt_greedy_and_sampled_match_generate(mock: Server
     for temperature, seed in ((0.0, 0), (0.9, 123)):
         want = expected(mock, [5, 6, 7], 20, temperature, seed)
         r = client.completions.create(
-            model=MOCK_SPEC, prompt=[5, 6, 7], max_tokens=20, temperature=temperature, seed=seed,
+            model=MOCK_SPEC,
+            prompt=[5, 6, 7],
+            max_tokens=20,
+            temperature=temperature,
+            seed=seed,
             extra_body={"return_token_ids": True},
-        )  # fmt: skip
+        )
         choice = r.choices[0]
         assert choice.token_ids == want.tokens
         assert choice.text == " ".join(map(str, want.tokens))
@@ -206,10 +218,15 @@ def test_completions_token_prompt_greedy_and_sampled_match_generate(mock: Server
 def test_twenty_concurrent_clients_nothing_lost_or_crossed(mock: Server) -> None:
     client = mock.client(API_KEY)
     jobs = [
-        {"prompt": [i % V, (3 * i + 1) % V, (7 * i + 2) % V], "temperature": 0.0 if i % 2 else 0.8,
-         "seed": 1000 + i, "max_tokens": 12 + i % 5, "stream": i % 3 == 0}
+        {
+            "prompt": [i % V, (3 * i + 1) % V, (7 * i + 2) % V],
+            "temperature": 0.0 if i % 2 else 0.8,
+            "seed": 1000 + i,
+            "max_tokens": 12 + i % 5,
+            "stream": i % 3 == 0,
+        }
         for i in range(20)
-    ]  # fmt: skip
+    ]
     wants = [
         expected(mock, j["prompt"], j["max_tokens"], j["temperature"], j["seed"]).tokens
         for j in jobs
@@ -217,9 +234,14 @@ def test_twenty_concurrent_clients_nothing_lost_or_crossed(mock: Server) -> None
     assert len({tuple(w) for w in wants}) == 20  # distinct outputs, so a crossing would show
 
     def run(j: dict) -> list[int]:
-        kw = dict(model=MOCK_SPEC, prompt=j["prompt"], max_tokens=j["max_tokens"],
-                  temperature=j["temperature"], seed=j["seed"],
-                  extra_body={"return_token_ids": True})  # fmt: skip
+        kw = dict(
+            model=MOCK_SPEC,
+            prompt=j["prompt"],
+            max_tokens=j["max_tokens"],
+            temperature=j["temperature"],
+            seed=j["seed"],
+            extra_body={"return_token_ids": True},
+        )
         if not j["stream"]:
             c = client.completions.create(**kw).choices[0]
             assert c.text == " ".join(map(str, c.token_ids))
@@ -255,25 +277,55 @@ BAD_INPUTS = [
     ("malformed-json", "/v1/completions", b'{"model": "x", ', AUTH, 400, None),
     ("not-an-object", "/v1/completions", b"[1, 2]", AUTH, 400, None),
     ("not-utf8", "/v1/completions", b'{"a": "\xff"}', AUTH, 400, None),
-    ("temperature-str", "/v1/completions", {**GOOD, "temperature": "hot"}, AUTH, 400,
-     "temperature"),
+    (
+        "temperature-str",
+        "/v1/completions",
+        {**GOOD, "temperature": "hot"},
+        AUTH,
+        400,
+        "temperature",
+    ),
     ("max-tokens-str", "/v1/completions", {**GOOD, "max_tokens": "8"}, AUTH, 400, "max_tokens"),
     ("max-tokens-float", "/v1/completions", {**GOOD, "max_tokens": 8.5}, AUTH, 400, "max_tokens"),
     ("stream-str", "/v1/completions", {**GOOD, "stream": "yes"}, AUTH, 400, "stream"),
     ("seed-bool", "/v1/completions", {**GOOD, "seed": True}, AUTH, 400, "seed"),
     ("prompt-number", "/v1/completions", {**GOOD, "prompt": 5}, AUTH, 400, "prompt"),
-    ("messages-str", "/v1/chat/completions", {"model": MOCK_SPEC, "messages": "hi"}, AUTH, 400,
-     "messages"),
+    (
+        "messages-str",
+        "/v1/chat/completions",
+        {"model": MOCK_SPEC, "messages": "hi"},
+        AUTH,
+        400,
+        "messages",
+    ),
     ("missing-model", "/v1/completions", {"prompt": [1]}, AUTH, 400, "model"),
     ("unknown-model", "/v1/completions", {**GOOD, "model": "gpt-4"}, AUTH, 404, "model"),
-    ("max-tokens-beyond-ctx", "/v1/completions", {**GOOD, "max_tokens": 62}, AUTH, 400,
-     "max_tokens"),
+    (
+        "max-tokens-beyond-ctx",
+        "/v1/completions",
+        {**GOOD, "max_tokens": 62},
+        AUTH,
+        400,
+        "max_tokens",
+    ),
     ("prompt-fills-ctx", "/v1/completions", {**GOOD, "prompt": [1] * 64}, AUTH, 400, "prompt"),
     ("max-tokens-zero", "/v1/completions", {**GOOD, "max_tokens": 0}, AUTH, 400, "max_tokens"),
-    ("negative-temperature", "/v1/completions", {**GOOD, "temperature": -0.1}, AUTH, 400,
-     "temperature"),
-    ("nan-temperature", "/v1/completions", b'{"model": "%s", "prompt": [1], "temperature": NaN}'
-     % MOCK_SPEC.encode(), AUTH, 400, "temperature"),
+    (
+        "negative-temperature",
+        "/v1/completions",
+        {**GOOD, "temperature": -0.1},
+        AUTH,
+        400,
+        "temperature",
+    ),
+    (
+        "nan-temperature",
+        "/v1/completions",
+        b'{"model": "%s", "prompt": [1], "temperature": NaN}' % MOCK_SPEC.encode(),
+        AUTH,
+        400,
+        "temperature",
+    ),
     ("top-p-zero", "/v1/completions", {**GOOD, "top_p": 0}, AUTH, 400, "top_p"),
     ("top-p-above-one", "/v1/completions", {**GOOD, "top_p": 1.5}, AUTH, 400, "top_p"),
     ("top-k-zero", "/v1/completions", {**GOOD, "top_k": 0}, AUTH, 400, "top_k"),
@@ -282,16 +334,28 @@ BAD_INPUTS = [
     ("n-two", "/v1/completions", {**GOOD, "n": 2}, AUTH, 400, "n"),
     ("empty-stop", "/v1/completions", {**GOOD, "stop": [""]}, AUTH, 400, "stop"),
     ("batched-prompts", "/v1/completions", {**GOOD, "prompt": [[1], [2]]}, AUTH, 400, "prompt"),
-    ("chat-without-template", "/v1/chat/completions",
-     {"model": MOCK_SPEC, "messages": [{"role": "user", "content": "hi"}]}, AUTH, 400, "messages"),
-    ("bad-role", "/v1/chat/completions",
-     {"model": MOCK_SPEC, "messages": [{"role": "wizard", "content": "hi"}]}, AUTH, 400, None),
+    (
+        "chat-without-template",
+        "/v1/chat/completions",
+        {"model": MOCK_SPEC, "messages": [{"role": "user", "content": "hi"}]},
+        AUTH,
+        400,
+        "messages",
+    ),
+    (
+        "bad-role",
+        "/v1/chat/completions",
+        {"model": MOCK_SPEC, "messages": [{"role": "wizard", "content": "hi"}]},
+        AUTH,
+        400,
+        None,
+    ),
     ("missing-key", "/v1/completions", GOOD, {}, 401, None),
     ("wrong-key", "/v1/completions", GOOD, {"Authorization": "Bearer nope"}, 401, None),
     ("not-bearer", "/v1/completions", GOOD, {"Authorization": API_KEY}, 401, None),
     ("too-large", "/v1/completions", {**GOOD, "user": "x" * 5000}, AUTH, 413, None),
     ("unknown-route", "/v1/embeddings", GOOD, AUTH, 404, None),
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -338,8 +402,9 @@ def test_queue_overflow_returns_429_with_retry_after() -> None:
     try:
         body = {"model": MOCK_SPEC, "prompt": [1, 2], "max_tokens": 16, "temperature": 0}
         with ThreadPoolExecutor(max_workers=6) as pool:
-            results = list(pool.map(lambda _: srv.request("POST", "/v1/completions", body),
-                                    range(6)))  # fmt: skip
+            results = list(
+                pool.map(lambda _: srv.request("POST", "/v1/completions", body), range(6))
+            )
         statuses = sorted(r[0] for r in results)
         # one generating + one waiting fit; the rest of a burst of 6 must be turned away
         assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
@@ -387,10 +452,18 @@ def test_drafter_and_k_options_pass_through_greedy_exact(engine_kwargs: dict) ->
     try:
         prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # repeats: prompt lookup has matches
         r = srv.client().completions.create(
-            model=MOCK_SPEC, prompt=prompt, max_tokens=16, temperature=0,
+            model=MOCK_SPEC,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
             extra_body={"return_token_ids": True},
-        )  # fmt: skip
-        target_only = generate(srv.engine.target, prompt, max_new_tokens=16, temperature=0)
+        )
+        target_only = generate(
+            srv.engine.target,
+            prompt,
+            max_new_tokens=16,
+            warp=Warp(temperature=0),
+        )
         assert r.choices[0].token_ids == target_only.tokens
     finally:
         srv.close()
@@ -404,23 +477,31 @@ def test_models_health_and_metrics(mock: Server) -> None:
     mock.request("POST", "/v1/completions", GOOD, AUTH)
     status, hdrs, text = mock.request("GET", "/metrics")
     assert status == 200 and hdrs["content-type"].startswith("text/plain")
-    for name in ("specdec_requests_total", "specdec_drafts_total", "specdec_draft_tokens_total",
-                 "specdec_accepted_tokens_total", "specdec_accepted_per_position_total",
-                 "specdec_acceptance_length", "specdec_time_to_first_token_seconds",
-                 "specdec_inter_token_latency_seconds"):  # fmt: skip
+    for name in (
+        "specdec_requests_total",
+        "specdec_drafts_total",
+        "specdec_draft_tokens_total",
+        "specdec_accepted_tokens_total",
+        "specdec_accepted_per_position_total",
+        "specdec_acceptance_length",
+        "specdec_time_to_first_token_seconds",
+        "specdec_inter_token_latency_seconds",
+    ):
         assert re.search(rf"^# HELP {name} \S.*", text, re.M), name
         assert re.search(rf"^# TYPE {name} (counter|histogram)$", text, re.M), name
     drafted = metric(text, "specdec_draft_tokens_total")
     accepted = metric(text, "specdec_accepted_tokens_total")
     assert drafted > 0 and 0 <= accepted <= drafted
-    per_pos = [metric(text, "specdec_accepted_per_position_total", position=str(i))
-               for i in range(1, 5)]  # fmt: skip
+    per_pos = [
+        metric(text, "specdec_accepted_per_position_total", position=str(i)) for i in range(1, 5)
+    ]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     assert metric(text, "specdec_drafts_total") == metric(
         text, "specdec_drafted_per_position_total", position="1"
     )
-    buckets = [float(v) for v in re.findall(r"^specdec_acceptance_length_bucket\{.*\} (\S+)$",
-                                             text, re.M)]  # fmt: skip
+    buckets = [
+        float(v) for v in re.findall(r"^specdec_acceptance_length_bucket\{.*\} (\S+)$", text, re.M)
+    ]
     assert buckets == sorted(buckets) and buckets[-1] == metric(
         text, "specdec_acceptance_length_count"
     )
@@ -433,8 +514,22 @@ def test_cli_serve_subprocess_binds_loopback() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--target", MOCK_SPEC, "--draft",
-           "mock:vocab=48,seed=1", "-k", "3", "--port", str(port), "--max-queue", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec.cli.main",
+        "serve",
+        "--target",
+        MOCK_SPEC,
+        "--draft",
+        "mock:vocab=48,seed=1",
+        "-k",
+        "3",
+        "--port",
+        str(port),
+        "--max-queue",
+        "2",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -469,7 +564,7 @@ def _smoke_available() -> bool:
 def smoke() -> Server:
     if not _smoke_available():
         pytest.skip("smollm2-135m is not in the model cache (specdec models fetch smollm2-135m)")
-    from specdec.models import load_model
+    from specdec.backends import load_model
 
     # One thread per model: on a shared machine llama.cpp with all cores contends badly.
     target = load_model(SMOKE_TARGET, n_threads=1)
@@ -500,8 +595,14 @@ def _assert_greedy_chat_equals_generate(smoke: Server, text: str) -> Any:
     tok = smoke.engine.tokenizer
     prompt_ids = prompting.encode(tok, text)  # the path `specdec generate` takes
     want = expected(smoke, prompt_ids, SMOKE_MAX_TOKENS)
-    r = _chat(smoke, text, max_tokens=SMOKE_MAX_TOKENS, temperature=0, seed=3,
-              extra_body={"return_token_ids": True})  # fmt: skip
+    r = _chat(
+        smoke,
+        text,
+        max_tokens=SMOKE_MAX_TOKENS,
+        temperature=0,
+        seed=3,
+        extra_body={"return_token_ids": True},
+    )
     assert r.prompt_token_ids == prompt_ids
     assert r.choices[0].token_ids == want.tokens
     assert r.choices[0].message.content == prompting.decode(tok, want.tokens)
@@ -518,16 +619,22 @@ def test_chat_greedy_equals_generate_token_for_token(smoke: Server) -> None:
     r = _assert_greedy_chat_equals_generate(smoke, text)
     # the bare model name (no backend prefix) is accepted as the model id too
     r2 = smoke.client().chat.completions.create(
-        model="smollm2-135m", messages=[{"role": "user", "content": text}],
-        max_tokens=SMOKE_MAX_TOKENS, temperature=0,
-    )  # fmt: skip
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": text}],
+        max_tokens=SMOKE_MAX_TOKENS,
+        temperature=0,
+    )
     assert r2.choices[0].message.content == r.choices[0].message.content
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_chat_stream_concatenates_to_nonstreamed_text(smoke: Server, temperature: float) -> None:
-    kw = dict(max_tokens=SMOKE_MAX_TOKENS, temperature=temperature, seed=11,
-              extra_body={"return_token_ids": True})  # fmt: skip
+    kw = dict(
+        max_tokens=SMOKE_MAX_TOKENS,
+        temperature=temperature,
+        seed=11,
+        extra_body={"return_token_ids": True},
+    )
     full = _chat(smoke, "Write a haiku about rain.", **kw)
     streamed, ids, finish = _chat_stream(smoke, "Write a haiku about rain.", **kw)
     assert streamed == full.choices[0].message.content and streamed
@@ -543,8 +650,9 @@ def test_completions_text_prompt_stream_and_not(smoke: Server) -> None:
     kw = dict(model=SMOKE_TARGET, prompt=prompt, max_tokens=SMOKE_MAX_TOKENS, temperature=0)
     full = client.completions.create(**kw)
     assert full.choices[0].text == prompting.decode(tok, want.tokens)
-    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
-                                            **kw))  # fmt: skip
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == len(want.tokens)
 
@@ -576,8 +684,9 @@ def test_disconnect_mid_stream_frees_the_engine_without_leaking(smoke: Server) -
         "messages": [{"role": "user", "content": "Tell me a long story."}],
     }
     conn = http.client.HTTPConnection("127.0.0.1", smoke.port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})  # fmt: skip
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     for _ in range(1000):  # read until the first chunk with generated text
@@ -599,9 +708,14 @@ def test_disconnect_mid_stream_frees_the_engine_without_leaking(smoke: Server) -
 def test_concurrent_chat_clients_get_their_own_answers(smoke: Server) -> None:
     tok = smoke.engine.tokenizer
     texts = ["Say hi.", "Name a fruit.", "What is 2+2?", "Name a planet."]
-    wants = [prompting.decode(tok, expected(smoke, prompting.encode(tok, t), 4).tokens)
-             for t in texts]  # fmt: skip
+    wants = [
+        prompting.decode(tok, expected(smoke, prompting.encode(tok, t), 4).tokens) for t in texts
+    ]
     with ThreadPoolExecutor(max_workers=len(texts)) as pool:
-        got = list(pool.map(lambda t: _chat(smoke, t, max_tokens=4, temperature=0)
-                            .choices[0].message.content, texts))  # fmt: skip
+        got = list(
+            pool.map(
+                lambda t: _chat(smoke, t, max_tokens=4, temperature=0).choices[0].message.content,
+                texts,
+            )
+        )
     assert got == wants

@@ -15,19 +15,19 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_model": "specdec.models",
-    "SpecModel": "specdec.models.base",
-    "MockModel": "specdec.models.mock",
-    "check_pair": "specdec.tokenizer",
-    "get_device": "specdec.device",
-    "synchronize": "specdec.device",
-    "probs_from_logits": "specdec.sampling",
-    "rejection_sample": "specdec.sampling",
-    "greedy_verify": "specdec.sampling",
-    "generate": "specdec.decode",
-    "stream": "specdec.decode",
-    "GenerationResult": "specdec.decode",
-    "GenerationStats": "specdec.decode",
+    "load_model": "specdec.backends",
+    "SpecModel": "specdec.core.model",
+    "MockModel": "specdec.backends.mock",
+    "check_pair": "specdec.core.pair",
+    "get_device": "specdec.core.device",
+    "synchronize": "specdec.core.device",
+    "probs_from_logits": "specdec.core.sampling",
+    "rejection_sample": "specdec.core.sampling",
+    "greedy_verify": "specdec.core.sampling",
+    "generate": "specdec.core.decode",
+    "stream": "specdec.core.decode",
+    "GenerationResult": "specdec.core.decode",
+    "GenerationStats": "specdec.core.decode",
 }
 
 __all__ = sorted(_LAZY)

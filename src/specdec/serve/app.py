@@ -54,7 +54,6 @@ went away is counted as 499 (nginx's "client closed request") in specdec_request
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
@@ -78,9 +77,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
-from . import prompting
-from .decode import GenerationStats, SpecStream, stream
-from .models.base import SpecModel
+from specdec.backends import chat as prompting
+from specdec.core.config import SpecConfig, Warp
+from specdec.core.decode import SpecStream, stream
+from specdec.core.metrics import GenerationStats
+from specdec.core.model import SpecModel
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +113,10 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Speculation options for `decode.stream`, only those the user set."""
+    def spec_config(self) -> SpecConfig:
+        """The speculation settings for the engine: SpecConfig's defaults where none was set."""
         opts = {"drafter": self.drafter, "k": self.k, "k_max": self.k_max, "p_min": self.p_min}
-        return {key: v for key, v in opts.items() if v is not None}
+        return SpecConfig(**{key: v for key, v in opts.items() if v is not None})
 
 
 # ------------------------------------------------------------------------------ errors, schemas
@@ -299,44 +300,65 @@ _LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 # name -> (type, HELP). The HELP lines are the definitions (after vLLM's spec-decode metrics).
 _METRICS: dict[str, tuple[str, str]] = {
     "specdec_requests_total": (
-        "counter", "HTTP requests to /v1 endpoints answered, by endpoint and status code "
-        "(429 rejections and errors included)"),
+        "counter",
+        "HTTP requests to /v1 endpoints answered, by endpoint and status code "
+        "(429 rejections and errors included)",
+    ),
     "specdec_generations_total": (
-        "counter", "Requests that reached the engine, by outcome: finished (stop or length), "
-        "cancelled (client went away), timeout, error"),
-    "specdec_queue_depth": ("gauge", "Requests waiting for the engine (not counting the one "
-                                     "being generated)"),
+        "counter",
+        "Requests that reached the engine, by outcome: finished (stop or length), "
+        "cancelled (client went away), timeout, error",
+    ),
+    "specdec_queue_depth": (
+        "gauge",
+        "Requests waiting for the engine (not counting the one being generated)",
+    ),
     "specdec_queue_capacity": ("gauge", "--max-queue: waiting requests beyond it get HTTP 429"),
     "specdec_busy": ("gauge", "1 while the engine is generating, else 0"),
     "specdec_prompt_tokens_total": ("counter", "Prompt tokens of generations started"),
     "specdec_generated_tokens_total": (
-        "counter", "Tokens committed (accepted + one recovered or bonus token per round)"),
+        "counter",
+        "Tokens committed (accepted + one recovered or bonus token per round)",
+    ),
     "specdec_rounds_total": (
-        "counter", "Target forward passes after the prefill (one per round; a plain target "
-        "step is a round with no draft)"),
+        "counter",
+        "Target forward passes after the prefill (one per round; a plain target "
+        "step is a round with no draft)",
+    ),
     "specdec_drafts_total": ("counter", "Rounds that drafted at least one token"),
     "specdec_draft_tokens_total": ("counter", "Draft tokens proposed and sent to verification"),
     "specdec_accepted_tokens_total": ("counter", "Draft tokens kept by the accept rule"),
     "specdec_drafted_per_position_total": (
-        "counter", "Rounds that drafted a token at this position (1 = first draft token)"),
+        "counter",
+        "Rounds that drafted a token at this position (1 = first draft token)",
+    ),
     "specdec_accepted_per_position_total": (
-        "counter", "Rounds whose draft token at this position was accepted; divided by "
-        "specdec_drafted_per_position_total it is the acceptance rate by position"),
+        "counter",
+        "Rounds whose draft token at this position was accepted; divided by "
+        "specdec_drafted_per_position_total it is the acceptance rate by position",
+    ),
     "specdec_acceptance_length": (
-        "histogram", "Tokens committed by one round: accepted drafts plus the recovered or "
+        "histogram",
+        "Tokens committed by one round: accepted drafts plus the recovered or "
         "bonus token (so >= 1; the mean includes the bonus token); a round cut short by a stop "
-        "token or the max_tokens budget counts what it committed"),
+        "token or the max_tokens budget counts what it committed",
+    ),
     "specdec_time_to_first_token_seconds": (
-        "histogram", "Arrival of the request to its first committed token: queue wait, prefill "
-        "and the first draft + verify round"),
+        "histogram",
+        "Arrival of the request to its first committed token: queue wait, prefill "
+        "and the first draft + verify round",
+    ),
     "specdec_inter_token_latency_seconds": (
-        "histogram", "Time between consecutive rounds' committed tokens of one request; a round "
-        "that commits several tokens is observed once"),
-    "specdec_queue_wait_seconds": (
-        "histogram", "Arrival of the request to the engine starting it"),
+        "histogram",
+        "Time between consecutive rounds' committed tokens of one request; a round "
+        "that commits several tokens is observed once",
+    ),
+    "specdec_queue_wait_seconds": ("histogram", "Arrival of the request to the engine starting it"),
     "specdec_request_latency_seconds": (
-        "histogram", "Arrival of the request to its last committed token (finished ones)"),
-}  # fmt: skip
+        "histogram",
+        "Arrival of the request to its last committed token (finished ones)",
+    ),
+}
 
 
 class Metrics:
@@ -464,7 +486,7 @@ class Engine:
         draft: SpecModel | None = None,
         *,
         model_id: str | None = None,
-        engine_kwargs: dict[str, Any] | None = None,
+        spec: SpecConfig = SpecConfig(),  # noqa: B008 - frozen
         max_queue: int = DEFAULT_MAX_QUEUE,
         metrics: Metrics | None = None,
     ) -> None:
@@ -473,7 +495,7 @@ class Engine:
         self.target = target
         self.draft = draft
         self.model_id = model_id or target.name
-        self.engine_kwargs = dict(engine_kwargs or {})
+        self.spec = spec
         self.tokenizer = target.tokenizer or getattr(draft, "tokenizer", None)
         self.stop_ids = prompting.stop_ids(self.tokenizer)
         # Every model the prompt must fit, for max_tokens validation.
@@ -501,9 +523,9 @@ class Engine:
                 self.target,
                 prompt,
                 draft=self.draft,
-                **self.engine_kwargs,
+                spec=self.spec,
+                warp=Warp(0.0),
                 max_new_tokens=2,
-                temperature=0.0,
                 seed=0,
             )
             for _ in s:
@@ -617,10 +639,16 @@ class Engine:
         with self.lock:
             started = time.perf_counter()
             try:  # stream() checks every argument before any model work
-                s = stream(self.target, p.prompt_ids, draft=self.draft, **self.engine_kwargs,
-                           max_new_tokens=p.max_tokens, temperature=p.temperature,
-                           top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-                           stop_ids=self.stop_ids)  # fmt: skip
+                s = stream(
+                    self.target,
+                    p.prompt_ids,
+                    draft=self.draft,
+                    spec=self.spec,
+                    warp=Warp(p.temperature, p.top_k, p.top_p),
+                    max_new_tokens=p.max_tokens,
+                    seed=p.seed,
+                    stop_ids=self.stop_ids,
+                )
             except ValueError as e:
                 self.metrics.inc("specdec_generations_total", outcome="error")
                 job.emit("error", _bad(str(e)))
@@ -1055,7 +1083,7 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
 # ------------------------------------------------------------------------------ entry points
 def build_engine(cfg: ServeConfig) -> Engine:
     """Load the models named by `cfg`, check them with a warm-up generation, return the engine."""
-    from .models import load_model
+    from specdec.backends import load_model
 
     load_kw: dict[str, Any] = {"n_threads": cfg.threads} if cfg.threads else {}
     target = load_model(cfg.target, device=cfg.device, **load_kw)
@@ -1064,7 +1092,7 @@ def build_engine(cfg: ServeConfig) -> Engine:
         target,
         draft,
         model_id=cfg.target,
-        engine_kwargs=cfg.engine_kwargs(),
+        spec=cfg.spec_config(),
         max_queue=cfg.max_queue,
     )
     engine.warm_up()
@@ -1098,98 +1126,3 @@ def serve(cfg: ServeConfig) -> None:
         file=sys.stderr,
     )
     uvicorn.run(create_app(engine, cfg), host=cfg.host, port=cfg.port, log_level="info")
-
-
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    from . import cli_args
-
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat + completions)")
-    p.add_argument(
-        "--target",
-        required=True,
-        metavar="SPEC",
-        help="target model, BACKEND:NAME_OR_PATH (str; e.g. llamacpp:smollm2-135m); "
-        "also the model id clients send",
-    )
-    p.add_argument(
-        "--draft",
-        default=None,
-        metavar="SPEC",
-        help="draft model SPEC, or none (str; default none: target-only unless --drafter lookup)",
-    )
-    cli_args.add_spec_args(
-        p,
-        k_default=None,  # None: the engine's defaults
-        k_help="draft tokens per round: an int >= 1, 'auto' or 'schedule' "
-        "(default: the engine's, 4)",
-        k_max_default=None,
-        k_max_help="largest K for -k auto|schedule (int >= 1; default: the engine's, 8)",
-        drafter_help="model (needs --draft), lookup (prompt lookup, no draft model) or "
-        "composite (default: model when --draft is given, else none)",
-        p_min_help="stop drafting below this draft top probability, in [0, 1) (float; default off)",
-    )
-    cli_args.add_device_args(
-        p,
-        threads_help="CPU threads per model (int >= 1; default: all cores; on a shared "
-        "machine fewer is much faster for llama.cpp)",
-    )
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (str; default 127.0.0.1, loopback only)",
-    )
-    p.add_argument("--port", type=int, default=8000, help="port (int; default 8000)")
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 (str; default none)",
-    )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=DEFAULT_MAX_QUEUE,
-        help=f"requests waiting for the engine before 429 (int >= 1; default {DEFAULT_MAX_QUEUE})",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help=f"largest request body, else 413 (int; default {DEFAULT_MAX_BODY_BYTES})",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=DEFAULT_REQUEST_TIMEOUT_S,
-        help="seconds from arrival (queue wait included) before a request fails with "
-        f"504 (float > 0; default {DEFAULT_REQUEST_TIMEOUT_S:g})",
-    )
-    p.set_defaults(func=_cmd_serve)
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    for name, low in (("max_queue", 1), ("max_body_bytes", 1), ("threads", 1), ("port", 0)):
-        v = getattr(args, name)
-        if v is not None and v < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
-    if not args.request_timeout > 0:
-        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
-    draft = None if args.draft is None or args.draft.lower() == "none" else args.draft
-    serve(
-        ServeConfig(
-            target=args.target,
-            draft=draft,
-            drafter=args.drafter,
-            k=args.k,
-            k_max=args.k_max,
-            p_min=args.p_min,
-            device=args.device,
-            threads=args.threads,
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            max_queue=args.max_queue,
-            max_body_bytes=args.max_body_bytes,
-            request_timeout=args.request_timeout,
-        )
-    )
-    return 0

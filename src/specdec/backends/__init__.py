@@ -12,31 +12,27 @@ Backends import lazily: `mock:` needs neither transformers nor llama.cpp.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from .base import SpecModel, SpecModelError, TokenIds, as_token_list
-from .mock import MockModel
+    from specdec.backends.mock import MockModel
+    from specdec.core.model import SpecModel
 
+# Nothing heavy at import time: `specdec models list` imports the registry, and with it this
+# package, and must not pay for torch. Each backend is imported when a spec names it.
 BACKENDS = ("hf", "llamacpp", "mock")
 _MOCK_KEYS = {"vocab": "vocab_size", "vocab_size": "vocab_size", "seed": "seed", "scale": "scale"}
 _MOCK_KEYS |= {"n_ctx": "n_ctx", "name": "name"}
 
-__all__ = [
-    "BACKENDS",
-    "MockModel",
-    "SpecModel",
-    "SpecModelError",
-    "TokenIds",
-    "as_token_list",
-    "load_model",
-    "parse_spec",
-]
+__all__ = ["BACKENDS", "load_model", "parse_spec"]
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
     """'BACKEND:REST' -> (backend, rest), with an error that lists the valid backends."""
+    from specdec.core.model import SpecModelError
+
     usage = (
         "expected BACKEND:NAME_OR_PATH with BACKEND one of "
         f"{', '.join(BACKENDS)} (e.g. llamacpp:smollm2-135m, hf:/path/to/model_dir, "
@@ -54,6 +50,9 @@ def parse_spec(spec: str) -> tuple[str, str]:
 
 
 def _mock(args: str, kwargs: dict[str, Any]) -> MockModel:
+    from specdec.backends.mock import MockModel
+    from specdec.core.model import SpecModelError
+
     params: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in args.split(","))):
         key, sep, value = item.partition("=")
@@ -89,7 +88,8 @@ def load_model(spec: str, device: str | torch.device | None = None, **kwargs: An
     if backend == "mock":
         return _mock(rest, kwargs)
 
-    from ..registry import check_gguf_file, resolve
+    from specdec.backends.registry import check_gguf_file, resolve
+    from specdec.core.model import SpecModelError
 
     path = resolve(rest)
     if path.is_file():
@@ -98,10 +98,10 @@ def load_model(spec: str, device: str | torch.device | None = None, **kwargs: An
         check_gguf_file(path)
     name = f"{backend}:{rest}"
     if backend == "hf":
-        from .hf import HFModel
+        from specdec.backends.hf import HFModel
 
         return HFModel.load(path, device=device, name=name, **kwargs)
-    from .llamacpp import LlamaCppModel
+    from specdec.backends.llamacpp import LlamaCppModel
 
     if path.is_dir():
         raise SpecModelError(

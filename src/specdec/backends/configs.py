@@ -41,8 +41,8 @@ def model_record(spec: str, model: Any) -> dict[str, Any]:
 
     sha256 is the registry's pinned hash for registry names (verified on fetch), else None.
     """
-    from .models import parse_spec
-    from .registry import MODELS
+    from specdec.backends import parse_spec
+    from specdec.backends.registry import MODELS
 
     backend, rest = parse_spec(spec)
     entry = MODELS.get(rest)

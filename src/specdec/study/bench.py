@@ -38,10 +38,8 @@ as a third method on the same prompts: the outside anchor for our implementation
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import math
 import os
 import re
 import statistics
@@ -53,13 +51,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import cli_args, prompting
-from .configs import CONFIGS as PAIRS
-from .configs import model_record
-from .decode import generate
-from .drafters import DRAFTERS
-from .models import SpecModel, load_model, parse_spec
-from .schema import meta_block
+from specdec.backends import chat as prompting
+from specdec.backends import load_model, parse_spec
+from specdec.backends.configs import CONFIGS as PAIRS
+from specdec.backends.configs import model_record
+from specdec.core.config import DRAFTERS, SpecConfig, Warp, check_k
+from specdec.core.config import check_int as _check_int
+from specdec.core.decode import generate
+from specdec.core.model import SpecModel
+from specdec.study import prompts as prompt_set
+from specdec.study.artifacts import meta_block
 
 #: Named (draft, target) pairs, as in the paper's Table 2 but on the models we have; configs.py
 #: is the one definition (gate and microbench read it too).
@@ -67,7 +68,6 @@ CONFIGS: dict[str, tuple[str, str]] = {n: (c.draft, c.target) for n, c in PAIRS.
 CUSTOM = "custom"  # the config name of a --draft/--target pair
 COMPARES = ("hf-assisted",)
 METHODS = ("baseline", "speculative", "hf_assisted")
-DEFAULT_SWEEP_KS = (1, 2, 4, 6, 8, 10, 12)
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # goes into file names
 
 
@@ -86,7 +86,7 @@ class BenchConfig:
     warmup: int = 2
     max_new_tokens: int = 128
     compare: str | None = None  # None or "hf-assisted"
-    device: str | None = None  # None: best available (specdec.device.get_device)
+    device: str | None = None  # None: best available (specdec.core.device.get_device)
     drafter: str = "model"  # model | lookup | composite (drafters.py)
     k_max: int = 8  # the largest K for k="auto" / "schedule"
     p_min: float | None = None  # draft confidence cutoff
@@ -97,27 +97,24 @@ class BenchConfig:
     # n_prompts: the run takes the first n_prompts prompts of these categories, in file order.
     categories: tuple[str, ...] = ()
 
+    @property
+    def spec(self) -> SpecConfig:
+        return SpecConfig(self.drafter, self.k, self.k_max, self.p_min)
+
+    @property
+    def warp(self) -> Warp:
+        return Warp(self.temperature, self.top_k, self.top_p)
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _SAFE_NAME.match(self.name):
             raise ValueError(f"config name {self.name!r} must be letters, digits, '_', '.', '-'")
         backends = (parse_spec(self.draft)[0], parse_spec(self.target)[0])
-        _check_k(self.k)
-        _check_int("k_max", self.k_max, 1)
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"unknown drafter {self.drafter!r}; choose from {DRAFTERS}")
-        if self.p_min is not None and not 0 <= self.p_min < 1:
-            raise ValueError(f"p_min must be in [0, 1), got {self.p_min!r}")
+        if self.drafter is None:
+            raise ValueError(f"a bench needs a drafter; choose from {', '.join(DRAFTERS)}")
+        self.spec  # noqa: B018 - SpecConfig and Warp check their fields (one rule each)
+        self.warp  # noqa: B018
         for v in self.variants:
             parse_variant(v)
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if self.top_k is not None:
-            _check_int("top_k", self.top_k, 1)
-        if self.top_p is not None and not (
-            isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1
-        ):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.categories, str) or not all(isinstance(c, str) for c in self.categories):
             raise ValueError(f"categories must be a tuple of names, got {self.categories!r}")
         n_available = len(select_prompts(self.categories))  # checks the category names
@@ -146,7 +143,7 @@ class BenchConfig:
 
 def prompt_categories() -> tuple[str, ...]:
     """The categories of the vendored prompt set, in order of first appearance."""
-    return tuple(dict.fromkeys(p.category for p in prompting.load_prompts()))
+    return tuple(dict.fromkeys(p.category for p in prompt_set.load_prompts()))
 
 
 CATEGORIES = prompt_categories()
@@ -161,10 +158,10 @@ def parse_categories(text: str | None) -> tuple[str, ...]:
 
 def select_prompts(
     categories: Sequence[str] = (), limit: int | None = None
-) -> list[prompting.Prompt]:
+) -> list[prompt_set.Prompt]:
     """The first `limit` vendored prompts of `categories` (all when empty), in file order.
     ValueError naming the valid categories for an unknown one."""
-    prompts = prompting.load_prompts()
+    prompts = prompt_set.load_prompts()
     valid = tuple(dict.fromkeys(p.category for p in prompts))
     unknown = [c for c in categories if c not in valid]
     if unknown:
@@ -177,11 +174,6 @@ def select_prompts(
     return prompts[:limit] if limit is not None else prompts
 
 
-def _check_k(k: Any) -> None:
-    if k not in ("auto", "schedule"):
-        _check_int("k (draft tokens per round; or 'auto' / 'schedule')", k, 1)
-
-
 def parse_variant(text: str) -> tuple[str, int | str]:
     """'DRAFTER:K' -> (drafter, K), e.g. 'lookup:auto' -> ('lookup', 'auto')."""
     drafter, sep, k = text.partition(":")
@@ -191,20 +183,12 @@ def parse_variant(text: str) -> tuple[str, int | str]:
             "an int >= 1, 'auto' or 'schedule' (e.g. lookup:auto)"
         )
     kk: int | str = int(k) if k.isdigit() else k
-    _check_k(kk)
+    check_k(kk)
     return drafter, kk
 
 
 def variant_name(drafter: str, k: int | str) -> str:
     return f"{drafter}-k{k}"
-
-
-def _check_int(what: str, value: Any, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{what} must be {bound}, got {value}")
 
 
 def resolve_config(
@@ -233,7 +217,7 @@ def artifact_name(cfg: BenchConfig, tag: str | None = None) -> str:
     """bench_<config>_k<K>_t<T>[_<tag>].json: deterministic, so a rerun replaces its artifact."""
     drafter = "" if cfg.drafter == "model" else f"_{cfg.drafter}"
     cats = _categories_part(cfg)
-    return f"bench_{cfg.name}{drafter}_k{cfg.k}_t{cfg.temperature:g}{cats}{_suffix(tag)}.json"
+    return f"bench_{cfg.name}{drafter}_k{cfg.k}_t{cfg.temperature:g}{cats}{tag_suffix(tag)}.json"
 
 
 def _categories_part(cfg: BenchConfig) -> str:
@@ -242,7 +226,7 @@ def _categories_part(cfg: BenchConfig) -> str:
     return "".join(["_cat", *(f"-{c}" for c in cfg.categories)]) if cfg.categories else ""
 
 
-def _suffix(tag: str | None) -> str:
+def tag_suffix(tag: str | None) -> str:
     if tag is None:
         return ""
     if not _SAFE_NAME.match(tag):
@@ -284,7 +268,7 @@ def run_bench(
 def loaded_pair(cfg: BenchConfig) -> Iterator[tuple[SpecModel, SpecModel]]:
     """(draft, target) loaded from `cfg`, closed on exit."""
     if cfg.device is not None:
-        from .device import get_device
+        from specdec.core.device import get_device
 
         get_device(cfg.device)  # an unavailable device fails before minutes of loading
     draft = load_model(cfg.draft, device=cfg.device)
@@ -305,8 +289,7 @@ def _run(
 
     tokenizer = target.tokenizer if target.tokenizer is not None else draft.tokenizer
     stops = prompting.stop_ids(tokenizer)
-    sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                    top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=stops)  # fmt: skip
+    sampling = dict(max_new_tokens=cfg.max_new_tokens, warp=cfg.warp, stop_ids=stops)
 
     def speculative(drafter: str, k: int | str) -> Runner:
         d = None if drafter == "lookup" else draft  # prompt lookup needs no draft model
@@ -315,10 +298,7 @@ def _run(
                 target,
                 ids,
                 draft=d,
-                drafter=drafter,
-                k=k,
-                k_max=cfg.k_max,
-                p_min=cfg.p_min,
+                spec=SpecConfig(drafter, k, cfg.k_max, cfg.p_min),
                 seed=seed,
                 **sampling,
             )
@@ -352,8 +332,12 @@ def _run(
         "complete": False,
     }
     rows: list[dict[str, Any]] = artifact["rows"]
-    bar = tqdm(select_prompts(cfg.categories, cfg.n_prompts), desc=f"bench {cfg.name} K={cfg.k}",
-               unit="prompt", disable=not progress)  # fmt: skip
+    bar = tqdm(
+        select_prompts(cfg.categories, cfg.n_prompts),
+        desc=f"bench {cfg.name} K={cfg.k}",
+        unit="prompt",
+        disable=not progress,
+    )
     try:
         for i, prompt in enumerate(bar):
             ids = _prompt_ids(tokenizer, prompt.text, target.vocab_size)
@@ -361,13 +345,19 @@ def _run(
             runs = {m: runners[m](ids, i) for m in sequence}
             if i >= cfg.warmup:
                 base_first = sequence.index("baseline") < sequence.index("speculative")
-                rows.append({
-                    "index": i, "prompt_id": prompt.id, "category": prompt.category,
-                    "prompt_tokens": len(ids), "seed": i,
-                    "order": "base-first" if base_first else "spec-first", "sequence": sequence,
-                    **{m: runs[m] for m in methods if m not in variants},
-                    "variants": {v: runs[v] for v in variants},
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "index": i,
+                        "prompt_id": prompt.id,
+                        "category": prompt.category,
+                        "prompt_tokens": len(ids),
+                        "seed": i,
+                        "order": "base-first" if base_first else "spec-first",
+                        "sequence": sequence,
+                        **{m: runs[m] for m in methods if m not in variants},
+                        "variants": {v: runs[v] for v in variants},
+                    }
+                )
             artifact["aggregates"] = aggregate(cfg.k, rows, methods)
             write_json(path, artifact)
             bar.set_postfix_str(_postfix(artifact["aggregates"]) if rows else "warm-up")
@@ -428,7 +418,7 @@ def _hf_assisted(
     """
     import torch
 
-    from .device import synchronize
+    from specdec.core.device import synchronize
 
     hf_target, hf_draft = target.model, draft.model
     devices = {target.device, draft.device}
@@ -443,8 +433,12 @@ def _hf_assisted(
     if cfg.temperature > 0:
         # top_k 0 / top_p 1.0 switch those warpers off explicitly (transformers' default top_k is
         # 50, which our engine would not apply).
-        kwargs.update(do_sample=True, temperature=float(cfg.temperature),
-                      top_k=cfg.top_k or 0, top_p=cfg.top_p or 1.0)  # fmt: skip
+        kwargs.update(
+            do_sample=True,
+            temperature=float(cfg.temperature),
+            top_k=cfg.top_k or 0,
+            top_p=cfg.top_p or 1.0,
+        )
     else:
         kwargs.update(do_sample=False)
     calls = {"target": 0, "draft": 0}
@@ -455,10 +449,15 @@ def _hf_assisted(
 
         return hook
 
-    hooks = [hf_target.register_forward_hook(counter("target")),
-             hf_draft.register_forward_hook(counter("draft"))]  # fmt: skip
-    assistant = {"num_assistant_tokens": cfg.k, "num_assistant_tokens_schedule": "constant",
-                 "assistant_confidence_threshold": 0.0}  # fmt: skip
+    hooks = [
+        hf_target.register_forward_hook(counter("target")),
+        hf_draft.register_forward_hook(counter("draft")),
+    ]
+    assistant = {
+        "num_assistant_tokens": cfg.k,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.0,
+    }
     try:
         torch.manual_seed(seed)
         with _overrides(hf_draft.generation_config, **assistant):
@@ -556,8 +555,10 @@ def aggregate_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         decode_s = sum(r["wall_s"] - r["prefill_s"] - r.get("catchup_s", 0.0) for r in runs)
     ms = None
     if runs and generated and all("draft_s" in r for r in runs):
-        ms = {ph: 1000 * sum(r[f"{ph}_s"] for r in runs) / generated
-              for ph in ("draft", "verify", "sampling", "other")}  # fmt: skip
+        ms = {
+            ph: 1000 * sum(r[f"{ph}_s"] for r in runs) / generated
+            for ph in ("draft", "verify", "sampling", "other")
+        }
     return {
         "n": len(runs),
         "tok_s_mean": statistics.fmean(rates) if rates else None,
@@ -670,7 +671,7 @@ def run_sweep(
     for k in ks:
         _check_int("every K of the sweep", k, 1)
     configs = [replace(cfg, k=k) for k in ks]
-    name = f"sweep_{cfg.name}_t{cfg.temperature:g}{_categories_part(cfg)}{_suffix(tag)}.json"
+    name = f"sweep_{cfg.name}_t{cfg.temperature:g}{_categories_part(cfg)}{tag_suffix(tag)}.json"
     path = Path(out_dir) / name
     if models is None:
         with loaded_pair(cfg) as pair:
@@ -691,15 +692,21 @@ def run_sweep(
             raise
         agg = art["aggregates"]
         base, spec = agg["baseline"], agg["speculative"]
-        summary["points"].append({
-            "k": c.k, "artifact": Path(art["path"]).name,
-            "baseline_tok_s": base["tok_s_mean"], "baseline_tok_s_std": base["tok_s_std"],
-            "speculative_tok_s": spec["tok_s_mean"], "speculative_tok_s_std": spec["tok_s_std"],
-            "speedup": agg["speedup"], "speedup_pooled": agg["speedup_pooled"],
-            "acceptance_rate": spec["acceptance_rate"],
-            "tokens_per_round": spec["tokens_per_round"],
-            "positional_acceptance": spec["positional_acceptance"],
-        })  # fmt: skip
+        summary["points"].append(
+            {
+                "k": c.k,
+                "artifact": Path(art["path"]).name,
+                "baseline_tok_s": base["tok_s_mean"],
+                "baseline_tok_s_std": base["tok_s_std"],
+                "speculative_tok_s": spec["tok_s_mean"],
+                "speculative_tok_s_std": spec["tok_s_std"],
+                "speedup": agg["speedup"],
+                "speedup_pooled": agg["speedup_pooled"],
+                "acceptance_rate": spec["acceptance_rate"],
+                "tokens_per_round": spec["tokens_per_round"],
+                "positional_acceptance": spec["positional_acceptance"],
+            }
+        )
         write_json(path, summary)
     summary["complete"] = True
     write_json(path, summary)
@@ -718,27 +725,44 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                     for r in [header, *rows])  # fmt: skip
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
+    )
 
 
 def format_table(artifacts: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
     """Bench artifacts as a table in the shape of the paper's Table 3 (one line per artifact)."""
     arts = [artifacts] if isinstance(artifacts, dict) else list(artifacts)
-    header = ["config", "K", "base tok/s", "spec tok/s", "speedup", "accept.", "TTFT_b (s)",
-              "TTFT_s (s)", "peak RSS (GB)"]  # fmt: skip
+    header = [
+        "config",
+        "K",
+        "base tok/s",
+        "spec tok/s",
+        "speedup",
+        "accept.",
+        "TTFT_b (s)",
+        "TTFT_s (s)",
+        "peak RSS (GB)",
+    ]
     rows, notes = [], []
     for a in arts:
         agg, cfg = a["aggregates"], a["config"]
         b, s = agg["baseline"], agg["speculative"]
         rss = agg.get("peak_rss_mb")
-        rows.append([
-            cfg["name"] + ("" if a.get("complete", True) else " (partial)"), str(cfg["k"]),
-            _pm(b["tok_s_mean"], b["tok_s_std"]), _pm(s["tok_s_mean"], s["tok_s_std"]),
-            _fmt(agg["speedup"], ".2f", "x"), _fmt(s["acceptance_rate"], ".1%"),
-            _fmt(b["ttft_s_mean"], ".3f"), _fmt(s["ttft_s_mean"], ".3f"),
-            _fmt(rss / 1024 if rss is not None else None, ".2f"),
-        ])  # fmt: skip
+        rows.append(
+            [
+                cfg["name"] + ("" if a.get("complete", True) else " (partial)"),
+                str(cfg["k"]),
+                _pm(b["tok_s_mean"], b["tok_s_std"]),
+                _pm(s["tok_s_mean"], s["tok_s_std"]),
+                _fmt(agg["speedup"], ".2f", "x"),
+                _fmt(s["acceptance_rate"], ".1%"),
+                _fmt(b["ttft_s_mean"], ".3f"),
+                _fmt(s["ttft_s_mean"], ".3f"),
+                _fmt(rss / 1024 if rss is not None else None, ".2f"),
+            ]
+        )
         h = agg.get("hf_assisted")
         if h is not None:
             notes.append(
@@ -768,10 +792,16 @@ def format_table(artifacts: dict[str, Any] | Sequence[dict[str, Any]]) -> str:
 
 def format_sweep_table(summary: dict[str, Any]) -> str:
     """A sweep summary in the shape of the paper's Table 4."""
-    rows = [[str(p["k"]), _pm(p["speculative_tok_s"], p.get("speculative_tok_s_std")),
-             _pm(p["baseline_tok_s"], p.get("baseline_tok_s_std")),
-             _fmt(p["acceptance_rate"], ".1%"), _fmt(p["speedup"], ".2f", "x")]
-            for p in summary["points"]]  # fmt: skip
+    rows = [
+        [
+            str(p["k"]),
+            _pm(p["speculative_tok_s"], p.get("speculative_tok_s_std")),
+            _pm(p["baseline_tok_s"], p.get("baseline_tok_s_std")),
+            _fmt(p["acceptance_rate"], ".1%"),
+            _fmt(p["speedup"], ".2f", "x"),
+        ]
+        for p in summary["points"]
+    ]
     return _table(["K", "spec tok/s", "base tok/s", "acceptance", "speedup"], rows)
 
 
@@ -786,158 +816,3 @@ def _postfix(agg: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------- CLI
-def _k_list(text: str) -> list[int]:
-    try:
-        ks = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not ks or min(ks) < 1:
-        raise argparse.ArgumentTypeError(f"every K must be an integer >= 1, got {text!r}")
-    return ks
-
-
-def _add_common(p: argparse.ArgumentParser, prompts: int, max_new: int, out: str) -> None:
-    n = len(prompting.load_prompts())
-    p.add_argument(
-        "--config",
-        metavar="NAME",
-        default=None,
-        help=f"named pair: {', '.join(CONFIGS)} (str; required unless --draft and --target)",
-    )
-    p.add_argument(
-        "--draft",
-        metavar="SPEC",
-        default=None,
-        help="draft model BACKEND:NAME_OR_PATH for a custom pair (str; default off)",
-    )
-    p.add_argument(
-        "--target",
-        metavar="SPEC",
-        default=None,
-        help="target model BACKEND:NAME_OR_PATH for a custom pair (str; default off)",
-    )
-    cli_args.add_sampling_args(p, seed=False, max_new_tokens=False)
-    p.add_argument(
-        "--category",
-        default=None,
-        metavar="NAME[,NAME...]",
-        help=f"run only the prompts of these categories: {', '.join(CATEGORIES)} "
-        "(comma-separated str; default: all)",
-    )
-    p.add_argument(
-        "--prompts",
-        type=int,
-        default=None,
-        help=f"prompts to run, the first N of the set (of the --category prompts, in file "
-        f"order, when given), 1..{n} (int; default {prompts}, or all the --category prompts "
-        "when fewer)",
-    )
-    p.set_defaults(default_prompts=prompts)
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=2,
-        help="leading prompts run but not recorded, 0 <= W < prompts (int; default 2)",
-    )
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=max_new,
-        help=f"tokens generated per prompt, >= 1 (int; default {max_new})",
-    )
-    p.add_argument(
-        "--out",
-        default=out,
-        metavar="DIR",
-        help=f"directory for the JSON artifacts (path; default {out})",
-    )
-    cli_args.add_device_args(
-        p, threads=False, device_help="cpu, cuda or mps (str; default: best available)"
-    )
-    p.add_argument(
-        "--tag",
-        default=None,
-        help="suffix for the artifact file names, [A-Za-z0-9_.-] (str; default none)",
-    )
-    cli_args.add_no_progress_arg(p)
-
-
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "bench", help="baseline vs speculative throughput on the prompt set (paper, Table 3)"
-    )
-    _add_common(p, prompts=30, max_new=128, out="results/")
-    cli_args.add_spec_args(
-        p,
-        k_help="draft tokens per round: an int >= 1, 'auto' or 'schedule' (default 4)",
-        drafter_default="model",
-        drafter_help="the speculative method's drafter: model, lookup (prompt lookup, no draft "
-        "model) or composite (str; default model)",
-        p_min_help="draft confidence cutoff in [0, 1) (float; default off)",
-    )
-    p.add_argument(
-        "--variants",
-        default="",
-        metavar="DRAFTER:K,...",
-        help="more speculative methods on the same prompts, e.g. model:auto,lookup:auto "
-        "(comma-separated; default none)",
-    )
-    p.add_argument(
-        "--compare",
-        choices=COMPARES,
-        default=None,
-        help="also run transformers' assisted generation on the same prompts; needs hf models "
-        "on both sides (str; default off)",
-    )
-    p.set_defaults(func=_cmd_bench)
-
-    s = subparsers.add_parser(
-        "sweep", help="bench at several K, each against its own baseline (paper, Table 4)"
-    )
-    _add_common(s, prompts=10, max_new=96, out="results/sweep")
-    default_ks = ",".join(map(str, DEFAULT_SWEEP_KS))
-    s.add_argument(
-        "-k",
-        "--k",
-        type=_k_list,
-        default=list(DEFAULT_SWEEP_KS),
-        metavar="K,K,...",
-        help=f"speculation lengths, each >= 1 (comma-separated ints; default {default_ks})",
-    )
-    s.set_defaults(func=_cmd_sweep)
-
-
-def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) -> BenchConfig:
-    categories = parse_categories(args.category)
-    n_prompts = args.prompts
-    if n_prompts is None:  # the default, capped at what the categories hold
-        n_prompts = min(args.default_prompts, len(select_prompts(categories)))
-    extra: dict[str, Any] = {"categories": categories}
-    if hasattr(args, "drafter"):  # bench only; the sweep is the draft model at fixed K
-        variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-        extra.update(drafter=args.drafter, k_max=args.k_max, p_min=args.p_min, variants=variants)
-    return resolve_config(
-        args.config, args.draft, args.target, k=k, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, n_prompts=n_prompts, warmup=args.warmup,
-        max_new_tokens=args.max_new_tokens, compare=compare, device=args.device, **extra,
-    )  # fmt: skip
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    cfg = _config_from(args, args.k, args.compare)
-    _suffix(args.tag)  # validate before loading models
-    art = run_bench(cfg, args.out, progress=not args.no_progress, tag=args.tag)
-    print(format_table(art))
-    print(f"wrote {art['path']}")
-    return 0
-
-
-def _cmd_sweep(args: argparse.Namespace) -> int:
-    cfg = _config_from(args, args.k[0], None)
-    _suffix(args.tag)
-    summary = run_sweep(cfg, args.k, args.out, progress=not args.no_progress, tag=args.tag)
-    print(format_sweep_table(summary))
-    print(f"wrote {summary['path']}")
-    return 0

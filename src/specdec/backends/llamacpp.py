@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..device import get_device
-from .base import SpecModel, SpecModelError
+from specdec.core.device import get_device
+from specdec.core.model import SpecModel, SpecModelError
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,8 @@ class LlamaCppModel(SpecModel):
         kwargs: n_ctx, n_batch, n_threads, n_gpu_layers, flash_attn, type_k (see the module
         docstring for why flash attention and a q8_0 K cache are the defaults).
         """
-        from ..registry import check_gguf_file
-        from ..tokenizer import load_tokenizer
+        from specdec.backends.registry import check_gguf_file
+        from specdec.backends.tokenizer import load_tokenizer
 
         path = Path(path)
         # llama.cpp aborts the whole process on some damaged files; refuse them in Python first.

@@ -20,64 +20,29 @@ Glossary (all costs in target steps: one target `extend` of 1 token on a ~100-to
                     is also the break-even tokens per round.
 
 The cost model ignores sampling and bookkeeping (the paper measures them at ~2% of wall time) and
-the draft's catch-up extend of the tokens committed last round; issue 5's `k="auto"` controller
-reuses the pure functions below with online estimates of v, c and p_at_least.
+the draft's catch-up extend of the tokens committed last round. The formulas are core.cost's, the
+same ones `k="auto"` (core.policy.CostModelK) evaluates with online estimates of v, c and
+p_at_least.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import statistics
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import cli_args
-from .device import synchronize
-from .models.base import SpecModel
+from specdec.core.cost import (
+    best_k,
+    cost_in_target_steps,
+    expected_tokens_per_round,
+    predicted_speedup,
+)
+from specdec.core.device import synchronize
+from specdec.core.model import SpecModel
 
 SCHEMA = "specdec.microbench/1"
-
-
-# ------------------------------------------------------------------------------ cost model
-def expected_tokens_per_round(p_at_least: Sequence[float], k: int) -> float:
-    """E[tokens per round] at speculation length k: 1 + sum_{i<=k} P(>= i accepted).
-
-    p_at_least  [K_max] float  p_at_least[i-1] = P(at least i drafts accepted); needs k <= K_max
-    """
-    if not 0 <= k <= len(p_at_least):
-        raise ValueError(f"k must be in [0, {len(p_at_least)}] for this profile, got {k}")
-    return 1.0 + float(sum(p_at_least[:k]))
-
-
-def cost_in_target_steps(v: Sequence[float], c: float, k: int) -> float:
-    """Cost of one round at speculation length k, in target steps: v(k+1) + k c.
-
-    v  [B_max] float  v[b-1] = v(b), the verify cost of b tokens in target steps (v[0] = 1)
-    c  draft step / target step
-    """
-    if not 0 <= k < len(v):
-        raise ValueError(f"k must be in [0, {len(v) - 1}] for a curve of {len(v)} points, got {k}")
-    return float(v[k]) + k * c
-
-
-def predicted_speedup(v: Sequence[float], c: float, p_at_least: Sequence[float], k: int) -> float:
-    """Predicted speedup over target-only decoding at speculation length k: E(k) / cost(k).
-
-    k = 0 is a plain target step (E = 1, cost = v(1) = 1): speedup 1. The arithmetic is
-    unit-agnostic: with v in seconds and c a draft step in seconds this is tokens per second,
-    whose argmax over k is the same.
-    """
-    return expected_tokens_per_round(p_at_least, k) / cost_in_target_steps(v, c, k)
-
-
-def best_k(v: Sequence[float], c: float, p_at_least: Sequence[float], k_max: int) -> int:
-    """The k in 0..k_max with the highest predicted speedup (0: speculation cannot pay)."""
-    return max(range(k_max + 1), key=lambda k: (predicted_speedup(v, c, p_at_least, k), -k))
 
 
 # ------------------------------------------------------------------------------ acceptance
@@ -89,7 +54,7 @@ def acceptance_profile(bench: dict[str, Any], source: str = "") -> dict[str, Any
     generation drafts fewer (or no) tokens when the token budget runs out, and counting it would
     bias every position down.
     """
-    from .schema import validate
+    from specdec.study.artifacts import validate
 
     if validate(bench) != "specdec.bench/1":
         raise ValueError(f"{source or 'acceptance source'}: expected a specdec.bench/1 artifact")
@@ -168,7 +133,8 @@ def probe_ids(tokenizer: Any, vocab_size: int, n: int) -> list[int]:
     """
     if tokenizer is None:
         return [(7 * i + 3) % vocab_size for i in range(n)]
-    from .prompting import encode, load_prompts
+    from specdec.backends.chat import encode
+    from specdec.study.prompts import load_prompts
 
     ids: list[int] = []
     for p in load_prompts():
@@ -244,7 +210,7 @@ def build_artifact(
     acceptance: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The `specdec.microbench/1` artifact (see schema.py) from raw timings."""
-    from .schema import meta_block
+    from specdec.study.artifacts import meta_block
 
     medians = {b: statistics.median(ms) for b, ms in sorted(verify.items())}
     step = medians[1]
@@ -259,10 +225,14 @@ def build_artifact(
     for k in range(1, k_max + 1):
         e = expected_tokens_per_round(p, k) if p is not None else None
         cost = cost_in_target_steps(v, c_used, k)
-        prediction.append({
-            "k": k, "expected_tokens_per_round": e, "cost_in_target_steps": cost,
-            "predicted_speedup": predicted_speedup(v, c_used, p, k) if p is not None else None,
-        })  # fmt: skip
+        prediction.append(
+            {
+                "k": k,
+                "expected_tokens_per_round": e,
+                "cost_in_target_steps": cost,
+                "predicted_speedup": predicted_speedup(v, c_used, p, k) if p is not None else None,
+            }
+        )
     return {
         "schema": SCHEMA,
         "meta": meta_block(),
@@ -301,7 +271,7 @@ def run(
         raise ValueError("prefix, max_batch and repeats must all be >= 1")
     width = target.vocab_size
     if draft is not None:
-        from .tokenizer import check_pair
+        from specdec.core.pair import check_pair
 
         width = check_pair(draft, target)  # the probe ids must mean the same to both
     ids = probe_ids(target.tokenizer, width, prefix + max_batch)
@@ -311,15 +281,19 @@ def run(
 
 def format_table(art: dict[str, Any]) -> str:
     """A compact, human-readable summary of a microbench artifact."""
-    lines = [f"target {art['models']['target']['name']}: one step {art['target_step_ms']:.2f} ms "
-             f"on a {art['prefix_tokens']}-token prefix (median of {art['repeats']})"]  # fmt: skip
+    lines = [
+        f"target {art['models']['target']['name']}: one step {art['target_step_ms']:.2f} ms "
+        f"on a {art['prefix_tokens']}-token prefix (median of {art['repeats']})"
+    ]
     bs = [pt["b"] for pt in art["verify"]]
     lines.append("verify b  " + " ".join(f"{b:>6d}" for b in bs))
     lines.append("ms        " + " ".join(f"{pt['median_ms']:>6.2f}" for pt in art["verify"]))
     lines.append("v(b)      " + " ".join(f"{pt['ratio']:>6.2f}" for pt in art["verify"]))
     if art["draft_step_ms"] is not None:
-        lines.append(f"draft {art['models']['draft']['name']}: one step "
-                     f"{art['draft_step_ms']:.2f} ms, c = {art['c']:.3f}")  # fmt: skip
+        lines.append(
+            f"draft {art['models']['draft']['name']}: one step "
+            f"{art['draft_step_ms']:.2f} ms, c = {art['c']:.3f}"
+        )
     else:
         lines.append("no draft model: predictions assume a free drafter (c = 0)")
     acc = art["acceptance"]
@@ -357,104 +331,3 @@ def artifact_path(out: Path, target_name: str) -> Path:
 
 
 # ------------------------------------------------------------------------------ CLI
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "microbench",
-        help="verify-batch scaling curve, draft/target step ratio and predicted speedup per K",
-    )
-    p.add_argument(
-        "--target",
-        required=True,
-        metavar="SPEC",
-        help="target model, BACKEND:NAME_OR_PATH (str; required)",
-    )
-    p.add_argument(
-        "--draft",
-        default="none",
-        metavar="SPEC",
-        help="draft model SPEC for the step ratio c, or 'none' (str; default none)",
-    )
-    cli_args.add_device_args(p)
-    p.add_argument(
-        "--prefix",
-        type=int,
-        default=100,
-        help="tokens cached before each probe, >= 1 (int; default 100)",
-    )
-    p.add_argument(
-        "--max-batch",
-        type=int,
-        default=16,
-        help="largest verify batch b timed, >= 1 (int; default 16)",
-    )
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=7,
-        help="timed passes per b; the median is kept, >= 1 (int; default 7)",
-    )
-    p.add_argument(
-        "--acceptance",
-        default=None,
-        metavar="BENCH_JSON",
-        help="bench artifact whose speculative rows give P(>= i accepted) "
-        "(path; default none: cost only)",
-    )
-    p.add_argument(
-        "--check",
-        nargs="+",
-        default=None,
-        metavar="BENCH_JSON",
-        help="fixed-K bench artifacts (e.g. a sweep's) whose measured decode-phase speedup is "
-        "compared with this curve's prediction from their own acceptance (paths; default none)",
-    )
-    p.add_argument(
-        "--out",
-        default="results",
-        metavar="DIR",
-        help="directory for microbench_<target>.json (path; default results/)",
-    )
-    cli_args.add_no_progress_arg(p)
-    p.set_defaults(func=_cmd_microbench)
-
-
-def _cmd_microbench(args: argparse.Namespace) -> int:
-    from .bench import model_block  # the MODEL block every artifact shares
-    from .models import load_model
-
-    cli_args.check_threads(args.threads)
-    acceptance = None
-    if args.acceptance is not None:  # read it first: a bad path should not cost a model load
-        path = Path(args.acceptance)
-        try:
-            bench = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read the acceptance artifact {path}: {e}") from e
-        acceptance = acceptance_profile(bench, source=str(path))
-    benches = []
-    for path in map(Path, args.check or []):
-        try:
-            bench = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read the bench artifact {path}: {e}") from e
-        k = bench.get("config", {}).get("k")
-        if isinstance(k, bool) or not isinstance(k, int):  # before the minutes of measuring
-            raise ValueError(f"{path}: --check needs fixed-K bench artifacts, this one has k={k!r}")
-        acceptance_profile(bench, source=str(path))  # validates the schema and the rows
-        benches.append((str(path), bench))
-    kw = {"device": args.device, "n_threads": args.threads}
-    target = load_model(args.target, **kw)
-    draft = None if args.draft.lower() == "none" else load_model(args.draft, **kw)
-    models = {"target": model_block(args.target, target),
-              "draft": model_block(args.draft, draft) if draft is not None else None}  # fmt: skip
-    art = run(target, draft, models, prefix=args.prefix, max_batch=args.max_batch,
-              repeats=args.repeats, acceptance=acceptance,
-              progress=not args.no_progress)  # fmt: skip
-    art["threads"] = args.threads  # None: the backends' default, all cores
-    art["checks"] = [check_prediction(art, b, src) for src, b in benches]
-    out = artifact_path(Path(args.out), target.name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(art, indent=1) + "\n")
-    print(format_table(art))
-    print(f"wrote {out}", file=sys.stderr)
-    return 0

@@ -2,10 +2,12 @@
 
 Protocol (after HF's CandidateGenerator and llama.cpp's common/speculative.h):
 
+    model: SpecModel | None            the draft model whose cache the drafter keeps (None for
+                                       model-free drafters); the loop checks its cache invariant
     source(context) -> str | None      which kind of proposal `propose` would make now (the K
                                        controller keeps acceptance and cost per source);
                                        None: nothing to propose, so the round is a plain step
-    propose(context, k) -> (x [k'] int64, q [k', V] float32 | None)   requires k >= 1; k' <= k
+    propose(context, k) -> Proposal    requires k >= 1; x holds k' <= k tokens
     observe(n_accepted)                after the accept walk
 
 `context` is the whole committed sequence (prompt + generated). `q` must be exactly the
@@ -18,38 +20,30 @@ draft side (context, drafted tokens, q): the accept rule is then exact for every
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-from .device import synchronize
-from .models.base import SpecModel
-from .sampling import probs_from_logits, sample
+from specdec.core.config import Warp
+from specdec.core.device import synchronize
+from specdec.core.model import SpecModel
+from specdec.core.sampling import sample
 
-DRAFTERS = ("model", "lookup", "composite")
 
+class Proposal(NamedTuple):
+    """What a drafter proposes for one round."""
 
-@dataclass(frozen=True)
-class Warp:
-    """How logits become a distribution; applied identically to the draft and the target."""
-
-    temperature: float = 0.8
-    top_k: int | None = None
-    top_p: float | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
+    x: torch.Tensor  # [k'] int64, the drafted tokens x_1..x_k'
+    q: torch.Tensor | None  # [k', V] float32, the distributions they were drawn from; None: one-hot
+    catchup_s: float = 0.0  # seconds spent prefilling context the draft model had not seen
 
 
 class Drafter(Protocol):
+    model: SpecModel | None
+
     def source(self, context: list[int]) -> str | None: ...
 
-    def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def propose(self, context: list[int], k: int) -> Proposal: ...
 
     def observe(self, n_accepted: int) -> None: ...
 
@@ -80,12 +74,11 @@ class ModelDrafter:
         self.width = width  # shared sampling width V (see tokenizer.check_pair)
         self.p_min = p_min
         self._base = 0  # len(context) at the last propose
-        self.catchup_s = 0.0  # seconds of the last propose spent prefilling uncached context
 
     def source(self, context: list[int]) -> str | None:
         return "model"
 
-    def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, context: list[int], k: int) -> Proposal:
         m = self.model
         n = _common_prefix(m.cached_tokens, context)
         if n == len(context):  # the model must see at least the last context token
@@ -97,7 +90,7 @@ class ModelDrafter:
             synchronize(m.device)
         # Catching up on the prompt (or on tokens committed without this drafter) is not a
         # per-drafted-token cost; the K controller learns the per-token cost without it.
-        self.catchup_s = time.perf_counter() - t0
+        catchup_s = time.perf_counter() - t0
         logits = m.extend(context[-1:])[-1]  # [V_model] next-token logits after the context
         self._base = len(context)
         xs: list[int] = []
@@ -120,7 +113,7 @@ class ModelDrafter:
         x = torch.tensor(xs, dtype=torch.long)  # [k']
         # Greedy drafting is deterministic given the context: q is one-hot, signalled by None.
         q = torch.stack(qs) if qs else None  # [k', V]
-        return x, q
+        return Proposal(x, q, catchup_s)
 
     def observe(self, n_accepted: int) -> None:
         self.model.truncate(self._base + n_accepted)
@@ -141,9 +134,13 @@ class LookupDrafter:
 
     Deterministic given the context, so q = None (one-hot) and the output stays exactly the
     target's at every temperature. An index from n-gram to its latest continuation is updated
-    incrementally, so a round costs O(new tokens * n_max), not O(context). `source` names the
-    match length (bucketed, see LOOKUP_BUCKETS) so the K controller learns acceptance per length.
+    incrementally: a call indexes O(new tokens * n_max) n-grams, plus one C-level comparison of
+    the context with the one seen last (how a new sequence is detected: O(context), ~µs).
+    `source` names the match length (bucketed, see LOOKUP_BUCKETS) so the K controller learns
+    acceptance per length.
     """
+
+    model = None
 
     def __init__(self, n_max: int = 12, n_min: int = 1) -> None:
         if not 1 <= n_min <= n_max:
@@ -155,10 +152,12 @@ class LookupDrafter:
         self._indexed = 0  # n-grams ending before this position are indexed
 
     def _sync(self, context: list[int]) -> None:
-        if len(context) < len(self._ctx) or context[: len(self._ctx)] != self._ctx:
+        n = len(self._ctx)
+        if len(context) < n or context[:n] != self._ctx:
             self._index.clear()  # a different sequence (new request): rebuild
             self._indexed = 0
-        self._ctx = list(context)
+            self._ctx = []
+        self._ctx += context[len(self._ctx) :]  # copy only the new tokens
         # Index every n-gram whose continuation exists, i.e. ending at positions < len - 1.
         for end in range(self._indexed, len(context) - 1):
             for n in range(self.n_min, self.n_max + 1):
@@ -184,10 +183,10 @@ class LookupDrafter:
         lo = next((b for b in LOOKUP_BUCKETS if n >= b), None)
         return f"lookup{n}" if lo is None else f"lookup{lo}+"
 
-    def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, context: list[int], k: int) -> Proposal:
         m = self._match(context)
         tokens = [] if m is None else context[m[1] : m[1] + k]
-        return torch.tensor(tokens, dtype=torch.long), None
+        return Proposal(torch.tensor(tokens, dtype=torch.long), None)
 
     def observe(self, n_accepted: int) -> None:
         pass
@@ -198,7 +197,7 @@ class CompositeDrafter:
 
     def __init__(self, lookup: LookupDrafter, model: ModelDrafter) -> None:
         self.lookup = lookup
-        self.model = model.model  # so the decoder's cache check sees the draft model's cache
+        self.model = model.model  # the draft model's cache is the one this drafter keeps
         self._model_drafter = model
         self._last: LookupDrafter | ModelDrafter | None = None
 
@@ -211,17 +210,13 @@ class CompositeDrafter:
     def source(self, context: list[int]) -> str | None:
         return self._pick(context)[1]
 
-    def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, context: list[int], k: int) -> Proposal:
         self._last, _ = self._pick(context)
         return self._last.propose(context, k)
 
     def observe(self, n_accepted: int) -> None:
         if self._last is not None:
             self._last.observe(n_accepted)
-
-    @property
-    def catchup_s(self) -> float:
-        return getattr(self._last, "catchup_s", 0.0)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -27,22 +27,19 @@ verify pass in single-token target steps, c the draft-step / target-step latency
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os
-import sys
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from specdec import schema
+from specdec.study import artifacts as schema
 
 PHASES = ("draft", "verify", "sampling", "other")  # the latency split, in stacking order
 
-_EXIT_MALFORMED = 1
 _DPI = 120
 _FOOTNOTE_CHARS = 160  # footnote wraps at this width
 _FOOTNOTE_LINE_IN = 0.13  # height of one 7-pt footnote line, inches
@@ -1336,24 +1333,47 @@ def _methods_table(b: Bench) -> list[str]:
     """Every method of one run (main + variants) and its speedup by prompt category."""
     if not b.variants and not b.by_category:
         return []
-    out = ["", f"Methods measured in one run, {b.label} ({_cite(b.src)}): Decode is the "
-           "speedup with the prompt prefills (paid once by every method) left out "
-           "(`decode_speedup`).", ""]  # fmt: skip
-    rows = [["target-only", _pm(b.baseline.tok_s_mean, b.baseline.tok_s_std), "1.00x", "—",
-             "—", "—"]]  # fmt: skip
-    rows.append([b.method, _pm(b.speculative.tok_s_mean, b.speculative.tok_s_std),
-                 _x(b.speedup), _x(b.decode_speedup), _pct(b.speculative.acceptance_rate),
-                 _f(b.speculative.tokens_per_round, 2)])  # fmt: skip
+    out = [
+        "",
+        f"Methods measured in one run, {b.label} ({_cite(b.src)}): Decode is the "
+        "speedup with the prompt prefills (paid once by every method) left out "
+        "(`decode_speedup`).",
+        "",
+    ]
+    rows = [
+        ["target-only", _pm(b.baseline.tok_s_mean, b.baseline.tok_s_std), "1.00x", "—", "—", "—"]
+    ]
+    rows.append(
+        [
+            b.method,
+            _pm(b.speculative.tok_s_mean, b.speculative.tok_s_std),
+            _x(b.speedup),
+            _x(b.decode_speedup),
+            _pct(b.speculative.acceptance_rate),
+            _f(b.speculative.tokens_per_round, 2),
+        ]
+    )
     for v in b.variants:
-        rows.append([v.method, _pm(v.agg.tok_s_mean, v.agg.tok_s_std), _x(v.speedup),
-                     _x(v.decode_speedup), _pct(v.agg.acceptance_rate),
-                     _f(v.agg.tokens_per_round, 2)])  # fmt: skip
+        rows.append(
+            [
+                v.method,
+                _pm(v.agg.tok_s_mean, v.agg.tok_s_std),
+                _x(v.speedup),
+                _x(v.decode_speedup),
+                _pct(v.agg.acceptance_rate),
+                _f(v.agg.tokens_per_round, 2),
+            ]
+        )
     out += _table(["Method", "tok/s", "Speedup", "Decode", "Accept.", "Tokens/round"], rows)
     if b.by_category:
         methods = [m for m in next(iter(b.by_category.values())) if m != "baseline"]
         names = {"speculative": b.method, **{v.name: v.method for v in b.variants}}
-        out += ["", "Speedup by prompt category (vs the same prompts' target-only mean; n "
-                "prompts per category):", ""]  # fmt: skip
+        out += [
+            "",
+            "Speedup by prompt category (vs the same prompts' target-only mean; n "
+            "prompts per category):",
+            "",
+        ]
         crow = []
         for cat, per in sorted(b.by_category.items()):
             n = per.get("baseline", {}).get("n")
@@ -1582,20 +1602,41 @@ def _section_micro(s: Study, figures: Path, report: Path) -> list[str]:
                 best = "0 (speculation cannot pay)" if m.best_k == 0 else str(m.best_k)
                 out += ["", f"Predicted best K: {best} (`best_k`)."]
         if m.checks:
-            out += ["", "Prediction checked against fixed-K benches (`microbench --check`), each "
-                    "with its own acceptance profile; measured on the decode phase (prompt "
-                    "prefills left out), end to end beside it:", ""]  # fmt: skip
+            out += [
+                "",
+                "Prediction checked against fixed-K benches (`microbench --check`), each "
+                "with its own acceptance profile; measured on the decode phase (prompt "
+                "prefills left out), end to end beside it:",
+                "",
+            ]
             rows = []
             for ch in m.checks:
                 err = ch.get("relative_error")
-                rows.append([str(ch.get("k")), str(ch.get("drafter")),
-                             _f(ch.get("temperature"), 2), _x(ch.get("predicted_speedup")),
-                             _x(ch.get("measured_decode_speedup")),
-                             _x(ch.get("measured_speedup")),
-                             "—" if err is None else f"{err:+.1%}",
-                             _cite(str(ch.get("source")))])  # fmt: skip
-            out += _table(["K", "Drafter", "T", "Predicted", "Measured (decode)",
-                           "Measured (end to end)", "Error", "Bench"], rows)  # fmt: skip
+                rows.append(
+                    [
+                        str(ch.get("k")),
+                        str(ch.get("drafter")),
+                        _f(ch.get("temperature"), 2),
+                        _x(ch.get("predicted_speedup")),
+                        _x(ch.get("measured_decode_speedup")),
+                        _x(ch.get("measured_speedup")),
+                        "—" if err is None else f"{err:+.1%}",
+                        _cite(str(ch.get("source"))),
+                    ]
+                )
+            out += _table(
+                [
+                    "K",
+                    "Drafter",
+                    "T",
+                    "Predicted",
+                    "Measured (decode)",
+                    "Measured (end to end)",
+                    "Error",
+                    "Bench",
+                ],
+                rows,
+            )
         elif m.prediction:
             out += [
                 "",
@@ -1724,73 +1765,3 @@ def render_report(study: Study, figures: Path, report: Path) -> str:
     while "\n\n\n" in text:
         text = text.replace("\n\n\n", "\n\n")
     return text.rstrip() + "\n"
-
-
-# ------------------------------------------------------------------------------ CLI
-def _load(dir_: str) -> Study | None:
-    """Scan DIR and print what was left out; None (after an error line) when nothing is usable."""
-    study = scan(Path(dir_))
-    for msg in study.skipped:
-        print(f"note: skipping {msg}", file=sys.stderr)
-    for msg in study.no_rows:
-        print(f"note: nothing to show in {msg}", file=sys.stderr)
-    for msg in study.malformed:
-        print(f"warning: malformed artifact {msg}", file=sys.stderr)
-    if not study.metas:
-        print(f"error: no specdec artifacts under {dir_}", file=sys.stderr)
-        return None
-    return study
-
-
-def _cmd_figures(args: argparse.Namespace) -> int:
-    study = _load(args.dir)
-    if study is None:
-        return _EXIT_MALFORMED
-    written, notes = write_figures(study, Path(args.out or Path(args.dir) / "figures"))
-    for p in written:
-        print(p)
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    return _EXIT_MALFORMED if study.malformed else 0
-
-
-def _cmd_report(args: argparse.Namespace) -> int:
-    study = _load(args.dir)
-    if study is None:
-        return _EXIT_MALFORMED
-    out = Path(args.out or Path(args.dir) / "REPORT.md")
-    figures = Path(args.figures or Path(args.dir) / "figures")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_report(study, figures, out), encoding="utf-8")
-    print(out)
-    return _EXIT_MALFORMED if study.malformed else 0
-
-
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    exits = (
-        "Exit status 0; 1 when DIR holds no specdec artifact, or when a file claims a specdec "
-        "schema but is malformed: it is named on stderr and left out, and the rest is still "
-        "written. JSON that is not a specdec artifact is skipped with a note."
-    )
-    f = subparsers.add_parser(
-        "figures",
-        help="regenerate the study's PNG figures from the JSON artifacts under DIR",
-        description=f"Draw every figure whose artifacts exist under DIR (searched recursively); "
-        f"a figure whose inputs are absent is skipped with a note. {exits}",
-    )
-    f.add_argument("dir", metavar="DIR", help="directory searched recursively for *.json (path)")
-    f.add_argument("--out", default=None, help="output directory (path; default DIR/figures)")
-    f.set_defaults(func=_cmd_figures)
-    r = subparsers.add_parser(
-        "report",
-        help="write REPORT.md (tables in the shape of the paper's) from the JSON under DIR",
-        description=f"Write a Markdown report in which every number cites its artifact. {exits}",
-    )
-    r.add_argument("dir", metavar="DIR", help="directory searched recursively for *.json (path)")
-    r.add_argument("--out", default=None, help="report file (path; default DIR/REPORT.md)")
-    r.add_argument(
-        "--figures",
-        default=None,
-        help="directory whose PNGs the report links when present (path; default DIR/figures)",
-    )
-    r.set_defaults(func=_cmd_report)

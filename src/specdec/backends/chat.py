@@ -1,4 +1,4 @@
-"""Prompts in, token ids out: the vendored prompt set, chat templating, stop ids, decoding.
+"""Text in, token ids out: chat templating, stop ids, decoding.
 
 Every decoding path (baseline, speculative, any drafter, any backend) receives the ids produced
 here, so prompts are templated identically everywhere (paper, section 5, "Prompts").
@@ -6,28 +6,10 @@ here, so prompts are templated identically everywhere (paper, section 5, "Prompt
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 #: End-of-turn markers of the chat formats we ship models for (ChatML, Llama 3, Gemma).
 _END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "<eos>")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    id: str
-    category: str
-    text: str
-
-
-def load_prompts(limit: int | None = None) -> list[Prompt]:
-    """The vendored prompt set (src/specdec/data/prompts.jsonl), in file order."""
-    raw = resources.files("specdec").joinpath("data/prompts.jsonl").read_text("utf-8")
-    rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
-    prompts = [Prompt(r["id"], r["category"], r["prompt"]) for r in rows]
-    return prompts[:limit] if limit is not None else prompts
 
 
 def encode(tokenizer: Any, text: str, chat: bool = True) -> list[int]:

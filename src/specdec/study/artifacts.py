@@ -96,17 +96,38 @@ from typing import Any
 SCHEMAS = ("specdec.bench/1", "specdec.sweep/1", "specdec.microbench/1", "specdec.gate/1")
 
 _REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "specdec.bench/1": {"config": dict, "models": dict, "rows": list, "aggregates": dict,
-                        "complete": bool},
+    "specdec.bench/1": {
+        "config": dict,
+        "models": dict,
+        "rows": list,
+        "aggregates": dict,
+        "complete": bool,
+    },
     "specdec.sweep/1": {"config": dict, "ks": list, "points": list},
-    "specdec.microbench/1": {"models": dict, "verify": list, "target_step_ms": (int, float),
-                             "prediction": list},
-    "specdec.gate/1": {"config": dict, "models": dict, "sampled": dict, "greedy": dict,
-                       "passed": bool},
-}  # fmt: skip
+    "specdec.microbench/1": {
+        "models": dict,
+        "verify": list,
+        "target_step_ms": (int, float),
+        "prediction": list,
+    },
+    "specdec.gate/1": {
+        "config": dict,
+        "models": dict,
+        "sampled": dict,
+        "greedy": dict,
+        "passed": bool,
+    },
+}
 
-_AGG_KEYS = ("n", "tok_s_mean", "tok_s_std", "acceptance_rate", "positional_acceptance",
-             "tokens_per_round", "ms_per_token")  # fmt: skip
+_AGG_KEYS = (
+    "n",
+    "tok_s_mean",
+    "tok_s_std",
+    "acceptance_rate",
+    "positional_acceptance",
+    "tokens_per_round",
+    "ms_per_token",
+)
 
 
 _PREDICTION_KEYS = ("k", "expected_tokens_per_round", "cost_in_target_steps", "predicted_speedup")

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..device import get_device
-from .base import SpecModel, SpecModelError
+from specdec.core.device import get_device
+from specdec.core.model import SpecModel, SpecModelError
 
 # Upper bound on the default context window: some configs advertise 128k+ positions, and a
 # context check should catch a runaway prompt long before memory does. Pass n_ctx to go higher.
@@ -42,7 +42,7 @@ def _load_config(path: Path) -> Any:
 
     if path.is_dir():
         return AutoConfig.from_pretrained(path)
-    from ..tokenizer import cached_conversion
+    from specdec.backends.tokenizer import cached_conversion
 
     # Reading a GGUF's metadata through transformers parses the whole vocabulary (seconds); the
     # config is cached beside the converted tokenizer so later loads parse the file only once.
@@ -96,7 +96,7 @@ class HFModel(SpecModel):
         """Load a model directory or a .gguf file (dequantized) onto `device`."""
         from transformers import AutoModelForCausalLM
 
-        from ..tokenizer import load_tokenizer
+        from specdec.backends.tokenizer import load_tokenizer
 
         path = Path(path)
         dev = get_device(device)
@@ -126,8 +126,12 @@ class HFModel(SpecModel):
     def _logits(self, ids: list[int], cache: Any, keep: int = 0) -> torch.Tensor:
         """[n, V] float32 CPU logits (keep=0), or only the last `keep` rows."""
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=input_ids, past_key_values=cache,
-                         use_cache=cache is not None, logits_to_keep=keep)  # fmt: skip
+        out = self.model(
+            input_ids=input_ids,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            logits_to_keep=keep,
+        )
         return out.logits[0].float().cpu()  # [n or keep, V] float32, CPU
 
     @torch.inference_mode()

@@ -8,9 +8,9 @@ sampled  For prompt i (chat-templated, stop ids honoured) generate up to `max_ne
          with equal seeds they would share random numbers and the test would be miscalibrated.
          All tokens of each method are pooled into frequency counts and compared with a
          two-sample chi-square over bins where every expected count is >= 5 (top tokens by
-         combined count, the rest pooled: `specdec.stats.frequency_bins`). The verdict uses
+         combined count, the rest pooled: `study.significance.frequency_bins`). The verdict uses
          that statistic's permutation p-value (swapping the two methods' generations within
-         prompts, `specdec.stats.paired_permutation_p`): tokens within a generation are
+         prompts, `specdec.study.significance.paired_permutation_p`): tokens within a generation are
          correlated, which makes the asymptotic chi2(dof) p-value too small, so a correct engine
          would fail the asymptotic test more often than 1% of the time (stats.py has the
          measurement). Both p-values are recorded; pass at permutation p > 0.01.
@@ -27,20 +27,17 @@ The analytic argument (paper 3.2) and levels 1-2 (tests/) carry the rest.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import cli_args, decode
-from .models.base import SpecModel
-from .stats import (
+from specdec.core import decode
+from specdec.core.config import SpecConfig, Warp
+from specdec.core.model import SpecModel
+from specdec.study.significance import (
     KL_SMOOTHING,
     MIN_EXPECTED,
     PERMUTATIONS,
@@ -58,8 +55,6 @@ SPEC_SEED_OFFSET = 100_000
 P_MIN = 0.01
 #: With fewer prompts the permutation test cannot reach p <= P_MIN (see paired_permutation_p).
 MIN_PROMPTS = 8
-_EXIT_FAILED = 1
-_EXIT_INTERRUPTED = 130  # shell convention: 128 + SIGINT
 
 
 @dataclass(frozen=True)
@@ -109,15 +104,24 @@ def sample_pairs(
     from tqdm import tqdm
 
     out = PairedSamples([], [], [], [])
-    kw = {"max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
-          "stop_ids": stop_ids}  # fmt: skip
+    kw = {
+        "max_new_tokens": settings.max_new_tokens,
+        "warp": Warp(settings.temperature),
+        "stop_ids": stop_ids,
+    }
     bar = tqdm(prompts, desc="gate: sampled", unit="prompt", disable=not progress)
     for i, (_, ids) in enumerate(bar):
         out.seeds_baseline.append(SEED_BASE + i)
         out.seeds_speculative.append(SEED_BASE + i + SPEC_SEED_OFFSET)
         base = decode.generate(target, ids, seed=out.seeds_baseline[-1], **kw)
-        spec = decode.generate(target, ids, draft=draft, k=settings.k,
-                               seed=out.seeds_speculative[-1], **kw)  # fmt: skip
+        spec = decode.generate(
+            target,
+            ids,
+            draft=draft,
+            spec=SpecConfig(k=settings.k),
+            seed=out.seeds_speculative[-1],
+            **kw,
+        )
         out.baseline.append(base.tokens)
         out.speculative.append(spec.tokens)
         out.drafted += spec.stats.drafted
@@ -186,8 +190,7 @@ def sampled_leg(
 ) -> dict[str, Any]:
     """T > 0: sample both methods on every prompt, then compare the pooled token frequencies."""
     t0 = time.perf_counter()
-    samples = sample_pairs(target, draft, prompts, settings, stop_ids=stop_ids,
-                           progress=progress)  # fmt: skip
+    samples = sample_pairs(target, draft, prompts, settings, stop_ids=stop_ids, progress=progress)
     n = samples.drafted
     return {
         "n_prompts": len(prompts),
@@ -227,13 +230,20 @@ def greedy_leg(
     from tqdm import tqdm
 
     rows = []
-    kw = {"max_new_tokens": settings.greedy_tokens, "temperature": 0.0, "stop_ids": stop_ids}
+    kw = {"max_new_tokens": settings.greedy_tokens, "warp": Warp(0.0), "stop_ids": stop_ids}
     for pid, ids in tqdm(prompts, desc="gate: greedy", unit="prompt", disable=not progress):
         base = decode.generate(target, ids, **kw).tokens
-        spec = decode.generate(target, ids, draft=draft, k=settings.k, **kw).tokens
+        spec = decode.generate(target, ids, draft=draft, spec=SpecConfig(k=settings.k), **kw).tokens
         mismatch = first_mismatch(spec, base)
-        rows.append({"prompt_id": pid, "match": mismatch is None, "n_baseline": len(base),
-                     "n_speculative": len(spec), "first_mismatch": mismatch})  # fmt: skip
+        rows.append(
+            {
+                "prompt_id": pid,
+                "match": mismatch is None,
+                "n_baseline": len(base),
+                "n_speculative": len(spec),
+                "first_mismatch": mismatch,
+            }
+        )
     return {
         "n_prompts": len(prompts),
         "max_new_tokens": settings.greedy_tokens,
@@ -255,7 +265,7 @@ def run_gate(
 ) -> dict[str, Any]:
     """Both legs on already-loaded models: {sampled, greedy, passed}. `prompts` must hold at
     least max(settings.prompts, settings.greedy_prompts) prompts; the first ones are used."""
-    from .tokenizer import check_pair
+    from specdec.core.pair import check_pair
 
     need = max(settings.prompts, settings.greedy_prompts)
     if len(prompts) < need:
@@ -263,17 +273,34 @@ def run_gate(
     if settings.prompts < MIN_PROMPTS:
         raise ValueError(f"the sampled leg needs >= {MIN_PROMPTS} prompts to be able to fail")
     width = check_pair(draft, target)
-    sampled = sampled_leg(target, draft, prompts[: settings.prompts], settings, width=width,
-                          stop_ids=stop_ids, label=label, progress=progress)  # fmt: skip
-    greedy = greedy_leg(target, draft, prompts[: settings.greedy_prompts], settings,
-                        stop_ids=stop_ids, progress=progress)  # fmt: skip
-    return {"sampled": sampled, "greedy": greedy,
-            "passed": bool(sampled["passed"] and greedy["passed"])}  # fmt: skip
+    sampled = sampled_leg(
+        target,
+        draft,
+        prompts[: settings.prompts],
+        settings,
+        width=width,
+        stop_ids=stop_ids,
+        label=label,
+        progress=progress,
+    )
+    greedy = greedy_leg(
+        target,
+        draft,
+        prompts[: settings.greedy_prompts],
+        settings,
+        stop_ids=stop_ids,
+        progress=progress,
+    )
+    return {
+        "sampled": sampled,
+        "greedy": greedy,
+        "passed": bool(sampled["passed"] and greedy["passed"]),
+    }
 
 
 def build_artifact(config: dict[str, Any], models: dict[str, Any], result: dict[str, Any]) -> dict:
     """The `specdec.gate/1` artifact (see schema.py)."""
-    from .schema import meta_block
+    from specdec.study.artifacts import meta_block
 
     return {"schema": SCHEMA, "meta": meta_block(), "config": config, "models": models, **result}
 
@@ -302,128 +329,3 @@ def format_summary(art: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------ CLI
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    d = GateSettings()
-    p = subparsers.add_parser(
-        "gate", help="level-3 exactness gate: speculative vs target-only on real models"
-    )
-    p.add_argument(
-        "--config",
-        required=True,
-        metavar="NAME",
-        help="named draft -> target configuration (str; e.g. smoke, all_gguf)",
-    )
-    cli_args.add_device_args(p)
-    p.add_argument(
-        "--prompts",
-        type=int,
-        default=None,
-        help=f"sampled-leg prompts, {MIN_PROMPTS}..100 (int; default {d.prompts})",
-    )
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help=f"sampled-leg tokens per prompt, >= 1 (int; default {d.max_new_tokens})",
-    )
-    p.add_argument(
-        "-t",
-        "--temperature",
-        type=float,
-        default=None,
-        help=f"sampled-leg temperature, > 0 (float; default {d.temperature})",
-    )
-    p.add_argument(
-        "-k",
-        "--k",
-        type=int,
-        default=None,
-        help=f"draft tokens per round, >= 1 (int; default {d.k})",
-    )
-    p.add_argument(
-        "--greedy-prompts",
-        type=int,
-        default=None,
-        help=f"greedy-leg prompts, 0..100 (int; default {d.greedy_prompts})",
-    )
-    p.add_argument(
-        "--greedy-tokens",
-        type=int,
-        default=None,
-        help=f"greedy-leg max tokens, >= 1 (int; default {d.greedy_tokens})",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"CI sizes: {QUICK.prompts} x {QUICK.max_new_tokens} sampled, "
-        f"{QUICK.greedy_prompts} x {QUICK.greedy_tokens} greedy; explicit "
-        "size flags still win (flag; default off)",
-    )
-    p.add_argument(
-        "--out",
-        default="results",
-        metavar="DIR",
-        help="directory for gate_<config>.json (path; default results/)",
-    )
-    cli_args.add_no_progress_arg(p, help="hide the progress bars (flag; default off)")
-    p.set_defaults(func=_cmd_gate)
-
-
-def _settings(args: argparse.Namespace) -> GateSettings:
-    base = QUICK if args.quick else GateSettings()
-    given = {name: getattr(args, name) for name in asdict(base)}  # None = flag not given
-    s = GateSettings(**{**asdict(base), **{k: v for k, v in given.items() if v is not None}})
-    if s.prompts < MIN_PROMPTS:
-        raise ValueError(f"--prompts must be >= {MIN_PROMPTS}: with fewer, the permutation test "
-                         "cannot reach p <= 0.01, so the gate could not fail")  # fmt: skip
-    if s.max_new_tokens < 1 or s.greedy_tokens < 1 or s.greedy_prompts < 0 or s.k < 1:
-        raise ValueError("--max-new-tokens, --greedy-tokens and -k must be >= 1, "
-                         "--greedy-prompts >= 0")  # fmt: skip
-    cli_args.check_threads(args.threads)
-    if s.temperature <= 0:
-        raise ValueError(f"the sampled leg needs a temperature > 0, got {s.temperature}")
-    return s
-
-
-def _token_label(tokenizer: Any, token_id: int) -> str:
-    """The token's text, quoted so leading spaces and newlines stay visible (e.g. "' the'")."""
-    if tokenizer is None:
-        return str(token_id)
-    return repr(tokenizer.decode([token_id], skip_special_tokens=False))
-
-
-def _cmd_gate(args: argparse.Namespace) -> int:
-    from . import prompting
-    from .bench import model_block  # the MODEL block every artifact shares
-    from .configs import resolve_config
-    from .models import load_model
-
-    settings = _settings(args)
-    cfg = resolve_config(args.config)
-    prompts = prompting.load_prompts()
-    need = max(settings.prompts, settings.greedy_prompts)
-    if need > len(prompts):
-        raise ValueError(f"the gate needs {need} prompts; the vendored set has {len(prompts)}")
-    try:
-        target = load_model(cfg.target, device=args.device, n_threads=args.threads)
-        draft = load_model(cfg.draft, device=args.device, n_threads=args.threads)
-        tok = target.tokenizer
-        ids = [(p.id, prompting.encode(tok, p.text)) for p in prompts[:need]]
-        result = run_gate(target, draft, ids, settings, stop_ids=prompting.stop_ids(tok),
-                          label=lambda t: _token_label(tok, t),
-                          progress=not args.no_progress)  # fmt: skip
-    except KeyboardInterrupt:
-        # A partial sample is not the sample the test was sized for: write nothing.
-        print("\ngate interrupted: no artifact written (rerun to completion for a verdict)",
-              file=sys.stderr)  # fmt: skip
-        return _EXIT_INTERRUPTED
-    config = {"name": cfg.name, "draft": cfg.draft, "target": cfg.target, "quick": args.quick,
-              "threads": args.threads, **asdict(settings)}  # fmt: skip
-    models = {"draft": model_block(cfg.draft, draft), "target": model_block(cfg.target, target)}
-    art = build_artifact(config, models, result)
-    out = Path(args.out) / f"gate_{cfg.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(art, indent=1) + "\n")
-    print(format_summary(art))
-    print(f"wrote {out}", file=sys.stderr)
-    return 0 if art["passed"] else _EXIT_FAILED

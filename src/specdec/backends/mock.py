@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import SpecModel
+from specdec.core.model import SpecModel
 
 
 class MockModel(SpecModel):

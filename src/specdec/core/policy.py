@@ -1,8 +1,10 @@
 """How many tokens to draft each round: fixed K, transformers' +2/-1 schedule, or K from cost.
 
-Every policy answers `choose(source, remaining) -> K` before a round and hears `observe(...)`
-after it. Policies see only costs and past acceptance — never the target's distribution for the
-current round — so any of them leaves the output distribution exactly the target's.
+Every policy gets `prepare(target, context) -> seconds` once per generation, after the prompt
+prefill (k="auto" measures the verify curve there the first time it meets a target), answers
+`choose(source, remaining) -> K` before each round and hears `observe(round)` after it.
+Policies see only costs and past acceptance — never the target's distribution for the current
+round — so any of them leaves the output distribution exactly the target's.
 
 `CostModelK` ("k=auto") keeps online estimates of
     v(b)      seconds for one target pass over b tokens (b = K + 1 in a round)
@@ -12,8 +14,8 @@ and picks the K in {0 .. K_max} that maximizes expected tokens per second,
 
     E[tokens | K] / (v(K + 1) + K * t_d),   E[tokens | K] = 1 + sum_{i<=K} prod_{j<=i} alpha_j
 
-(the microbench's cost model, in seconds). K = 0 is a plain target step: where speculation
-cannot pay, it turns itself off.
+(core.cost's formulas, the microbench's too, here in seconds). K = 0 is a plain target step:
+where speculation cannot pay, it turns itself off.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .device import synchronize
-from .models.base import SpecModel
+from specdec.core.cost import cost_in_target_steps, expected_tokens_per_round
+from specdec.core.cost import p_at_least_from_conditional as p_at_least
+from specdec.core.device import synchronize
+from specdec.core.metrics import Round
+from specdec.core.model import SpecModel
 
 #: Exponential forgetting per observation, so estimates follow a prompt whose character changes.
 DECAY = 0.95
@@ -40,26 +45,32 @@ PRIOR_WEIGHT = 2.0
 class KPolicy(Protocol):
     k_max: int
 
+    def prepare(self, target: SpecModel, context: list[int]) -> float: ...
+
     def choose(self, source: str, remaining: int) -> int: ...
 
-    def observe(
-        self, source: str, k: int, n_accepted: int, draft_s: float, verify_s: float
-    ) -> None: ...
+    def observe(self, r: Round) -> None: ...
+
+
+class _NoPreparation:
+    def prepare(self, target: SpecModel, context: list[int]) -> float:
+        """Seconds spent getting ready for a generation: none for policies without costs."""
+        return 0.0
 
 
 @dataclass
-class FixedK:
+class FixedK(_NoPreparation):
     k_max: int
 
     def choose(self, source: str, remaining: int) -> int:
         return min(self.k_max, remaining)
 
-    def observe(self, source: str, k: int, n_accepted: int, draft_s: float, verify_s: float):
+    def observe(self, r: Round) -> None:
         pass
 
 
 @dataclass
-class ScheduleK:
+class ScheduleK(_NoPreparation):
     """transformers' "heuristic" schedule: K += 2 after a fully accepted round, else K -= 1."""
 
     k_max: int
@@ -68,10 +79,10 @@ class ScheduleK:
     def choose(self, source: str, remaining: int) -> int:
         return min(self.k, self.k_max, remaining)
 
-    def observe(self, source: str, k: int, n_accepted: int, draft_s: float, verify_s: float):
-        if k == 0:
+    def observe(self, r: Round) -> None:
+        if r.k == 0:
             return
-        self.k = min(self.k_max, self.k + 2) if n_accepted == k else max(1, self.k - 1)
+        self.k = min(self.k_max, self.k + 2) if r.n_accepted == r.k else max(1, self.k - 1)
 
 
 @dataclass
@@ -125,16 +136,21 @@ class CostModelK:
 
     def expected_rate(self, source: str, k: int) -> float:
         """Expected tokens per second of a round drafting k tokens from `source`."""
-        alphas = self.alphas(source)
-        e, survive = 1.0, 1.0
-        for a in alphas[:k]:
-            survive *= a
-            e += survive
+        e = expected_tokens_per_round(p_at_least(self.alphas(source)[:k]), k)
         st = self.sources.get(source)
         t_d = st.draft_s_per_token if st and st.draft_s_per_token is not None else 0.0
-        return e / (self.v(k + 1) + k * t_d)
+        return e / cost_in_target_steps([self.v(b) for b in range(1, k + 2)], t_d, k)
 
     # ------------------------------------------------------------------ policy
+    def prepare(self, target: SpecModel, context: list[int]) -> float:
+        """Measure v(b) once, the first time this policy meets a target (then refined online);
+        return the seconds it took (0 once known)."""
+        if self.verify_s:
+            return 0.0
+        t0 = time.perf_counter()
+        self.verify_s.update(calibrate_verify(target, self.k_max, context))
+        return time.perf_counter() - t0
+
     def depth_cap(self, source: str) -> int:
         """Draft at most one position beyond those with evidence: 1 + the leading positions
         judged at least once (decayed count >= 0.5). Why: position i's acceptance is guessed
@@ -157,10 +173,11 @@ class CostModelK:
                 best_k, best = k, r
         return best_k
 
-    def observe(self, source: str, k: int, n_accepted: int, draft_s: float, verify_s: float):
+    def observe(self, r: Round) -> None:
+        source, k, n_accepted = r.source, r.k, r.n_accepted
         b = k + 1
         old = self.verify_s.get(b)
-        self.verify_s[b] = verify_s if old is None else DECAY * old + (1 - DECAY) * verify_s
+        self.verify_s[b] = r.verify_s if old is None else DECAY * old + (1 - DECAY) * r.verify_s
         # Every round forgets a little of every source, drafted or not: a source whose estimate
         # fell below break-even drifts back to the prior and is tried again. Forgetting only on
         # use froze it: one early rejection per source switched prompt lookup off for the rest
@@ -180,7 +197,7 @@ class CostModelK:
         for i in range(min(n_accepted + 1, k)):
             st.tried[i] += 1
             st.accepted[i] += i < n_accepted
-        per_tok = draft_s / k
+        per_tok = r.draft_s / k
         st.draft_s_per_token = (
             per_tok
             if st.draft_s_per_token is None

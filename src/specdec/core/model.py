@@ -99,8 +99,10 @@ class SpecModel(ABC):
         del self.cached_tokens[n:]
 
     def reset(self) -> None:
-        """Empty the cache."""
-        self.truncate(0)
+        """Empty the cache, unconditionally: also when `n_cached` is already 0, since a backend
+        pass that raised midway may have left state that the token list does not show."""
+        self._truncate(0)
+        self.cached_tokens.clear()
 
     def forward(self, tokens: TokenIds) -> torch.Tensor:
         """Stateless: logits [len(tokens), V] for `tokens` evaluated from an empty context.
@@ -124,7 +126,7 @@ class SpecModel(ABC):
 
     @abstractmethod
     def _truncate(self, n: int) -> None:
-        """Drop cache positions >= n (called only with 0 <= n < n_cached)."""
+        """Drop cache positions >= n (0 <= n < n_cached, or n = 0 from `reset` at any length)."""
 
     def _prefill(self, ids: list[int]) -> None:
         self._extend(ids)  # backends that can skip the output layer override this

@@ -9,8 +9,21 @@ parsing and validation stay the ones defined here.
 from __future__ import annotations
 
 import argparse
+import sys
 
-from specdec.drafters import DRAFTERS
+from specdec.core.config import DRAFTERS, NAMED_K
+
+# ------------------------------------------------------------------------------ exit codes
+EXIT_FAILED = 1  # the command ran and found a failure: a gate verdict, a missing model, bad JSON
+EXIT_ERROR = 2  # bad input (argparse's code for usage errors too)
+EXIT_INTERRUPTED = 130  # shell convention: 128 + SIGINT
+
+
+def error(msg: str, code: int = EXIT_ERROR) -> int:
+    """Print `error: msg` to stderr and return the exit code."""
+    print(f"error: {msg}", file=sys.stderr)
+    return code
+
 
 # ------------------------------------------------------------------------------ help texts
 DEVICE_HELP = "cpu, cuda or mps for HF models (str; default: best available)"
@@ -41,7 +54,7 @@ NO_PROGRESS_HELP = "hide the progress bar (flag; default off)"
 # ------------------------------------------------------------------------------ types / checks
 def k_value(text: str) -> int | str:
     """argparse type for -k: an int >= 1, 'auto' or 'schedule'."""
-    if text in ("auto", "schedule"):
+    if text in NAMED_K:
         return text
     try:
         k = int(text)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.core.config import Warp
+
 #: A residual max(0, p - q) whose mass is below this is treated as empty (see `rejection_sample`).
 RESIDUAL_EPS = 1e-12
 #: Rows of p (and q) must sum to 1 within this tolerance: float32 softmax over 262k entries sums
@@ -42,14 +44,10 @@ def probs_from_logits(
     then exactly the warped target distribution. temperature == 0 is greedy decoding, which is
     not a distribution: use `greedy_verify` / argmax for it.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0:
-        raise ValueError("temperature 0 is greedy decoding: take the argmax, not a distribution")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if Warp(temperature, top_k, top_p).greedy:  # Warp checks the three values
+        raise ValueError(
+            f"temperature {temperature} is greedy decoding: take the argmax, not a distribution"
+        )
     x = logits.detach().to("cpu", torch.float32) / temperature  # [..., V]
     if top_k is not None and top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [..., 1]

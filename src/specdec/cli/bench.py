@@ -1,0 +1,193 @@
+"""`specdec bench`: bench and sweep: throughput of target-only vs speculative decoding."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from specdec.cli import args as cli_args
+from specdec.study import prompts as prompt_set
+from specdec.study.bench import (
+    CATEGORIES,
+    COMPARES,
+    CONFIGS,
+    BenchConfig,
+    format_sweep_table,
+    format_table,
+    parse_categories,
+    resolve_config,
+    run_bench,
+    run_sweep,
+    select_prompts,
+    tag_suffix,
+)
+
+#: The K values of `specdec sweep` when -k is not given (the paper's Table 4).
+DEFAULT_SWEEP_KS = (1, 2, 4, 6, 8, 10, 12)
+
+
+def _k_list(text: str) -> list[int]:
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"every K must be an integer >= 1, got {text!r}")
+    return ks
+
+
+def _add_common(p: argparse.ArgumentParser, prompts: int, max_new: int, out: str) -> None:
+    n = len(prompt_set.load_prompts())
+    p.add_argument(
+        "--config",
+        metavar="NAME",
+        default=None,
+        help=f"named pair: {', '.join(CONFIGS)} (str; required unless --draft and --target)",
+    )
+    p.add_argument(
+        "--draft",
+        metavar="SPEC",
+        default=None,
+        help="draft model BACKEND:NAME_OR_PATH for a custom pair (str; default off)",
+    )
+    p.add_argument(
+        "--target",
+        metavar="SPEC",
+        default=None,
+        help="target model BACKEND:NAME_OR_PATH for a custom pair (str; default off)",
+    )
+    cli_args.add_sampling_args(p, seed=False, max_new_tokens=False)
+    p.add_argument(
+        "--category",
+        default=None,
+        metavar="NAME[,NAME...]",
+        help=f"run only the prompts of these categories: {', '.join(CATEGORIES)} "
+        "(comma-separated str; default: all)",
+    )
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help=f"prompts to run, the first N of the set (of the --category prompts, in file "
+        f"order, when given), 1..{n} (int; default {prompts}, or all the --category prompts "
+        "when fewer)",
+    )
+    p.set_defaults(default_prompts=prompts)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="leading prompts run but not recorded, 0 <= W < prompts (int; default 2)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=max_new,
+        help=f"tokens generated per prompt, >= 1 (int; default {max_new})",
+    )
+    p.add_argument(
+        "--out",
+        default=out,
+        metavar="DIR",
+        help=f"directory for the JSON artifacts (path; default {out})",
+    )
+    cli_args.add_device_args(
+        p, threads=False, device_help="cpu, cuda or mps (str; default: best available)"
+    )
+    p.add_argument(
+        "--tag",
+        default=None,
+        help="suffix for the artifact file names, [A-Za-z0-9_.-] (str; default none)",
+    )
+    cli_args.add_no_progress_arg(p)
+
+
+def add(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="baseline vs speculative throughput on the prompt set (paper, Table 3)"
+    )
+    _add_common(p, prompts=30, max_new=128, out="results/")
+    cli_args.add_spec_args(
+        p,
+        k_help="draft tokens per round: an int >= 1, 'auto' or 'schedule' (default 4)",
+        drafter_default="model",
+        drafter_help="the speculative method's drafter: model, lookup (prompt lookup, no draft "
+        "model) or composite (str; default model)",
+        p_min_help="draft confidence cutoff in [0, 1) (float; default off)",
+    )
+    p.add_argument(
+        "--variants",
+        default="",
+        metavar="DRAFTER:K,...",
+        help="more speculative methods on the same prompts, e.g. model:auto,lookup:auto "
+        "(comma-separated; default none)",
+    )
+    p.add_argument(
+        "--compare",
+        choices=COMPARES,
+        default=None,
+        help="also run transformers' assisted generation on the same prompts; needs hf models "
+        "on both sides (str; default off)",
+    )
+    p.set_defaults(func=_cmd_bench)
+
+    s = subparsers.add_parser(
+        "sweep", help="bench at several K, each against its own baseline (paper, Table 4)"
+    )
+    _add_common(s, prompts=10, max_new=96, out="results/sweep")
+    default_ks = ",".join(map(str, DEFAULT_SWEEP_KS))
+    s.add_argument(
+        "-k",
+        "--k",
+        type=_k_list,
+        default=list(DEFAULT_SWEEP_KS),
+        metavar="K,K,...",
+        help=f"speculation lengths, each >= 1 (comma-separated ints; default {default_ks})",
+    )
+    s.set_defaults(func=_cmd_sweep)
+
+
+def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) -> BenchConfig:
+    categories = parse_categories(args.category)
+    n_prompts = args.prompts
+    if n_prompts is None:  # the default, capped at what the categories hold
+        n_prompts = min(args.default_prompts, len(select_prompts(categories)))
+    extra: dict[str, Any] = {"categories": categories}
+    if hasattr(args, "drafter"):  # bench only; the sweep is the draft model at fixed K
+        variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+        extra.update(drafter=args.drafter, k_max=args.k_max, p_min=args.p_min, variants=variants)
+    return resolve_config(
+        args.config,
+        args.draft,
+        args.target,
+        k=k,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        n_prompts=n_prompts,
+        warmup=args.warmup,
+        max_new_tokens=args.max_new_tokens,
+        compare=compare,
+        device=args.device,
+        **extra,
+    )
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    cfg = _config_from(args, args.k, args.compare)
+    tag_suffix(args.tag)  # validate before loading models
+    art = run_bench(cfg, args.out, progress=not args.no_progress, tag=args.tag)
+    print(format_table(art))
+    print(f"wrote {art['path']}")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    cfg = _config_from(args, args.k[0], None)
+    tag_suffix(args.tag)
+    summary = run_sweep(cfg, args.k, args.out, progress=not args.no_progress, tag=args.tag)
+    print(format_sweep_table(summary))
+    print(f"wrote {summary['path']}")
+    return 0

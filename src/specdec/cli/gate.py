@@ -1,0 +1,166 @@
+"""`specdec gate`: the level-3 exactness gate on real models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from specdec.cli import args as cli_args
+from specdec.cli.args import EXIT_FAILED, EXIT_INTERRUPTED
+from specdec.study.gate import (
+    MIN_PROMPTS,
+    QUICK,
+    GateSettings,
+    build_artifact,
+    format_summary,
+    run_gate,
+)
+
+
+def add(subparsers: argparse._SubParsersAction) -> None:
+    d = GateSettings()
+    p = subparsers.add_parser(
+        "gate", help="level-3 exactness gate: speculative vs target-only on real models"
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="NAME",
+        help="named draft -> target configuration (str; e.g. smoke, all_gguf)",
+    )
+    cli_args.add_device_args(p)
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help=f"sampled-leg prompts, {MIN_PROMPTS}..100 (int; default {d.prompts})",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"sampled-leg tokens per prompt, >= 1 (int; default {d.max_new_tokens})",
+    )
+    p.add_argument(
+        "-t",
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"sampled-leg temperature, > 0 (float; default {d.temperature})",
+    )
+    p.add_argument(
+        "-k",
+        "--k",
+        type=int,
+        default=None,
+        help=f"draft tokens per round, >= 1 (int; default {d.k})",
+    )
+    p.add_argument(
+        "--greedy-prompts",
+        type=int,
+        default=None,
+        help=f"greedy-leg prompts, 0..100 (int; default {d.greedy_prompts})",
+    )
+    p.add_argument(
+        "--greedy-tokens",
+        type=int,
+        default=None,
+        help=f"greedy-leg max tokens, >= 1 (int; default {d.greedy_tokens})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"CI sizes: {QUICK.prompts} x {QUICK.max_new_tokens} sampled, "
+        f"{QUICK.greedy_prompts} x {QUICK.greedy_tokens} greedy; explicit "
+        "size flags still win (flag; default off)",
+    )
+    p.add_argument(
+        "--out",
+        default="results",
+        metavar="DIR",
+        help="directory for gate_<config>.json (path; default results/)",
+    )
+    cli_args.add_no_progress_arg(p, help="hide the progress bars (flag; default off)")
+    p.set_defaults(func=_cmd_gate)
+
+
+def _settings(args: argparse.Namespace) -> GateSettings:
+    base = QUICK if args.quick else GateSettings()
+    given = {name: getattr(args, name) for name in asdict(base)}  # None = flag not given
+    s = GateSettings(**{**asdict(base), **{k: v for k, v in given.items() if v is not None}})
+    if s.prompts < MIN_PROMPTS:
+        raise ValueError(
+            f"--prompts must be >= {MIN_PROMPTS}: with fewer, the permutation test "
+            "cannot reach p <= 0.01, so the gate could not fail"
+        )
+    if s.max_new_tokens < 1 or s.greedy_tokens < 1 or s.greedy_prompts < 0 or s.k < 1:
+        raise ValueError(
+            "--max-new-tokens, --greedy-tokens and -k must be >= 1, --greedy-prompts >= 0"
+        )
+    cli_args.check_threads(args.threads)
+    if s.temperature <= 0:
+        raise ValueError(f"the sampled leg needs a temperature > 0, got {s.temperature}")
+    return s
+
+
+def _token_label(tokenizer: Any, token_id: int) -> str:
+    """The token's text, quoted so leading spaces and newlines stay visible (e.g. "' the'")."""
+    if tokenizer is None:
+        return str(token_id)
+    return repr(tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def _cmd_gate(args: argparse.Namespace) -> int:
+    from specdec.backends import chat as prompting
+    from specdec.backends import load_model
+    from specdec.backends.configs import resolve_config
+    from specdec.study import prompts as prompt_set
+    from specdec.study.bench import model_block  # the MODEL block every artifact shares
+
+    settings = _settings(args)
+    cfg = resolve_config(args.config)
+    prompts = prompt_set.load_prompts()
+    need = max(settings.prompts, settings.greedy_prompts)
+    if need > len(prompts):
+        raise ValueError(f"the gate needs {need} prompts; the vendored set has {len(prompts)}")
+    try:
+        target = load_model(cfg.target, device=args.device, n_threads=args.threads)
+        draft = load_model(cfg.draft, device=args.device, n_threads=args.threads)
+        tok = target.tokenizer
+        ids = [(p.id, prompting.encode(tok, p.text)) for p in prompts[:need]]
+        result = run_gate(
+            target,
+            draft,
+            ids,
+            settings,
+            stop_ids=prompting.stop_ids(tok),
+            label=lambda t: _token_label(tok, t),
+            progress=not args.no_progress,
+        )
+    except KeyboardInterrupt:
+        # A partial sample is not the sample the test was sized for: write nothing.
+        print(
+            "\ngate interrupted: no artifact written (rerun to completion for a verdict)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    config = {
+        "name": cfg.name,
+        "draft": cfg.draft,
+        "target": cfg.target,
+        "quick": args.quick,
+        "threads": args.threads,
+        **asdict(settings),
+    }
+    models = {"draft": model_block(cfg.draft, draft), "target": model_block(cfg.target, target)}
+    art = build_artifact(config, models, result)
+    out = Path(args.out) / f"gate_{cfg.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(art, indent=1) + "\n")
+    print(format_summary(art))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0 if art["passed"] else EXIT_FAILED

@@ -1,0 +1,116 @@
+"""`specdec generate`: one generation, streamed, then its stats."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdec.cli import args as cli_args
+
+
+def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
+    p.add_argument(
+        "--target",
+        required=True,
+        metavar="SPEC",
+        help="target model, BACKEND:NAME_OR_PATH (str; e.g. llamacpp:qwen2.5-coder-1.5b)",
+    )
+    if draft:
+        p.add_argument(
+            "--draft",
+            default="none",
+            metavar="SPEC",
+            help="draft model SPEC, or 'none' for target-only decoding (str; default none)",
+        )
+    cli_args.add_device_args(p, threads=False)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    cli_args.add_spec_args(p)
+    cli_args.add_sampling_args(p)
+
+
+def add(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate text, streaming it, then print stats")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="feed PROMPT raw instead of as a chat user turn (flag; default off)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (tokens, text, stats) instead of streaming (flag)",
+    )
+    p.add_argument("prompt", metavar="PROMPT", help="the user message (str)")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from specdec.backends import chat as prompting
+    from specdec.backends import load_model
+    from specdec.core.config import SpecConfig, Warp
+    from specdec.core.decode import stream
+
+    target = load_model(args.target, device=args.device)
+    draft = None if args.draft.lower() == "none" else load_model(args.draft, device=args.device)
+    tok = target.tokenizer if target.tokenizer is not None else getattr(draft, "tokenizer", None)
+    prompt_ids = prompting.encode(tok, args.prompt, chat=not args.no_chat)
+    t0 = time.perf_counter()
+    s = stream(
+        target,
+        prompt_ids,
+        draft=draft,
+        spec=SpecConfig(drafter=args.drafter, k=args.k, k_max=args.k_max, p_min=args.p_min),
+        warp=Warp(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop_ids=prompting.stop_ids(tok),
+    )
+    out: list[int] = []
+    shown = ""
+    for chunk in s:
+        out += chunk
+        if not args.json:
+            text = prompting.decode(tok, out)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                print(text[len(shown) :], end="", flush=True)
+                shown = text
+    wall = time.perf_counter() - t0
+    assert s.result is not None
+    st = s.result.stats
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "prompt_tokens": len(prompt_ids),
+                    "tokens": out,
+                    "text": prompting.decode(tok, out),
+                    "stop_reason": s.result.stop_reason,
+                    "wall_s": wall,
+                    "stats": st.to_dict(),
+                }
+            )
+        )
+        return 0
+    print(prompting.decode(tok, out)[len(shown) :])
+    pos = " ".join(f"{a:.0%}" for a in st.positional_acceptance)
+    spec = (
+        (
+            f" | accepted {st.accepted}/{st.drafted} ({st.acceptance_rate:.1%}), by position "
+            f"[{pos}], {st.tokens_per_round:.2f} tokens/round"
+        )
+        if st.drafted
+        else ""
+    )
+    print(
+        f"-- {st.generated} tokens in {st.wall_s:.2f} s ({st.tokens_per_s:.1f} tok/s), "
+        f"TTFT {st.ttft_s:.3f} s{spec}",
+        file=sys.stderr,
+    )
+    return 0

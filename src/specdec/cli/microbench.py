@@ -1,0 +1,129 @@
+"""`specdec microbench`: verify-cost curves, the draft/target step ratio, predicted speedup."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdec.cli import args as cli_args
+from specdec.study.microbench import (
+    acceptance_profile,
+    artifact_path,
+    check_prediction,
+    format_table,
+    run,
+)
+
+
+def add(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "microbench",
+        help="verify-batch scaling curve, draft/target step ratio and predicted speedup per K",
+    )
+    p.add_argument(
+        "--target",
+        required=True,
+        metavar="SPEC",
+        help="target model, BACKEND:NAME_OR_PATH (str; required)",
+    )
+    p.add_argument(
+        "--draft",
+        default="none",
+        metavar="SPEC",
+        help="draft model SPEC for the step ratio c, or 'none' (str; default none)",
+    )
+    cli_args.add_device_args(p)
+    p.add_argument(
+        "--prefix",
+        type=int,
+        default=100,
+        help="tokens cached before each probe, >= 1 (int; default 100)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=16,
+        help="largest verify batch b timed, >= 1 (int; default 16)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=7,
+        help="timed passes per b; the median is kept, >= 1 (int; default 7)",
+    )
+    p.add_argument(
+        "--acceptance",
+        default=None,
+        metavar="BENCH_JSON",
+        help="bench artifact whose speculative rows give P(>= i accepted) "
+        "(path; default none: cost only)",
+    )
+    p.add_argument(
+        "--check",
+        nargs="+",
+        default=None,
+        metavar="BENCH_JSON",
+        help="fixed-K bench artifacts (e.g. a sweep's) whose measured decode-phase speedup is "
+        "compared with this curve's prediction from their own acceptance (paths; default none)",
+    )
+    p.add_argument(
+        "--out",
+        default="results",
+        metavar="DIR",
+        help="directory for microbench_<target>.json (path; default results/)",
+    )
+    cli_args.add_no_progress_arg(p)
+    p.set_defaults(func=_cmd_microbench)
+
+
+def _cmd_microbench(args: argparse.Namespace) -> int:
+    from specdec.backends import load_model
+    from specdec.study.bench import model_block  # the MODEL block every artifact shares
+
+    cli_args.check_threads(args.threads)
+    acceptance = None
+    if args.acceptance is not None:  # read it first: a bad path should not cost a model load
+        path = Path(args.acceptance)
+        try:
+            bench = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the acceptance artifact {path}: {e}") from e
+        acceptance = acceptance_profile(bench, source=str(path))
+    benches = []
+    for path in map(Path, args.check or []):
+        try:
+            bench = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the bench artifact {path}: {e}") from e
+        k = bench.get("config", {}).get("k")
+        if isinstance(k, bool) or not isinstance(k, int):  # before the minutes of measuring
+            raise ValueError(f"{path}: --check needs fixed-K bench artifacts, this one has k={k!r}")
+        acceptance_profile(bench, source=str(path))  # validates the schema and the rows
+        benches.append((str(path), bench))
+    kw = {"device": args.device, "n_threads": args.threads}
+    target = load_model(args.target, **kw)
+    draft = None if args.draft.lower() == "none" else load_model(args.draft, **kw)
+    models = {
+        "target": model_block(args.target, target),
+        "draft": model_block(args.draft, draft) if draft is not None else None,
+    }
+    art = run(
+        target,
+        draft,
+        models,
+        prefix=args.prefix,
+        max_batch=args.max_batch,
+        repeats=args.repeats,
+        acceptance=acceptance,
+        progress=not args.no_progress,
+    )
+    art["threads"] = args.threads  # None: the backends' default, all cores
+    art["checks"] = [check_prediction(art, b, src) for src, b in benches]
+    out = artifact_path(Path(args.out), target.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(art, indent=1) + "\n")
+    print(format_table(art))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0

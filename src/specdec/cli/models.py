@@ -1,0 +1,61 @@
+"""`specdec models`: the model registry: list, fetch, path."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdec.backends import registry
+from specdec.cli.args import EXIT_ERROR, EXIT_FAILED, error
+
+#: Hex digits of a model's sha256 shown by `specdec models list`.
+SHA_PREFIX = 12
+
+
+def add(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("models", help="list, fetch and locate the registry's GGUF models")
+    p.set_defaults(func=_cmd_models, models_parser=p)
+    sub = p.add_subparsers(dest="models_cmd", metavar="{list,fetch,path}")
+    sub.add_parser("list", help="table of known models and whether each is in the cache")
+    f = sub.add_parser("fetch", help="download, assemble and verify models into the cache")
+    f.add_argument("names", nargs="*", metavar="NAME", help="model names (str, repeatable)")
+    f.add_argument("--all", action="store_true", help="fetch every known model (flag; default off)")
+    f.add_argument(
+        "--force", action="store_true", help="re-download even if cached (flag; default off)"
+    )
+    f.add_argument(
+        "--no-progress", action="store_true", help="hide the progress bar (flag; default off)"
+    )
+    pp = sub.add_parser("path", help="print the cached file of a fetched model")
+    pp.add_argument("name", metavar="NAME", help="model name (str)")
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    if args.models_cmd == "list":
+        rows = [("NAME", "FETCHED", "SIZE", "SHA256", "DESCRIPTION")]
+        for e in registry.MODELS.values():
+            fetched = "yes" if registry.is_fetched(e.name) else "no"
+            size = f"{e.size_hint_mb} MiB"
+            rows.append((e.name, fetched, size, e.sha256[:SHA_PREFIX], e.description))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+        print(f"cache: {registry.specdec_home() / 'models'}")
+        return 0
+    if args.models_cmd == "fetch":
+        if args.all == bool(args.names):
+            return error("give model NAMEs or --all (not both)")
+        for name in list(registry.MODELS) if args.all else args.names:
+            path = registry.fetch(name, progress=not args.no_progress, force=args.force)
+            print(f"{name}: {path}")
+        return 0
+    if args.models_cmd == "path":
+        if not registry.is_fetched(args.name):  # raises ModelFetchError for unknown names
+            return error(
+                f"model {args.name!r} is not fetched; run `specdec models fetch {args.name}`",
+                EXIT_FAILED,
+            )
+        print(registry.cached_path(args.name))
+        return 0
+    args.models_parser.print_help(sys.stderr)
+    return EXIT_ERROR

@@ -1,0 +1,125 @@
+"""What one generation is asked to do, validated once, on construction.
+
+    Warp        how logits become a distribution: temperature, top-k, top-p. Applied identically
+                to the draft and the target, so the output is exactly the warped target.
+    SpecConfig  how speculation runs: drafter, K (an int, "auto", "schedule" or a KPolicy),
+                k_max, p_min. Everything in it looks only at the draft side and at costs, so no
+                setting changes the output distribution.
+
+Every layer that takes these settings (the decoder, the bench, the server, the CLI) builds one of
+these and lets it check the values: one rule per setting, one error message. Torch-free, so the
+CLI can declare its flags without importing torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+#: Drafters by name (core.drafters): a draft model, prompt lookup, lookup else the model.
+DRAFTERS = ("model", "lookup", "composite")
+#: The named K policies (core.policy): cost-model K, transformers' +2/-1 schedule.
+NAMED_K = ("auto", "schedule")
+#: Temperatures below this sample as greedy. Why: logits / 1e-39 overflow float32 to inf and the
+#: softmax to NaN; vLLM draws the same line (its _SAMPLING_EPS is 1e-5).
+GREEDY_BELOW = 1e-5
+
+
+def check_int(what: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """`value` if it is an int (not a bool) in [lo, hi]; ValueError naming `what` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{what} must be {bound}, got {value}")
+    return value
+
+
+def is_policy(k: object) -> bool:
+    """A KPolicy object passed as k (core.policy), e.g. a CostModelK with a known cost curve."""
+    return all(hasattr(k, m) for m in ("prepare", "choose", "observe"))
+
+
+def check_k(k: Any) -> None:
+    """K: an int >= 1, 'auto', 'schedule' or a KPolicy object."""
+    if is_policy(k) or (isinstance(k, str) and k in NAMED_K):
+        return
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(
+            f"k (draft tokens per round) must be an integer >= 1, 'auto' or 'schedule'; got {k!r}"
+        )
+
+
+@dataclass(frozen=True)
+class Warp:
+    """How logits become a distribution (see `core.sampling.probs_from_logits`)."""
+
+    temperature: float = 0.8
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, 1)
+        p = self.top_p
+        if p is not None and (
+            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1
+        ):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding: temperature 0, or so close to 0 that dividing by it overflows."""
+        return self.temperature < GREEDY_BELOW
+
+    def probs(self, logits: Any) -> Any:
+        """[..., V] logits -> [..., V] float32 CPU probabilities (not for greedy warps)."""
+        from specdec.core.sampling import probs_from_logits  # torch: only when sampling
+
+        return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How speculation runs. `drafter=None` with no draft model is target-only decoding.
+
+    drafter  "model" (a draft model; the default when one is given), "lookup" (prompt lookup),
+             "composite" (lookup, else the model), or a Drafter object (core.drafters)
+    k        draft tokens per round: an int >= 1, "auto" (K in 0..k_max from measured costs,
+             core.policy.CostModelK), "schedule" (transformers' +2/-1), or a KPolicy object
+    k_max    the largest K for "auto" and "schedule"
+    p_min    stop drafting when the draft's top probability falls below it (llama.cpp's p-min)
+    """
+
+    drafter: Any = None
+    k: Any = 4
+    k_max: int = 8
+    p_min: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.drafter, str) and self.drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {self.drafter!r}; use one of {', '.join(DRAFTERS)}")
+        check_k(self.k)
+        if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 1:
+            raise ValueError(f"k_max must be an integer >= 1, got {self.k_max!r}")
+        p = self.p_min
+        if p is not None and (
+            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1
+        ):
+            raise ValueError(f"p_min must be in [0, 1), got {p!r}")
+
+    def drafter_for(self, has_draft_model: bool) -> Any:
+        """The drafter this config runs with: "model" by default when a draft model is given.
+        ValueError when the drafter and the draft model do not go together."""
+        kind = self.drafter
+        if kind is None:
+            return "model" if has_draft_model else None
+        if kind in ("model", "composite") and not has_draft_model:
+            raise ValueError(f"drafter {kind!r} needs a draft model; pass draft= (or --draft)")
+        if kind == "lookup" and has_draft_model:
+            raise ValueError("drafter 'lookup' uses no draft model; drop draft= (or --draft)")
+        return kind

@@ -1,0 +1,341 @@
+"""The draft-verify loop (paper, Algorithm 1) and its baseline.
+
+Cache choreography, an invariant checked after every round when `debug=True`:
+    seq        the committed sequence (prompt + generated)
+    target     holds seq[:-1]; each round extends it once with [seq[-1], x_1..x_K], and the last
+               K+1 logit rows are p_1..p_{K+1} (row i predicts x_{i+1}; row K is the bonus row)
+    draft      holds a prefix of seq (its drafter extends the uncached suffix before drafting)
+After the accept walk both caches are truncated to the accepted length: target to len(seq) - 1.
+
+The baseline (no draft, no drafter) is the same loop with K = 0: extend the target by the last
+token and sample from p_1 through the same sampler. Greedy (temperature 0) consumes no
+randomness.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.core.config import SpecConfig, Warp, is_policy
+from specdec.core.device import synchronize
+from specdec.core.drafters import CompositeDrafter, Drafter, LookupDrafter, ModelDrafter
+from specdec.core.metrics import GenerationResult, GenerationStats, Round
+from specdec.core.model import SpecModel, as_token_list
+from specdec.core.pair import check_pair
+from specdec.core.policy import KPolicy, make_policy
+from specdec.core.sampling import greedy_verify, rejection_sample
+
+#: Prompt prefill runs in chunks of this many tokens, with the cancellation check between them,
+#: so a request abandoned during a long prefill frees the engine within one chunk. 512 is
+#: llama.cpp's default physical batch (the backend splits there anyway).
+PREFILL_CHUNK = 512
+
+
+class _Clock:
+    """Adds synchronized wall time to named fields of a GenerationStats."""
+
+    def __init__(self, stats: GenerationStats, devices: Sequence[torch.device]) -> None:
+        self.stats = stats
+        self.devices = devices
+        self.last: dict[str, float] = {}  # seconds of the latest interval of each phase
+
+    def now(self) -> float:
+        for d in self.devices:
+            synchronize(d)
+        return time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = self.now()
+        yield
+        dt = self.now() - t0
+        self.last[name] = dt
+        setattr(self.stats, name, getattr(self.stats, name) + dt)
+
+
+@dataclass
+class _Run:
+    """Everything one generation needs, resolved and validated before any model work."""
+
+    target: SpecModel
+    drafter: Drafter | None
+    policy: KPolicy | None
+    prompt: list[int]
+    max_new_tokens: int
+    warp: Warp
+    width: int  # shared sampling width V (core.pair.check_pair)
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    debug: bool
+    cancelled: Callable[[], bool] | None
+    stats: GenerationStats
+    tokens: list[int] = field(default_factory=list)  # generated ids
+    stop_reason: str = "length"
+
+
+class SpecStream:
+    """Iterator of committed token chunks; `.result` is set once it is exhausted."""
+
+    def __init__(self, run: _Run) -> None:
+        self._run = run
+        self._chunks = _loop(run)
+        self.stats: GenerationStats = run.stats
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> SpecStream:
+        return self
+
+    def __next__(self) -> list[int]:
+        try:
+            return next(self._chunks)
+        except StopIteration:
+            r = self._run
+            self.result = GenerationResult(r.tokens, r.stop_reason, r.stats)
+            raise
+
+    def close(self) -> None:
+        """Stop generating (e.g. the client went away); caches stay consistent."""
+        self._chunks.close()
+
+
+def stream(
+    target: SpecModel,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    *,
+    draft: SpecModel | None = None,
+    spec: SpecConfig = SpecConfig(),  # noqa: B008 - frozen, so one shared default is safe
+    warp: Warp = Warp(),  # noqa: B008
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    stop_ids: Sequence[int] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    debug: bool = False,
+) -> SpecStream:
+    """Like `generate`, but yields each round's committed tokens as they are accepted.
+
+    Every argument is validated before any model work is done. `cancelled`, if given, is asked
+    between prefill chunks; when it returns True the stream ends with stop_reason "cancelled"
+    (between rounds, close the stream instead).
+    """
+    prompt = as_token_list(prompt_ids)
+    kind = spec.drafter_for(draft is not None)
+    width = _check_budget(
+        target, draft if kind in ("model", "composite") else None, prompt, max_new_tokens
+    )
+    generator = torch.Generator().manual_seed(seed)
+    drafter = _make_drafter(kind, draft, spec, warp, generator, width)
+    policy = _policy(spec, target, draft, kind) if drafter is not None else None
+    run = _Run(
+        target,
+        drafter,
+        policy,
+        prompt,
+        max_new_tokens,
+        warp,
+        width,
+        generator,
+        frozenset(stop_ids or ()),
+        debug,
+        cancelled,
+        GenerationStats(prompt_tokens=len(prompt)),
+    )
+    return SpecStream(run)
+
+
+def generate(
+    target: SpecModel, prompt_ids: Sequence[int] | torch.Tensor, **kwargs: object
+) -> GenerationResult:
+    """Sample up to `max_new_tokens` tokens after `prompt_ids`, distributed exactly as `target`.
+
+    Keywords are `stream`'s: `draft` (a SpecModel), `spec` (SpecConfig: drafter, k, k_max,
+    p_min), `warp` (Warp: temperature, top_k, top_p; temperature 0 is greedy), `max_new_tokens`,
+    `seed`, `stop_ids`, `cancelled`, `debug` (check the cache invariant after every round).
+    With a draft model or a drafter, K tokens are drafted per round and verified in one target
+    pass (Algorithm 1); with neither this is plain autoregressive sampling through the same
+    sampler, the baseline.
+
+    Reproducibility: for a fixed K (or "schedule") and a seed, the run is bit-reproducible on
+    the same backend and machine. With k="auto", K is chosen from wall-clock measurements and
+    from what earlier generations in this process learned, so which tokens get drafted varies
+    between runs; the output distribution does not, and greedy output does not either where the
+    backend is batch-invariant.
+    """
+    s = stream(target, prompt_ids, **kwargs)  # type: ignore[arg-type]
+    for _ in s:
+        pass
+    assert s.result is not None
+    return s.result
+
+
+def _loop(run: _Run) -> Iterator[list[int]]:
+    target, drafter, policy, warp, stats, seq = (
+        run.target,
+        run.drafter,
+        run.policy,
+        run.warp,
+        run.stats,
+        list(run.prompt),
+    )
+    clock = _Clock(stats, [target.device] + ([drafter.model.device] if _has_model(drafter) else []))
+    t_start = clock.now()
+    with clock.phase("verify_s"):  # prefill: the target holds seq[:-1] between rounds
+        cancelled = _prefill(target, seq[:-1], run.cancelled)
+    stats.prefill_s = clock.last["verify_s"]
+    if cancelled:
+        run.stop_reason = "cancelled"
+        return
+    if _has_model(drafter):
+        # Fresh caches per call, so a seeded run never depends on what ran before it (reusing a
+        # shared prefix would change draft numerics slightly, and with them the sampled drafts).
+        drafter.model.reset()
+    if policy is not None:
+        stats.calibration_s = policy.prepare(target, seq)
+    while len(run.tokens) < run.max_new_tokens:
+        room = run.max_new_tokens - len(run.tokens) - 1  # a round emits <= k+1 tokens
+        source = drafter.source(seq) if drafter is not None and room > 0 else None
+        k = policy.choose(source, room) if policy is not None and source is not None else 0
+        # 1. draft
+        x, q, catchup_s = torch.empty(0, dtype=torch.long), None, 0.0  # [k], [k, V] | None
+        clock.last["draft_s"] = 0.0
+        if k > 0:
+            with clock.phase("draft_s"):
+                x, q, catchup_s = drafter.propose(seq, k)
+            k = x.numel()  # a drafter may propose fewer than asked
+        # 2. verify: one target pass over [last committed, x_1..x_k] -> p_1..p_{k+1}
+        with clock.phase("verify_s"):
+            logits = target.extend([seq[-1], *x.tolist()])[:, : run.width]  # [k+1, V]
+        # 3. accept walk
+        with clock.phase("sampling_s"):
+            if warp.greedy:
+                emitted, n_acc = greedy_verify(x, logits)
+            else:
+                emitted, n_acc = rejection_sample(x, q, warp.probs(logits), run.generator)
+        # 4. commit, then roll both caches back to the accepted length
+        new = _commit(run, emitted.tolist())
+        seq += new
+        target.truncate(len(seq) - 1)
+        if k > 0:
+            drafter.observe(n_acc)
+        r = Round(
+            source or "none",
+            k,
+            n_acc,
+            len(new),
+            max(0.0, clock.last["draft_s"] - catchup_s),
+            clock.last["verify_s"],
+        )
+        stats.catchup_s += catchup_s
+        stats.record(r)
+        if policy is not None:
+            policy.observe(r)
+        if run.debug:
+            _check_caches(target, drafter, seq)
+        now = clock.now()
+        if stats.rounds == 1:
+            stats.ttft_s = now - t_start
+        stats.wall_s = now - t_start
+        yield new
+        if run.stop_reason == "stop":
+            return
+
+
+def _commit(run: _Run, emitted: list[int]) -> list[int]:
+    """The emitted tokens that are committed: cut at the budget and after a stop id."""
+    new = emitted[: run.max_new_tokens - len(run.tokens)]
+    stop_at = next((i for i, t in enumerate(new) if t in run.stop_ids), None)
+    if stop_at is not None:
+        new = new[: stop_at + 1]
+        run.stop_reason = "stop"
+    run.tokens += new
+    return new
+
+
+def _prefill(target: SpecModel, ids: list[int], cancelled: Callable[[], bool] | None) -> bool:
+    """Reset the target and prefill `ids` in PREFILL_CHUNK pieces; True if cancelled midway."""
+    target.reset()
+    for i in range(0, len(ids), PREFILL_CHUNK):
+        if cancelled is not None and cancelled():
+            return True
+        target.prefill(ids[i : i + PREFILL_CHUNK])
+    return False
+
+
+def _has_model(drafter: Drafter | None) -> bool:
+    return drafter is not None and drafter.model is not None
+
+
+def _check_caches(target: SpecModel, drafter: Drafter | None, seq: list[int]) -> None:
+    """Both caches must hold a prefix of the committed sequence; the target exactly seq[:-1]."""
+    if target.cached_tokens != seq[:-1]:
+        raise AssertionError(
+            f"target cache holds {target.n_cached} tokens that are not seq[:-1] "
+            f"(len {len(seq) - 1}): the last-K+1-rows alignment or the truncation is wrong"
+        )
+    model = drafter.model if drafter is not None else None
+    if model is not None and model.cached_tokens != seq[: model.n_cached]:
+        raise AssertionError("draft cache is not a prefix of the committed sequence")
+
+
+def _make_drafter(
+    kind: str | Drafter | None,
+    draft: SpecModel | None,
+    spec: SpecConfig,
+    warp: Warp,
+    generator: torch.Generator,
+    width: int,
+) -> Drafter | None:
+    if kind is None or not isinstance(kind, str):
+        return kind
+    if kind == "lookup":
+        return LookupDrafter()
+    assert draft is not None  # SpecConfig.drafter_for: "model" and "composite" have one
+    model = ModelDrafter(draft, warp, generator, width, spec.p_min)
+    return model if kind == "model" else CompositeDrafter(LookupDrafter(), model)
+
+
+#: k="auto" policies, kept per target model for the life of the process: what one generation
+#: learned (acceptance per draft source, draft cost, v(b)) carries over to the next, so a pair
+#: where drafting cannot pay stops exploring it after the first request instead of every time.
+_AUTO_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _policy(spec: SpecConfig, target: SpecModel, draft: SpecModel | None, kind: object) -> KPolicy:
+    if is_policy(spec.k):
+        return spec.k
+    if spec.k != "auto":
+        return make_policy(spec.k, spec.k_max if isinstance(spec.k, str) else spec.k)
+    key = (kind if isinstance(kind, str) else id(kind), id(draft) if draft else None, spec.k_max)
+    per_target = _AUTO_POLICIES.setdefault(target, {})
+    if key not in per_target:
+        per_target[key] = make_policy("auto", spec.k_max)
+    return per_target[key]
+
+
+def _check_budget(
+    target: SpecModel, draft: SpecModel | None, prompt: list[int], max_new_tokens: int
+) -> int:
+    """Check the prompt and the budget against both models; return the sampling width V."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompt:
+        raise ValueError("the prompt is empty; pass at least one token id (e.g. BOS)")
+    width = target.vocab_size if draft is None else check_pair(draft, target)
+    for m in [target] if draft is None else [target, draft]:
+        if len(prompt) + max_new_tokens > m.n_ctx:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"context window of {m.name} ({m.n_ctx}); shorten the prompt, lower "
+                "max_new_tokens, or load the model with a larger n_ctx"
+            )
+    bad = next((t for t in prompt if not 0 <= t < width), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {width})")
+    return width

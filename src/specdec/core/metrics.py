@@ -1,0 +1,155 @@
+"""What a generation measured: one `Round` record per round, summed into `GenerationStats`.
+
+Definitions are written once, here (after vLLM's spec-decode metrics); the bench, the server's
+/metrics and the CLI read these fields and properties and never recompute them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Round:
+    """One draft-verify round, built once by the loop and given to the stats and the K policy.
+
+    source      the draft source the policy judged ("none" for a plain target step)
+    k           tokens drafted and verified (0: a plain target step)
+    n_accepted  drafted tokens kept by the accept rule, 0 <= n_accepted <= k
+    n_emitted   tokens committed (accepted + the recovered or bonus token, cut at the budget or
+                a stop token)
+    draft_s     seconds drafting, the draft model's catch-up prefill left out
+    verify_s    seconds of the target pass over k + 1 tokens
+    """
+
+    source: str
+    k: int
+    n_accepted: int
+    n_emitted: int
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+@dataclass
+class GenerationStats:
+    """Per-generation counters. Definitions (after vLLM's spec-decode metrics):
+
+    rounds            target forward passes after the prefill (one per round; for the baseline,
+                      one per generated token)
+    drafted           draft tokens proposed and sent to verification
+    accepted          drafted tokens kept by the accept rule
+    drafted_per_pos   drafted_per_pos[i]: rounds that drafted a token at position i+1
+    accepted_per_pos  accepted_per_pos[i]: rounds whose draft at position i+1 was accepted
+    generated         tokens committed (accepted + one recovered or bonus token per round)
+    drafting_rounds   rounds that drafted at least one token (= drafted_per_pos[0])
+    tokens_per_round  generated / rounds: tokens per target pass, K = 0 rounds included (what
+                      a k="auto" run that stops drafting still earns per pass: 1.0)
+    mean_acceptance_length  1 + accepted / drafting_rounds: vLLM's "mean acceptance length",
+                      over rounds that drafted only, the recovered or bonus token included
+    acceptance_rate   accepted / drafted (pooled)
+    ttft_s            start of the call to the first committed token (includes the prefill and,
+                      when speculating, the whole first draft + verify round)
+    wall_s            start of the call to the last committed token
+    draft_s           time inside the drafter (draft forward passes and draft-side sampling)
+    verify_s          time inside target forward passes, the prefill included
+    prefill_s         the part of verify_s spent on the prompt prefill (paid once per request
+                      whatever the method; wall_s - prefill_s - catchup_s is the decode phase
+                      that the microbench's cost model predicts)
+    catchup_s         the part of draft_s a draft model spent prefilling context it had not
+                      seen (the prompt in the first round; tokens committed by lookup rounds)
+    sampling_s        target-side warping plus the accept/reject walk
+    calibration_s     k="auto" only: the one-off measurement of the verify cost curve for a
+                      model not seen before in this process (0 afterwards)
+    other_s           wall_s minus the four above: bookkeeping, cache truncation, Python
+    """
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    generated: int = 0
+    prompt_tokens: int = 0
+    ttft_s: float = 0.0
+    wall_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    sampling_s: float = 0.0
+    calibration_s: float = 0.0
+    prefill_s: float = 0.0
+    catchup_s: float = 0.0
+
+    @property
+    def other_s(self) -> float:
+        spent = self.draft_s + self.verify_s + self.sampling_s + self.calibration_s
+        return max(0.0, self.wall_s - spent)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.generated / self.rounds if self.rounds else 0.0
+
+    @property
+    def drafting_rounds(self) -> int:
+        return self.drafted_per_pos[0] if self.drafted_per_pos else 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        n = self.drafting_rounds
+        return 1 + self.accepted / n if n else 0.0
+
+    @property
+    def positional_acceptance(self) -> list[float]:
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_per_pos, self.drafted_per_pos, strict=True)
+        ]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """generated / decode-phase seconds: the prompt prefills (target and draft) left out."""
+        decode_s = self.wall_s - self.prefill_s - self.catchup_s
+        return self.generated / decode_s if decode_s > 0 else 0.0
+
+    def record(self, r: Round) -> None:
+        """Count one round (see the definitions above)."""
+        k, n_accepted = r.k, r.n_accepted
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += n_accepted
+        self.generated += r.n_emitted
+        grow = k - len(self.drafted_per_pos)
+        if grow > 0:
+            self.drafted_per_pos += [0] * grow
+            self.accepted_per_pos += [0] * grow
+        for i in range(k):
+            self.drafted_per_pos[i] += 1
+            self.accepted_per_pos[i] += i < n_accepted
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            other_s=self.other_s,
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_round=self.tokens_per_round,
+            drafting_rounds=self.drafting_rounds,
+            mean_acceptance_length=self.mean_acceptance_length,
+            positional_acceptance=self.positional_acceptance,
+            tokens_per_s=self.tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+        )
+        return d
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids only (a stop id, if hit, is the last one)
+    stop_reason: str  # "stop" (a stop id was emitted) or "length" (max_new_tokens reached)
+    stats: GenerationStats
