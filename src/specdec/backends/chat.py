@@ -12,17 +12,35 @@ from typing import Any
 _END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "<eos>")
 
 
+class NoChatTemplateError(ValueError):
+    """The tokenizer has no chat template (a mock or a base model): send raw text instead."""
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` rendered by the model's chat template, ready for the assistant.
+
+    The one chat encoding of the project: the CLI, the bench and the server all use it.
+    NoChatTemplateError when there is no template; ValueError when the template rejects the
+    messages (jinja raises TemplateError, e.g. for an unsupported role).
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise NoChatTemplateError("this model has no chat template (a mock or base model)")
+    try:
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as e:
+        raise ValueError(f"the chat template rejected the messages: {e}") from e
+    # The template already holds any BOS token: do not let the tokenizer add a second one.
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
 def encode(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
     """Token ids for `text`: the user turn of the model's chat template when it has one."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer (a mock?); pass token ids instead of text")
     if chat and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": text}]
-        rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        # The template already holds any BOS token: do not let the tokenizer add a second one.
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        return encode_messages(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text)["input_ids"])
 
 

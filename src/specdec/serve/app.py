@@ -591,23 +591,19 @@ class Engine:
             return prompting.decode(self.tokenizer, ids)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template's rendering of `messages`, as prompting.encode does for one turn."""
-        tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise _bad(
-                f"{self.model_id} has no chat template (a mock or base model); use /v1/completions",
-                param="messages",
-                code="no_chat_template",
-            )
+        """The chat template's rendering of `messages` (backends.chat.encode_messages)."""
         with self.tokenizer_lock:
             try:
-                rendered = tok.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
-                )
-            except Exception as e:  # jinja raises TemplateError for e.g. unsupported roles
-                raise _bad(f"the chat template rejected the messages: {e}", "messages") from e
-            # The template already holds any BOS token: do not let the tokenizer add a second.
-            return list(tok(rendered, add_special_tokens=False)["input_ids"])
+                return prompting.encode_messages(self.tokenizer, messages)
+            except prompting.NoChatTemplateError as e:
+                raise _bad(
+                    f"{self.model_id} has no chat template (a mock or base model); use "
+                    "/v1/completions",
+                    param="messages",
+                    code="no_chat_template",
+                ) from e
+            except ValueError as e:
+                raise _bad(str(e), "messages") from e
 
     def encode_text(self, text: str) -> list[int]:
         if self.tokenizer is None:
