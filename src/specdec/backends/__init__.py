@@ -79,14 +79,29 @@ def load_model(spec: str, device: str | torch.device | None = None, **kwargs: An
     """Load a model from a spec string (see the module docstring).
 
     kwargs: n_ctx (context window; llama.cpp default 4096, HF default min(max positions, 32768)),
-    dtype (HF only; fp32 on CPU by default), n_threads (default: all cores), plus
-    backend-specific options (llama.cpp: n_batch, n_gpu_layers, flash_attn).
+    dtype (HF only; fp32 on CPU by default), n_threads (default: all cores), deterministic (see
+    below), plus backend-specific options (llama.cpp: n_batch, n_gpu_layers, flash_attn).
+
+    deterministic=True asks for logits that do not depend on how tokens are batched, so a verify
+    pass over K+1 tokens gives exactly the single-step logits and greedy speculative output is
+    token-identical to greedy target-only output. llama.cpp: turns off the batch-dependent matmul
+    paths (backends/llamacpp.py says which and why). mock: always true, nothing to change. hf:
+    refused — fp32 matmuls on the CPU differ by ~1e-4 between batch shapes and there is no switch.
     Raises SpecModelError for a malformed spec, registry.ModelFetchError for a missing or unknown
     model, registry.CorruptModelError for a file that is not a complete GGUF.
     """
     backend, rest = parse_spec(spec)
+    deterministic = bool(kwargs.pop("deterministic", False))
     if backend == "mock":
-        return _mock(rest, kwargs)
+        return _mock(rest, kwargs)  # exact across batch shapes by construction
+    if deterministic and backend == "hf":
+        from specdec.core.model import SpecModelError
+
+        raise SpecModelError(
+            f"{spec!r}: deterministic mode is not available for the hf backend (fp32 matmuls on "
+            "the CPU differ by ~1e-4 between batch shapes, with no switch to stop it); use a "
+            "llamacpp: model, or drop deterministic"
+        )
 
     from specdec.backends.registry import check_gguf_file, resolve
     from specdec.core.model import SpecModelError
@@ -109,4 +124,4 @@ def load_model(spec: str, device: str | torch.device | None = None, **kwargs: An
             "for a transformers model directory"
         )
     kwargs.pop("dtype", None)  # llama.cpp computes in the file's own quantization
-    return LlamaCppModel.load(path, device=device, name=name, **kwargs)
+    return LlamaCppModel.load(path, device=device, name=name, deterministic=deterministic, **kwargs)

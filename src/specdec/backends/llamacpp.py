@@ -21,6 +21,17 @@ buy that batch invariance:
     through one kernel: prefill, verify and single-token logits were bit-identical in all our
     runs. Measured cost: ~3% per decoded token (22.1 vs 21.4 ms, smollm2, 1 thread); top-1
     agreement with the fp32 HF model on 300 positions of real text was 96.7% (94.7% with f32 KV).
+
+That is enough for per-row weight types (Q4_1, Q5_0, Q8_0: smollm2), not for K-quant files. Found
+op by op with llama.cpp's eval callback (`specdec invariance`), two more matmul paths depend on
+the batch: (1) weights repacked at load (Q4_K, Q4_0, IQ4_NL into 8x8 interleaved blocks) are
+multiplied by a GEMM for batches and a GEMV for single rows (ggml-cpu/repack.cpp); (2) K-quant
+weights that are not repacked (Q6_K, Q5_K, Q4_K with repacking off...) take a tiled GEMM once a
+batch has >= 8 rows (ggml-cpu/tiled/tiled.cpp). `deterministic=True` removes both: repacking off
+(`use_extra_bufts = false`, verified at load from llama.cpp's buffer report) and the tiled matmul
+off, which llama.cpp reads once per process from GGML_CPU_TILED_MM, so specdec sets it to 0 for
+every model of the process before the first one loads (unless the caller set it). With both,
+every logit of the Qwen GGUFs is bit-identical across batch shapes (tests/test_deterministic.py).
 """
 
 from __future__ import annotations
@@ -48,10 +59,14 @@ _SEQ = 0  # the one sequence id this wrapper uses
 # ggml_type of the K cache: q8_0, for batch invariance (module docstring). Pass type_k=1 (f16) for
 # llama.cpp's default.
 DEFAULT_TYPE_K = 8  # GGML_TYPE_Q8_0
-_GGML_LOG_LEVEL_ERROR = 3
+_GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR = 3, 4  # ggml_log_level; 5 continues a line
+#: Set before llama.cpp's first matmul: its tiled K-quant GEMM (batches of >= 8 rows) makes a
+#: batch differ from single rows, and the switch is read once per process (module docstring).
+TILED_MM_ENV = "GGML_CPU_TILED_MM"
 
 _backend_ready = False
 _log_callback: Any = None  # keeps the ctypes callback alive for as long as llama.cpp may call it
+_log_sink: list[str] | None = None  # collects llama.cpp's INFO lines while a model loads
 
 
 def _usable_cores() -> int:
@@ -77,15 +92,53 @@ def _llama() -> Any:
 
         @llama.llama_log_callback
         def forward_errors(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-            # llama.cpp prints hundreds of info lines per model load; keep only its errors.
-            if level == _GGML_LOG_LEVEL_ERROR:
-                log.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+            # llama.cpp prints hundreds of info lines per model load; keep its warnings and
+            # errors, and hand the rest to a load that asked for them (buffer types).
+            line = text.decode("utf-8", "replace").rstrip()
+            if level in (_GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR):
+                log.warning("llama.cpp: %s", line)
+            elif _log_sink is not None:
+                _log_sink.append(line)
 
         _log_callback = forward_errors
+        os.environ.setdefault(TILED_MM_ENV, "0")
         llama.llama_log_set(_log_callback, ctypes.c_void_p(0))
         llama.llama_backend_init()
         _backend_ready = True
     return llama
+
+
+def _load_model(llama: Any, path: Path, mparams: Any) -> tuple[Any, float]:
+    """llama_model_load_from_file, and the MiB of weights llama.cpp put in its repack buffer
+    (read from its own buffer report: the check that `use_extra_bufts` reached it)."""
+    global _log_sink
+    _log_sink = []
+    try:
+        model = llama.llama_model_load_from_file(str(path).encode("utf-8"), mparams)
+        lines = _log_sink
+    finally:
+        _log_sink = None
+    mib = 0.0
+    for line in lines:  # "load_tensors:   CPU_REPACK model buffer size =    28.05 MiB"
+        if "REPACK model buffer size" in line:
+            mib += float(line.rsplit("=", 1)[1].split()[0])
+    return model, mib
+
+
+def _check_deterministic_switches(
+    name: str, n_gpu_layers: int, flash_attn: bool, type_k: int
+) -> None:
+    """Refuse a deterministic load whose settings would bring a batch-dependent path back."""
+    why = None
+    if os.environ.get(TILED_MM_ENV, "0") not in ("0", ""):
+        value = os.environ[TILED_MM_ENV]
+        why = f"{TILED_MM_ENV}={value} turns llama.cpp's tiled matmul on; unset it"
+    elif n_gpu_layers != 0:
+        why = "it is defined for the CPU backend only; load with n_gpu_layers=0 (--device cpu)"
+    elif not flash_attn or type_k != DEFAULT_TYPE_K:
+        why = "it needs flash attention with a q8_0 K cache (the defaults); drop those overrides"
+    if why is not None:
+        raise SpecModelError(f"{name}: deterministic mode is not available: {why}")
 
 
 class LlamaCppModel(SpecModel):
@@ -103,21 +156,34 @@ class LlamaCppModel(SpecModel):
         n_gpu_layers: int = 0,
         flash_attn: bool = True,
         type_k: int = DEFAULT_TYPE_K,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         llama = self._llama = _llama()
         path = Path(path)
         self.name = name or f"llamacpp:{path.name}"
         self.tokenizer = tokenizer
+        self.deterministic = deterministic
         self._model = self._ctx = self._scratch = self._batch = None
+        if deterministic:
+            _check_deterministic_switches(self.name, n_gpu_layers, flash_attn, type_k)
 
         mparams = llama.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
-        self._model = llama.llama_model_load_from_file(str(path).encode("utf-8"), mparams)
+        # Repacked weights are multiplied one way for batches and another for single rows.
+        mparams.use_extra_bufts = not deterministic
+        self._model, self.repacked_mib = _load_model(llama, path, mparams)
         if not self._model:
             raise SpecModelError(
                 f"llama.cpp could not load {path} (unsupported architecture or damaged file); "
                 "check the file, or try the hf: backend"
+            )
+        if deterministic and self.repacked_mib:
+            self.close()
+            raise SpecModelError(
+                f"{self.name}: deterministic mode asked llama.cpp not to repack weights, but "
+                f"{self.repacked_mib:.1f} MiB were repacked; this llama-cpp-python build ignores "
+                "use_extra_bufts (use the pinned llama-cpp-python 0.3.36)"
             )
         vocab = llama.llama_model_get_vocab(self._model)
         # llama.cpp's logits are exactly n_vocab wide (the GGUF's token list, padding included).
@@ -169,8 +235,9 @@ class LlamaCppModel(SpecModel):
     ) -> LlamaCppModel:
         """Load a .gguf file; on a non-CPU `device` all layers are offloaded if llama.cpp can.
 
-        kwargs: n_ctx, n_batch, n_threads, n_gpu_layers, flash_attn, type_k (see the module
-        docstring for why flash attention and a q8_0 K cache are the defaults).
+        kwargs: n_ctx, n_batch, n_threads, n_gpu_layers, flash_attn, type_k, deterministic (see
+        the module docstring for why flash attention and a q8_0 K cache are the defaults, and
+        what deterministic mode changes).
         """
         from specdec.backends.registry import check_gguf_file
         from specdec.backends.tokenizer import load_tokenizer
