@@ -19,7 +19,8 @@ from specdec.core.config import Warp
 from specdec.core.decode import generate
 from specdec.study import artifacts as schema
 from specdec.study import prompts as prompt_set
-from specdec.study.bench import BenchConfig, format_table, resolve_config, run_bench, run_sweep
+from specdec.study.bench import BenchConfig, bench_config, format_table, run_bench
+from specdec.study.sweep import format_sweep_table, run_sweep
 
 V = 48
 TARGET_SPEC, DRAFT_SPEC = f"mock:vocab={V},seed=0", f"mock:vocab={V},seed=1"
@@ -47,7 +48,7 @@ def _load(path: Path) -> dict:
 # ------------------------------------------------------------------------------ end to end
 def test_bench_artifact_validates_and_matches_its_rows(pair, tmp_path) -> None:
     cfg = _cfg()
-    art = run_bench(cfg, tmp_path, progress=False, models=pair)
+    art = run_bench(cfg, tmp_path, progress=False, models=pair).to_json()
     on_disk = _load(tmp_path / "bench_mock_k3_t0.8.json")
     assert on_disk["complete"] is True
     assert on_disk["rows"] == art["rows"] and on_disk["aggregates"] == art["aggregates"]
@@ -98,7 +99,7 @@ def test_bench_artifact_validates_and_matches_its_rows(pair, tmp_path) -> None:
 
 
 def test_greedy_bench_speculative_tokens_equal_baseline(pair, tmp_path) -> None:
-    art = run_bench(_cfg(temperature=0.0, k=4), tmp_path, progress=False, models=pair)
+    art = run_bench(_cfg(temperature=0.0, k=4), tmp_path, progress=False, models=pair).to_json()
     for row in art["rows"]:
         assert row["speculative"]["tokens"] == row["baseline"]["tokens"]
     assert (tmp_path / "bench_mock_k4_t0.json").is_file()
@@ -129,14 +130,14 @@ def test_sweep_on_mock(pair, tmp_path) -> None:
     on_disk = _load(tmp_path / "sweep_mock_t0.8.json")
     assert on_disk["schema"] == "specdec.sweep/1" and on_disk["complete"] is True
     assert on_disk["ks"] == [1, 2] and "k" not in on_disk["config"]
-    assert [p["k"] for p in summary["points"]] == [1, 2]
+    assert [p.k for p in summary.points] == [1, 2]
     for p in on_disk["points"]:
         art = _load(tmp_path / p["artifact"])
         assert art["config"]["k"] == p["k"]
         assert p["speedup"] == pytest.approx(art["aggregates"]["speedup"])
         assert p["acceptance_rate"] == art["aggregates"]["speculative"]["acceptance_rate"]
         assert len(p["positional_acceptance"]) == p["k"]
-    assert "speedup" in bench.format_sweep_table(summary)
+    assert "speedup" in format_sweep_table(summary)
 
 
 # ----------------------------------------------------------------------------------- the CLI
@@ -223,22 +224,22 @@ def test_hf_assisted_refuses_a_non_hf_pair(pair, tmp_path) -> None:
         _cfg(compare="hf-assisted")
     cfg = BenchConfig("x", "hf:a", "hf:b", n_prompts=2, warmup=0, compare="hf-assisted")
     with pytest.raises(ValueError, match="transformers models"):
-        run_bench(cfg, tmp_path, progress=False, models=pair)  # mocks have no .model
+        run_bench(cfg, tmp_path, progress=False, models=pair)  # mocks are not HFModels
 
 
-def test_resolve_config() -> None:
-    c = resolve_config("smoke", k=2)
+def test_bench_config() -> None:
+    c = bench_config("smoke", k=2)
     assert (c.name, c.draft, c.target, c.k) == ("smoke", *bench.CONFIGS["smoke"], 2)
-    assert resolve_config(None, DRAFT_SPEC, TARGET_SPEC).name == "custom"
-    assert resolve_config("custom", DRAFT_SPEC, TARGET_SPEC).name == "custom"
+    assert bench_config(None, DRAFT_SPEC, TARGET_SPEC).name == "custom"
+    assert bench_config("custom", DRAFT_SPEC, TARGET_SPEC).name == "custom"
     with pytest.raises(ValueError, match="custom"):
-        resolve_config("custom")
+        bench_config("custom")
 
 
 def test_write_json_is_atomic_and_compact(tmp_path) -> None:
     path = tmp_path / "a" / "x.json"
     obj = {"tokens": [1, 2, 3], "nested": {"xs": [0.5, -1e-05]}, "s": "[1,\n 2]", "path": "p"}
-    bench.write_json(path, obj)
+    schema.write_json(path, obj)
     text = path.read_text()
     assert "[1, 2, 3]" in text and "[0.5, -1e-05]" in text
     assert json.loads(text) == {k: v for k, v in obj.items() if k != "path"}
@@ -280,7 +281,7 @@ def test_hf_assisted_matches_our_greedy_baseline(tmp_path) -> None:
     target-only baseline (both fp32 on the CPU; a near-tie in the logits could in principle
     flip an argmax between batch shapes, which this tiny case does not hit)."""
     spec = "hf:smollm2-135m"
-    cfg = resolve_config(
+    cfg = bench_config(
         None,
         spec,
         spec,
@@ -291,7 +292,7 @@ def test_hf_assisted_matches_our_greedy_baseline(tmp_path) -> None:
         max_new_tokens=8,
         compare="hf-assisted",
     )
-    art = run_bench(cfg, tmp_path, progress=False)
+    art = run_bench(cfg, tmp_path, progress=False).to_json()
     schema.validate(art)
     row = art["rows"][0]
     hf = row["hf_assisted"]
@@ -306,16 +307,16 @@ def test_hf_assisted_matches_our_greedy_baseline(tmp_path) -> None:
 def test_model_block_hashes_local_files(tmp_path) -> None:
     f = tmp_path / "m.gguf"
     f.write_bytes(b"not really a model")
-    block = bench.model_block(f"llamacpp:{f}", MockModel(V))
-    assert block["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
-    assert bench.model_block(TARGET_SPEC, MockModel(V))["sha256"] is None
+    block = schema.model_block(f"llamacpp:{f}", MockModel(V))
+    assert block.sha256 == hashlib.sha256(f.read_bytes()).hexdigest()
+    assert schema.model_block(TARGET_SPEC, MockModel(V)).sha256 is None
 
 
 def test_variants_and_categories_in_one_run(pair, tmp_path) -> None:
     """Issue 5's comparison tables: several speculative methods on the same prompts, with
     speedups per prompt category, all from one interleaved run."""
     cfg = _cfg(k="auto", variants=("lookup:auto", "model:2"), n_prompts=4, warmup=1)
-    art = run_bench(cfg, tmp_path, progress=False, models=pair)
+    art = run_bench(cfg, tmp_path, progress=False, models=pair).to_json()
     schema.validate(art)
     assert art["variants"] == ["lookup-kauto", "model-k2"]
     for row in art["rows"]:
@@ -338,7 +339,7 @@ def test_variants_and_categories_in_one_run(pair, tmp_path) -> None:
 def test_category_filter_runs_the_first_prompts_of_those_categories(pair, tmp_path) -> None:
     cats = ("reasoning", "coding")
     cfg = _cfg(categories=cats, n_prompts=4, warmup=1, max_new_tokens=4)
-    art = run_bench(cfg, tmp_path, progress=False, models=pair)
+    art = run_bench(cfg, tmp_path, progress=False, models=pair).to_json()
     on_disk = _load(tmp_path / "bench_mock_k3_t0.8_cat-reasoning-coding.json")  # not the full run's
     assert on_disk["config"]["categories"] == list(cats)
     want = [p.id for p in prompt_set.load_prompts() if p.category in cats][:4]  # file order

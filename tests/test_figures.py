@@ -1,6 +1,6 @@
 """`specdec figures` and `specdec report`, regenerated from the hand-made artifacts in fixtures/.
 
-The fixtures follow schema.py and the producers' shapes (bench.py, microbench.py, gate.py): three
+The fixtures follow artifacts.py and the producers' shapes (bench.py, microbench.py, gate.py): three
 stand-alone bench runs (all_gguf and all_hf on CPU, the second with `--compare hf-assisted`;
 primary on CUDA), a K-sweep of all_gguf in sweep/ with its per-K artifacts, a microbench of the
 all_gguf pair and a level-3 gate of primary. Timings are simulated; only the shapes are real.
@@ -288,7 +288,7 @@ def test_directory_without_artifacts_or_missing(
 
 
 def test_clashing_config_names_are_told_apart_by_the_setting_that_differs(tmp_path: Path) -> None:
-    from specdec.study.figures import scan
+    from specdec.study.scan import scan
 
     art = _load("bench_all_gguf_k4_t0.8.json")
     (tmp_path / "a.json").write_text(json.dumps(art))
@@ -301,6 +301,7 @@ def test_variants_get_a_bar_each_labelled_with_its_speedup(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from specdec.study import figures
+    from specdec.study.scan import scan
 
     art = _load("bench_all_gguf_k4_t0.8.json")
     agg = art["aggregates"]
@@ -314,8 +315,8 @@ def test_variants_get_a_bar_each_labelled_with_its_speedup(
     other = _load("bench_all_gguf_k4_t0.8.json")
     other["config"]["temperature"] = 0.0  # same name and K, no variants
     (tmp_path / "b.json").write_text(json.dumps(other))
-    study = figures.scan(tmp_path)
-    b = next(b for b in study.benches if b.variants)
+    study = scan(tmp_path)
+    b = next(b for b in study.benches if b.aggregates.variants)
     bars = figures._bars(b)
     assert [bar.method for bar in bars] == [
         "target-only",
@@ -344,7 +345,7 @@ def test_variants_get_a_bar_each_labelled_with_its_speedup(
 def test_clashing_names_with_no_single_telling_setting_combine_the_differing_ones(
     tmp_path: Path,
 ) -> None:
-    from specdec.study.figures import scan
+    from specdec.study.scan import scan
 
     for i, (drafter, t) in enumerate((("composite", 0.8), ("composite", 0.0), ("model", 0.8))):
         art = _load("bench_all_gguf_k4_t0.8.json")

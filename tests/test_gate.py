@@ -117,22 +117,22 @@ def test_permutation_p_has_power() -> None:
 def test_gate_passes_a_correct_pair(pair, prompts) -> None:
     target, draft = pair
     res = run_gate(target, draft, prompts, SETTINGS, progress=False)
-    s = res["sampled"]
-    assert s["tokens_speculative"] == s["tokens_baseline"] == N_PROMPTS * N_TOK
-    assert s["dof"] >= 30, "too few bins for the test to mean anything"
-    assert s["passed"] and s["p_value_permutation"] > P_MIN, f"chi2={s['chi2']:.1f} dof={s['dof']}"
-    assert s["p_value"] > P_MIN  # on mock chains the chi2(dof) reference agrees
-    assert res["greedy"]["passed"] and res["passed"]
-    assert all(r["first_mismatch"] is None for r in res["greedy"]["rows"])
+    s = res.sampled
+    assert s.tokens_speculative == s.tokens_baseline == N_PROMPTS * N_TOK
+    assert s.dof >= 30, "too few bins for the test to mean anything"
+    assert s.passed and s.p_value_permutation > P_MIN, f"chi2={s.chi2:.1f} dof={s.dof}"
+    assert s.p_value > P_MIN  # on mock chains the chi2(dof) reference agrees
+    assert res.greedy.passed and res.passed
+    assert all(r.first_mismatch is None for r in res.greedy.rows)
     # the speculative and baseline seed streams never overlap: the samples are independent
-    assert not set(s["seeds"]["baseline"]) & set(s["seeds"]["speculative"])
-    assert sum(b["speculative"] for b in s["bins"]) == s["tokens_speculative"]
-    assert sum(b["baseline"] for b in s["bins"]) == s["tokens_baseline"]
-    assert s["n_bins"] == len(s["bins"]) == s["dof"] + 1
+    assert not set(s.seeds["baseline"]) & set(s.seeds["speculative"])
+    assert sum(b.speculative for b in s.bins) == s.tokens_speculative
+    assert sum(b.baseline for b in s.bins) == s.tokens_baseline
+    assert s.n_bins == len(s.bins) == s.dof + 1
 
     art = build_artifact({"name": "mock"}, {"draft": None, "target": None}, res)
-    assert schema.validate(art) == "specdec.gate/1"
-    json.dumps(art)  # plain JSON types only
+    assert schema.validate(art.to_json()) == "specdec.gate/1"
+    json.dumps(art.to_json())  # plain JSON types only
 
 
 def test_gate_fails_an_always_accept_rule(pair, prompts, monkeypatch) -> None:
@@ -145,9 +145,9 @@ def test_gate_fails_an_always_accept_rule(pair, prompts, monkeypatch) -> None:
 
     monkeypatch.setattr(decode_mod, "rejection_sample", accept_all)
     res = run_gate(target, draft, prompts, SETTINGS, progress=False)
-    s = res["sampled"]
-    assert not s["passed"] and s["p_value_permutation"] < P_MIN and s["p_value"] < P_MIN
-    assert not res["passed"]
+    s = res.sampled
+    assert not s.passed and s.p_value_permutation < P_MIN and s.p_value < P_MIN
+    assert not res.passed
 
 
 def test_gate_catches_a_greedy_mismatch(pair, prompts, monkeypatch) -> None:
@@ -158,8 +158,8 @@ def test_gate_catches_a_greedy_mismatch(pair, prompts, monkeypatch) -> None:
 
     monkeypatch.setattr(decode_mod, "greedy_verify", greedy_accept_all)
     g = greedy_leg(target, draft, prompts[:3], SETTINGS, progress=False)
-    assert not g["passed"]
-    assert all(not r["match"] and r["first_mismatch"] is not None for r in g["rows"])
+    assert not g.passed
+    assert all(not r.match and r.first_mismatch is not None for r in g.rows)
 
 
 def test_first_mismatch() -> None:

@@ -111,9 +111,9 @@ def test_acceptance_profile_pools_rows_over_rounds_that_drafted_each_position() 
         ]
     )
     prof = acceptance_profile(bench, source="x.json")
-    assert prof["p_at_least"] == pytest.approx([14 / 20, 10 / 20, 6 / 19, 3 / 19])
-    assert prof["positional_acceptance"] == prof["p_at_least"]
-    assert prof["source"] == "x.json" and prof["k"] == 4 and prof["n_rows"] == 2
+    assert prof.p_at_least == pytest.approx([14 / 20, 10 / 20, 6 / 19, 3 / 19])
+    assert prof.positional_acceptance == prof.p_at_least
+    assert prof.source == "x.json" and prof.k == 4 and prof.n_rows == 2
 
 
 def test_acceptance_profile_refuses_other_artifacts() -> None:
@@ -281,7 +281,7 @@ def test_microbench_real_tiny_run(tmp_path) -> None:
 def test_check_prediction_arithmetic_and_fixed_k_requirement() -> None:
     from specdec.study.microbench import check_prediction
 
-    art = {"verify": [{"b": b, "ratio": r} for b, r in [(1, 1.0), (2, 1.5), (3, 1.8)]], "c": 0.25}
+    v, c = [1.0, 1.5, 1.8], 0.25  # v(b) for b = 1..3, and the draft-step ratio
     bench = _bench_artifact(
         [
             {"rounds": 10, "drafted_per_pos": [10, 10], "accepted_per_pos": [8, 4]},
@@ -289,16 +289,16 @@ def test_check_prediction_arithmetic_and_fixed_k_requirement() -> None:
     )
     bench["config"].update(k=2, drafter="model")
     bench["aggregates"].update(decode_speedup=0.8, speedup=0.7)
-    ch = check_prediction(art, bench, "b.json")
+    ch = check_prediction(v, c, bench, "b.json")
     # E = 1 + 0.8 + 0.4 = 2.2 tokens per round; cost = v(3) + 2 c = 1.8 + 0.5 = 2.3 steps
-    assert ch["predicted_speedup"] == pytest.approx(2.2 / 2.3)
-    assert ch["relative_error"] == pytest.approx((2.2 / 2.3 - 0.8) / 0.8)
-    assert ch["measured_speedup"] == 0.7
+    assert ch.predicted_speedup == pytest.approx(2.2 / 2.3)
+    assert ch.relative_error == pytest.approx((2.2 / 2.3 - 0.8) / 0.8)
+    assert ch.measured_speedup == 0.7
     bench["config"]["drafter"] = "lookup"  # model-free: no draft cost
-    assert check_prediction(art, bench, "b.json")["predicted_speedup"] == pytest.approx(2.2 / 1.8)
+    assert check_prediction(v, c, bench, "b.json").predicted_speedup == pytest.approx(2.2 / 1.8)
     bench["config"]["k"] = "auto"
     with pytest.raises(ValueError, match="fixed-K"):
-        check_prediction(art, bench, "b.json")
+        check_prediction(v, c, bench, "b.json")
 
 
 def test_microbench_check_refuses_auto_k_before_loading_models(tmp_path, capsys) -> None:

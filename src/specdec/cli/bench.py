@@ -12,15 +12,14 @@ from specdec.study.bench import (
     COMPARES,
     CONFIGS,
     BenchConfig,
-    format_sweep_table,
+    bench_config,
     format_table,
     parse_categories,
-    resolve_config,
     run_bench,
-    run_sweep,
     select_prompts,
     tag_suffix,
 )
+from specdec.study.sweep import format_sweep_table, run_sweep
 
 #: The K values of `specdec sweep` when -k is not given (the paper's Table 4).
 DEFAULT_SWEEP_KS = (1, 2, 4, 6, 8, 10, 12)
@@ -158,7 +157,7 @@ def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) ->
     if hasattr(args, "drafter"):  # bench only; the sweep is the draft model at fixed K
         variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
         extra.update(drafter=args.drafter, k_max=args.k_max, p_min=args.p_min, variants=variants)
-    return resolve_config(
+    return bench_config(
         args.config,
         args.draft,
         args.target,
@@ -180,7 +179,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     tag_suffix(args.tag)  # validate before loading models
     art = run_bench(cfg, args.out, progress=not args.no_progress, tag=args.tag)
     print(format_table(art))
-    print(f"wrote {art['path']}")
+    print(f"wrote {art.path}")
     return 0
 
 
@@ -189,5 +188,5 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     tag_suffix(args.tag)
     summary = run_sweep(cfg, args.k, args.out, progress=not args.no_progress, tag=args.tag)
     print(format_sweep_table(summary))
-    print(f"wrote {summary['path']}")
+    print(f"wrote {summary.path}")
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -119,7 +118,7 @@ def _cmd_gate(args: argparse.Namespace) -> int:
     from specdec.backends import load_model
     from specdec.backends.configs import resolve_config
     from specdec.study import prompts as prompt_set
-    from specdec.study.bench import model_block  # the MODEL block every artifact shares
+    from specdec.study.artifacts import model_block, write_json
 
     settings = _settings(args)
     cfg = resolve_config(args.config)
@@ -159,8 +158,7 @@ def _cmd_gate(args: argparse.Namespace) -> int:
     models = {"draft": model_block(cfg.draft, draft), "target": model_block(cfg.target, target)}
     art = build_artifact(config, models, result)
     out = Path(args.out) / f"gate_{cfg.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(art, indent=1) + "\n")
+    write_json(out, art)
     print(format_summary(art))
     print(f"wrote {out}", file=sys.stderr)
-    return 0 if art["passed"] else EXIT_FAILED
+    return 0 if art.passed else EXIT_FAILED

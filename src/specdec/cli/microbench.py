@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from specdec.cli import args as cli_args
@@ -80,7 +81,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_microbench(args: argparse.Namespace) -> int:
     from specdec.backends import load_model
-    from specdec.study.bench import model_block  # the MODEL block every artifact shares
+    from specdec.study.artifacts import model_block, write_json
 
     cli_args.check_threads(args.threads)
     acceptance = None
@@ -119,11 +120,11 @@ def _cmd_microbench(args: argparse.Namespace) -> int:
         acceptance=acceptance,
         progress=not args.no_progress,
     )
-    art["threads"] = args.threads  # None: the backends' default, all cores
-    art["checks"] = [check_prediction(art, b, src) for src, b in benches]
+    v = [pt.ratio for pt in art.verify]
+    checks = tuple(check_prediction(v, art.c, b, src) for src, b in benches)
+    art = replace(art, threads=args.threads, checks=checks)  # threads None: all cores
     out = artifact_path(Path(args.out), target.name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(art, indent=1) + "\n")
+    write_json(out, art)
     print(format_table(art))
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -12,8 +12,8 @@ sampled  For prompt i (chat-templated, stop ids honoured) generate up to `max_ne
          that statistic's permutation p-value (swapping the two methods' generations within
          prompts, `specdec.study.significance.paired_permutation_p`): tokens within a generation are
          correlated, which makes the asymptotic chi2(dof) p-value too small, so a correct engine
-         would fail the asymptotic test more often than 1% of the time (stats.py has the
-         measurement). Both p-values are recorded; pass at permutation p > 0.01.
+         would fail the asymptotic test more often than 1% of the time (significance.py has
+         the measurement). Both p-values are recorded; pass at permutation p > 0.01.
          The smoothed symmetric KL is recorded for reference only (the paper explains why it is
          dominated by smoothing at this sample size).
 greedy   A few prompts x up to 200 tokens at T = 0: the speculative tokens must equal the
@@ -28,7 +28,7 @@ The analytic argument (paper 3.2) and levels 1-2 (tests/) carry the rest.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,15 @@ import numpy as np
 from specdec.core import decode
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.model import SpecModel
+from specdec.study.artifacts import (
+    GateArtifact,
+    GateBin,
+    GreedyLeg,
+    GreedyRow,
+    Model,
+    SampledLeg,
+    meta_block,
+)
 from specdec.study.significance import (
     KL_SMOOTHING,
     MIN_EXPECTED,
@@ -47,7 +56,7 @@ from specdec.study.significance import (
     smoothed_symmetric_kl,
 )
 
-SCHEMA = "specdec.gate/1"
+SCHEMA = GateArtifact.SCHEMA
 #: Seeds: baseline run i uses SEED_BASE + i, speculative run i SEED_BASE + i + SPEC_SEED_OFFSET.
 SEED_BASE = 1234
 SPEC_SEED_OFFSET = 100_000
@@ -132,7 +141,8 @@ def sample_pairs(
 def compare(
     samples: PairedSamples, width: int, label: Callable[[int], str] = str
 ) -> dict[str, Any]:
-    """The two-sample test on pooled token frequencies, with the bins as tested.
+    """The two-sample test on pooled token frequencies, with the bins as tested: the test's
+    fields of `SampledLeg`.
 
     width  the sampling width V: token ids are in [0, width)
     label  token id -> human-readable bin label (e.g. the decoded text)
@@ -170,10 +180,10 @@ def compare(
         "smoothed_kl": smoothed_symmetric_kl(counts_s, counts_b),
         "kl_definition": f"KL(s||b) + KL(b||s), add-{KL_SMOOTHING} smoothing over the union "
         "support; reference only",
-        "bins": [
-            {"label": lab, "token_id": tid, "speculative": int(s), "baseline": int(b)}
+        "bins": tuple(
+            GateBin(label=lab, token_id=tid, speculative=int(s), baseline=int(b))
             for lab, tid, s, b in zip(labels, token_ids, bins.a, bins.b, strict=True)
-        ],
+        ),
     }
 
 
@@ -187,26 +197,26 @@ def sampled_leg(
     stop_ids: Sequence[int] = (),
     label: Callable[[int], str] = str,
     progress: bool = True,
-) -> dict[str, Any]:
+) -> SampledLeg:
     """T > 0: sample both methods on every prompt, then compare the pooled token frequencies."""
     t0 = time.perf_counter()
     samples = sample_pairs(target, draft, prompts, settings, stop_ids=stop_ids, progress=progress)
     n = samples.drafted
-    return {
-        "n_prompts": len(prompts),
-        "max_new_tokens": settings.max_new_tokens,
-        "temperature": settings.temperature,
-        "k": settings.k,
-        "seeds": {
+    return SampledLeg(
+        n_prompts=len(prompts),
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        k=settings.k,
+        seeds={
             "rule": f"baseline {SEED_BASE}+i, speculative {SEED_BASE}+i+{SPEC_SEED_OFFSET} "
             "(disjoint streams: the two samples are independent)",
             "baseline": samples.seeds_baseline,
             "speculative": samples.seeds_speculative,
         },
-        "acceptance_rate": samples.accepted / n if n else 0.0,
+        acceptance_rate=samples.accepted / n if n else 0.0,
         **compare(samples, width, label),
-        "wall_s": time.perf_counter() - t0,
-    }
+        wall_s=time.perf_counter() - t0,
+    )
 
 
 def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -225,7 +235,7 @@ def greedy_leg(
     *,
     stop_ids: Sequence[int] = (),
     progress: bool = True,
-) -> dict[str, Any]:
+) -> GreedyLeg:
     """T = 0: speculative tokens must equal target-only tokens exactly, prompt by prompt."""
     from tqdm import tqdm
 
@@ -236,21 +246,30 @@ def greedy_leg(
         spec = decode.generate(target, ids, draft=draft, spec=SpecConfig(k=settings.k), **kw).tokens
         mismatch = first_mismatch(spec, base)
         rows.append(
-            {
-                "prompt_id": pid,
-                "match": mismatch is None,
-                "n_baseline": len(base),
-                "n_speculative": len(spec),
-                "first_mismatch": mismatch,
-            }
+            GreedyRow(
+                prompt_id=pid,
+                match=mismatch is None,
+                n_baseline=len(base),
+                n_speculative=len(spec),
+                first_mismatch=mismatch,
+            )
         )
-    return {
-        "n_prompts": len(prompts),
-        "max_new_tokens": settings.greedy_tokens,
-        "k": settings.k,
-        "rows": rows,
-        "passed": all(r["match"] for r in rows),
-    }
+    return GreedyLeg(
+        n_prompts=len(prompts),
+        max_new_tokens=settings.greedy_tokens,
+        k=settings.k,
+        rows=tuple(rows),
+        passed=all(r.match for r in rows),
+    )
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """Both legs' outcomes, before the run's config and models make them an artifact."""
+
+    sampled: SampledLeg
+    greedy: GreedyLeg
+    passed: bool  # sampled.passed and greedy.passed
 
 
 def run_gate(
@@ -262,8 +281,8 @@ def run_gate(
     stop_ids: Sequence[int] = (),
     label: Callable[[int], str] = str,
     progress: bool = True,
-) -> dict[str, Any]:
-    """Both legs on already-loaded models: {sampled, greedy, passed}. `prompts` must hold at
+) -> GateResult:
+    """Both legs on already-loaded models. `prompts` must hold at
     least max(settings.prompts, settings.greedy_prompts) prompts; the first ones are used."""
     from specdec.core.pair import check_pair
 
@@ -291,41 +310,42 @@ def run_gate(
         stop_ids=stop_ids,
         progress=progress,
     )
-    return {
-        "sampled": sampled,
-        "greedy": greedy,
-        "passed": bool(sampled["passed"] and greedy["passed"]),
-    }
+    return GateResult(sampled, greedy, bool(sampled.passed and greedy.passed))
 
 
-def build_artifact(config: dict[str, Any], models: dict[str, Any], result: dict[str, Any]) -> dict:
-    """The `specdec.gate/1` artifact (see schema.py)."""
-    from specdec.study.artifacts import meta_block
+def build_artifact(
+    config: Mapping[str, Any], models: Mapping[str, Model | None], result: GateResult
+) -> GateArtifact:
+    """The `specdec.gate/1` artifact: the run's config ({name, draft, target, quick, threads} +
+    asdict(GateSettings)), its models and both legs."""
+    return GateArtifact(
+        meta=meta_block(),
+        config=config,
+        models=models,
+        sampled=result.sampled,
+        greedy=result.greedy,
+        passed=result.passed,
+    )
 
-    return {"schema": SCHEMA, "meta": meta_block(), "config": config, "models": models, **result}
+
+def _greedy_cell(row: GreedyRow) -> str:
+    same = "identical" if row.match else f"differs at {row.first_mismatch}"
+    return f"{row.prompt_id} {same} ({row.n_baseline} tok)"
 
 
-def _greedy_cell(row: dict[str, Any]) -> str:
-    same = "identical" if row["match"] else f"differs at {row['first_mismatch']}"
-    return f"{row['prompt_id']} {same} ({row['n_baseline']} tok)"
-
-
-def format_summary(art: dict[str, Any]) -> str:
-    s, g = art["sampled"], art["greedy"]
-    verdict = "PASS" if s["passed"] else "FAIL"
+def format_summary(art: GateArtifact) -> str:
+    s, g = art.sampled, art.greedy
+    verdict = "PASS" if s.passed else "FAIL"
     lines = [
-        f"sampled ({s['n_prompts']} prompts x {s['max_new_tokens']} tokens, T={s['temperature']},"
-        f" K={s['k']}): {s['tokens_speculative']} speculative vs {s['tokens_baseline']} baseline"
-        f" tokens, acceptance {s['acceptance_rate']:.1%}",
-        f"  chi2 = {s['chi2']:.1f}, dof = {s['dof']}, p = {s['p_value']:.3f} (chi2 reference), "
-        f"p = {s['p_value_permutation']:.3f} (permutation; pass at > {s['p_min']}) -> {verdict}",
-        f"  smoothed symmetric KL {s['smoothed_kl']:.3f} (reference only)",
-        f"greedy ({g['n_prompts']} prompts x <= {g['max_new_tokens']} tokens, T=0): "
-        + ", ".join(_greedy_cell(r) for r in g["rows"])
-        + f" -> {'PASS' if g['passed'] else 'FAIL'}",
-        f"gate {'PASSED' if art['passed'] else 'FAILED'}",
+        f"sampled ({s.n_prompts} prompts x {s.max_new_tokens} tokens, T={s.temperature},"
+        f" K={s.k}): {s.tokens_speculative} speculative vs {s.tokens_baseline} baseline"
+        f" tokens, acceptance {s.acceptance_rate:.1%}",
+        f"  chi2 = {s.chi2:.1f}, dof = {s.dof}, p = {s.p_value:.3f} (chi2 reference), "
+        f"p = {s.p_value_permutation:.3f} (permutation; pass at > {s.p_min}) -> {verdict}",
+        f"  smoothed symmetric KL {s.smoothed_kl:.3f} (reference only)",
+        f"greedy ({g.n_prompts} prompts x <= {g.max_new_tokens} tokens, T=0): "
+        + ", ".join(_greedy_cell(r) for r in g.rows)
+        + f" -> {'PASS' if g.passed else 'FAIL'}",
+        f"gate {'PASSED' if art.passed else 'FAILED'}",
     ]
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------ CLI

@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 import statistics
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,23 @@ from specdec.core.cost import (
 )
 from specdec.core.device import synchronize
 from specdec.core.model import SpecModel
+from specdec.study import fmt
+from specdec.study.artifacts import (
+    Acceptance,
+    Check,
+    MicrobenchArtifact,
+    Model,
+    Prediction,
+    VerifyPoint,
+    meta_block,
+    validate,
+)
 
-SCHEMA = "specdec.microbench/1"
+SCHEMA = MicrobenchArtifact.SCHEMA
 
 
 # ------------------------------------------------------------------------------ acceptance
-def acceptance_profile(bench: dict[str, Any], source: str = "") -> dict[str, Any]:
+def acceptance_profile(bench: Mapping[str, Any], source: str = "") -> Acceptance:
     """Pooled P(>= i accepted) from the speculative runs of a `specdec.bench/1` artifact.
 
     p_at_least[i] = sum over rows of accepted_per_pos[i] / sum of drafted_per_pos[i]. The
@@ -54,9 +66,7 @@ def acceptance_profile(bench: dict[str, Any], source: str = "") -> dict[str, Any
     generation drafts fewer (or no) tokens when the token budget runs out, and counting it would
     bias every position down.
     """
-    from specdec.study.artifacts import validate
-
-    if validate(bench) != "specdec.bench/1":
+    if validate(dict(bench)) != "specdec.bench/1":
         raise ValueError(f"{source or 'acceptance source'}: expected a specdec.bench/1 artifact")
     accepted: list[int] = []
     drafted: list[int] = []
@@ -72,25 +82,25 @@ def acceptance_profile(bench: dict[str, Any], source: str = "") -> dict[str, Any
         raise ValueError(f"{source or 'acceptance source'}: no speculative rounds drafted a token")
     p = [a / d for a, d in zip(accepted[:k_max], drafted[:k_max], strict=True)]
     cfg = bench.get("config", {})
-    return {
-        "source": source,
-        "config": cfg.get("name"),
-        "k": cfg.get("k"),
-        "temperature": cfg.get("temperature"),
-        "n_rows": len(bench["rows"]),
-        "drafted_per_pos": drafted[:k_max],
-        "accepted_per_pos": accepted[:k_max],
-        # positional acceptance (accepted / drafted at position i) IS P(>= i accepted): both kept
-        # under their own names so neither reader has to know that.
-        "positional_acceptance": p,
-        "p_at_least": p,
-    }
+    return Acceptance(
+        source=source,
+        config=cfg.get("name"),
+        k=cfg.get("k"),
+        temperature=cfg.get("temperature"),
+        n_rows=len(bench["rows"]),
+        drafted_per_pos=tuple(drafted[:k_max]),
+        accepted_per_pos=tuple(accepted[:k_max]),
+        positional_acceptance=tuple(p),
+        p_at_least=tuple(p),
+    )
 
 
-def check_prediction(art: dict[str, Any], bench: dict[str, Any], source: str = "") -> dict:
-    """Predicted vs measured speedup for one fixed-K bench artifact, from this microbench's
-    cost curve and the bench's own acceptance profile (the paper's claim that acceptance plus
-    v(b) and c predict speed, tested).
+def check_prediction(
+    v: Sequence[float], c: float | None, bench: Mapping[str, Any], source: str = ""
+) -> Check:
+    """Predicted vs measured speedup for one fixed-K bench artifact, from a microbench's cost
+    curve (v[b-1] = v(b), its measured c or None without a draft) and the bench's own acceptance
+    profile (the paper's claim that acceptance plus v(b) and c predict speed, tested).
 
     Measured is compared on the decode phase (bench `decode_speedup`: prompt prefills, paid
     once per request by every method, left out), which is what the per-round model describes;
@@ -101,28 +111,27 @@ def check_prediction(art: dict[str, Any], bench: dict[str, Any], source: str = "
     if isinstance(k, bool) or not isinstance(k, int):
         raise ValueError(f"{source}: the prediction check needs a fixed-K bench, got k={k!r}")
     prof = acceptance_profile(bench, source)
-    v = [pt["ratio"] for pt in art["verify"]]
     model_free = cfg.get("drafter") == "lookup"
-    c = 0.0 if model_free else art["c"]
-    if c is None:
+    if not model_free and c is None:
         raise ValueError(f"{source}: drafts with a model but this microbench measured no draft")
-    k_eff = min(k, len(prof["p_at_least"]), len(v) - 1)
-    pred = predicted_speedup(v, c, prof["p_at_least"], k_eff)
+    c_used = 0.0 if model_free or c is None else c
+    k_eff = min(k, len(prof.p_at_least), len(v) - 1)
+    pred = predicted_speedup(v, c_used, prof.p_at_least, k_eff)
     agg = bench["aggregates"]
     measured = agg.get("decode_speedup")
-    return {
-        "source": source,
-        "config": cfg.get("name"),
-        "drafter": cfg.get("drafter"),
-        "k": k,
-        "temperature": cfg.get("temperature"),
-        "c": c,
-        "p_at_least": prof["p_at_least"],
-        "predicted_speedup": pred,
-        "measured_decode_speedup": measured,
-        "measured_speedup": agg.get("speedup"),
-        "relative_error": (pred - measured) / measured if measured else None,
-    }
+    return Check(
+        source=source,
+        config=cfg.get("name"),
+        drafter=cfg.get("drafter"),
+        k=k,
+        temperature=cfg.get("temperature"),
+        c=c_used,
+        p_at_least=prof.p_at_least,
+        predicted_speedup=pred,
+        measured_decode_speedup=measured,
+        measured_speedup=agg.get("speedup"),
+        relative_error=(pred - measured) / measured if measured else None,
+    )
 
 
 # ------------------------------------------------------------------------------ measurement
@@ -204,14 +213,12 @@ def measure(
 def build_artifact(
     verify: dict[int, list[float]],
     draft_ms: list[float],
-    models: dict[str, Any],
+    models: Mapping[str, Model | None],
     prefix: int,
     repeats: int,
-    acceptance: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """The `specdec.microbench/1` artifact (see schema.py) from raw timings."""
-    from specdec.study.artifacts import meta_block
-
+    acceptance: Acceptance | None,
+) -> MicrobenchArtifact:
+    """The `specdec.microbench/1` artifact from raw timings (the glossary above)."""
     medians = {b: statistics.median(ms) for b, ms in sorted(verify.items())}
     step = medians[1]
     v = [medians[b] / step for b in sorted(medians)]  # [B_max] v[b-1] = v(b)
@@ -219,53 +226,49 @@ def build_artifact(
     c = draft_step / step if draft_step is not None else None
     # Without a draft model the prediction is for a model-free drafter (prompt lookup): c = 0.
     c_used = c if c is not None else 0.0
-    p = acceptance["p_at_least"] if acceptance else None
+    p = acceptance.p_at_least if acceptance else None
     k_max = min(len(v) - 1, len(p)) if p is not None else len(v) - 1
-    prediction = []
-    for k in range(1, k_max + 1):
-        e = expected_tokens_per_round(p, k) if p is not None else None
-        cost = cost_in_target_steps(v, c_used, k)
-        prediction.append(
-            {
-                "k": k,
-                "expected_tokens_per_round": e,
-                "cost_in_target_steps": cost,
-                "predicted_speedup": predicted_speedup(v, c_used, p, k) if p is not None else None,
-            }
+    prediction = tuple(
+        Prediction(
+            k=k,
+            expected_tokens_per_round=expected_tokens_per_round(p, k) if p is not None else None,
+            cost_in_target_steps=cost_in_target_steps(v, c_used, k),
+            predicted_speedup=predicted_speedup(v, c_used, p, k) if p is not None else None,
         )
-    return {
-        "schema": SCHEMA,
-        "meta": meta_block(),
-        "models": models,
-        "prefix_tokens": prefix,
-        "repeats": repeats,
-        "max_batch": len(v),
-        "verify": [
-            {"b": b, "median_ms": medians[b], "ratio": v[b - 1], "samples_ms": verify[b]}
+        for k in range(1, k_max + 1)
+    )
+    return MicrobenchArtifact(
+        meta=meta_block(),
+        models=models,
+        prefix_tokens=prefix,
+        repeats=repeats,
+        max_batch=len(v),
+        verify=tuple(
+            VerifyPoint(b=b, median_ms=medians[b], ratio=v[b - 1], samples_ms=tuple(verify[b]))
             for b in sorted(medians)
-        ],
-        "target_step_ms": step,
-        "draft_step_ms": draft_step,
-        "draft_samples_ms": draft_ms or None,
-        "c": c,
-        "acceptance": acceptance,
-        "prediction_c": c_used,
-        "prediction": prediction,
-        "best_k": best_k(v, c_used, p, k_max) if p is not None else None,
-    }
+        ),
+        target_step_ms=step,
+        draft_step_ms=draft_step,
+        draft_samples_ms=tuple(draft_ms) or None,
+        c=c,
+        acceptance=acceptance,
+        prediction_c=c_used,
+        prediction=prediction,
+        best_k=best_k(v, c_used, p, k_max) if p is not None else None,
+    )
 
 
 def run(
     target: SpecModel,
     draft: SpecModel | None,
-    models: dict[str, Any],
+    models: Mapping[str, Model | None],
     *,
     prefix: int = 100,
     max_batch: int = 16,
     repeats: int = 7,
-    acceptance: dict[str, Any] | None = None,
+    acceptance: Acceptance | None = None,
     progress: bool = True,
-) -> dict[str, Any]:
+) -> MicrobenchArtifact:
     """Measure `target` (and `draft`) and return the microbench artifact."""
     if prefix < 1 or max_batch < 1 or repeats < 1:
         raise ValueError("prefix, max_batch and repeats must all be >= 1")
@@ -279,55 +282,46 @@ def run(
     return build_artifact(verify, draft_ms, models, prefix, repeats, acceptance)
 
 
-def format_table(art: dict[str, Any]) -> str:
+def format_table(art: MicrobenchArtifact) -> str:
     """A compact, human-readable summary of a microbench artifact."""
+    target = art.target.name if art.target else "?"
     lines = [
-        f"target {art['models']['target']['name']}: one step {art['target_step_ms']:.2f} ms "
-        f"on a {art['prefix_tokens']}-token prefix (median of {art['repeats']})"
+        f"target {target}: one step {art.target_step_ms:.2f} ms "
+        f"on a {art.prefix_tokens}-token prefix (median of {art.repeats})"
     ]
-    bs = [pt["b"] for pt in art["verify"]]
-    lines.append("verify b  " + " ".join(f"{b:>6d}" for b in bs))
-    lines.append("ms        " + " ".join(f"{pt['median_ms']:>6.2f}" for pt in art["verify"]))
-    lines.append("v(b)      " + " ".join(f"{pt['ratio']:>6.2f}" for pt in art["verify"]))
-    if art["draft_step_ms"] is not None:
+    lines.append("verify b  " + " ".join(f"{pt.b:>6d}" for pt in art.verify))
+    lines.append("ms        " + " ".join(f"{pt.median_ms:>6.2f}" for pt in art.verify))
+    lines.append("v(b)      " + " ".join(f"{pt.ratio:>6.2f}" for pt in art.verify))
+    if art.draft_step_ms is not None and art.draft is not None:
         lines.append(
-            f"draft {art['models']['draft']['name']}: one step "
-            f"{art['draft_step_ms']:.2f} ms, c = {art['c']:.3f}"
+            f"draft {art.draft.name}: one step {art.draft_step_ms:.2f} ms, c = {art.c:.3f}"
         )
     else:
         lines.append("no draft model: predictions assume a free drafter (c = 0)")
-    acc = art["acceptance"]
+    acc = art.acceptance
     if acc is None:
         lines.append("no acceptance profile (--acceptance): cost only; speedup = E / cost")
     else:
-        pos = " ".join(f"{x:.2f}" for x in acc["p_at_least"])
-        lines.append(f"acceptance from {acc['source']}: P(>= i accepted) = [{pos}]")
+        pos = " ".join(f"{x:.2f}" for x in acc.p_at_least)
+        lines.append(f"acceptance from {acc.source}: P(>= i accepted) = [{pos}]")
     lines.append(f"{'K':>3}  {'E[tok/round]':>12}  {'cost':>6}  {'speedup':>7}")
-    for row in art["prediction"]:
-        e, s = row["expected_tokens_per_round"], row["predicted_speedup"]
-        e_txt = "-" if e is None else f"{e:.2f}"
-        s_txt = "-" if s is None else f"{s:.2f}x"
-        lines.append(f"{row['k']:>3}  {e_txt:>12}  {row['cost_in_target_steps']:>6.2f}  {s_txt:>7}")
-    if art["best_k"] is not None:
-        lines.append(f"best K = {art['best_k']} (0 = speculation cannot pay)")
-    for ch in art.get("checks") or []:
-        err = ch["relative_error"]
+    for row in art.prediction:
+        e = fmt.num(row.expected_tokens_per_round, ".2f", plain=True)
+        sp = fmt.x(row.predicted_speedup, plain=True)
+        lines.append(f"{row.k:>3}  {e:>12}  {row.cost_in_target_steps:>6.2f}  {sp:>7}")
+    if art.best_k is not None:
+        lines.append(f"best K = {art.best_k} (0 = speculation cannot pay)")
+    for ch in art.checks:
         lines.append(
-            f"check {ch['source']}: K={ch['k']} {ch['drafter']} T={ch['temperature']}: predicted "
-            f"{ch['predicted_speedup']:.2f}x, measured {_x(ch['measured_decode_speedup'])} "
-            f"decode phase ({_x(ch['measured_speedup'])} end to end), error "
-            + ("-" if err is None else f"{err:+.1%}")
+            f"check {ch.source}: K={ch.k} {ch.drafter} T={ch.temperature}: predicted "
+            f"{fmt.x(ch.predicted_speedup, plain=True)}, measured "
+            f"{fmt.x(ch.measured_decode_speedup, plain=True)} decode phase "
+            f"({fmt.x(ch.measured_speedup, plain=True)} end to end), error "
+            + fmt.num(ch.relative_error, "+.1%", plain=True)
         )
     return "\n".join(lines)
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
 
 
 def artifact_path(out: Path, target_name: str) -> Path:
     """<out>/microbench_<target-name>.json, the name made filesystem-safe."""
     return Path(out) / f"microbench_{re.sub(r'[^A-Za-z0-9._-]+', '-', target_name)}.json"
-
-
-# ------------------------------------------------------------------------------ CLI
