@@ -23,6 +23,7 @@ COMMANDS = {
     "sweep": "specdec.cli.bench",
     "microbench": "specdec.cli.microbench",
     "gate": "specdec.cli.gate",
+    "invariance": "specdec.cli.invariance",
     "figures": "specdec.cli.figures",
     "report": "specdec.cli.figures",
     "serve": "specdec.cli.serve",

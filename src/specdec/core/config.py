@@ -17,8 +17,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-#: Drafters by name (core.drafters): a draft model, prompt lookup, lookup else the model.
-DRAFTERS = ("model", "lookup", "composite")
+#: Drafters by name (core.drafters): a draft model, prompt lookup, lookup else the model, the
+#: request's prediction else lookup.
+DRAFTERS = ("model", "lookup", "composite", "prediction")
 #: The named K policies (core.policy): cost-model K, transformers' +2/-1 schedule.
 NAMED_K = ("auto", "schedule")
 #: Temperatures below this sample as greedy. Why: logits / 1e-39 overflow float32 to inf and the
@@ -88,7 +89,9 @@ class SpecConfig:
     """How speculation runs. `drafter=None` with no draft model is target-only decoding.
 
     drafter  "model" (a draft model; the default when one is given), "lookup" (prompt lookup),
-             "composite" (lookup, else the model), or a Drafter object (core.drafters)
+             "composite" (lookup, else the model), "prediction" (the prediction passed to
+             `stream`, else lookup), or a Drafter object (core.drafters). Whatever the drafter,
+             a prediction, when given, is drafted from first.
     k        draft tokens per round: an int >= 1, "auto" (K in 0..k_max from measured costs,
              core.policy.CostModelK), "schedule" (transformers' +2/-1), or a KPolicy object
     k_max    the largest K for "auto" and "schedule"
@@ -120,6 +123,6 @@ class SpecConfig:
             return "model" if has_draft_model else None
         if kind in ("model", "composite") and not has_draft_model:
             raise ValueError(f"drafter {kind!r} needs a draft model; pass draft= (or --draft)")
-        if kind == "lookup" and has_draft_model:
-            raise ValueError("drafter 'lookup' uses no draft model; drop draft= (or --draft)")
+        if kind in ("lookup", "prediction") and has_draft_model:
+            raise ValueError(f"drafter {kind!r} uses no draft model; drop draft= (or --draft)")
         return kind

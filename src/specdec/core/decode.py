@@ -24,7 +24,13 @@ import torch
 
 from specdec.core.config import SpecConfig, Warp, is_policy
 from specdec.core.device import synchronize
-from specdec.core.drafters import CompositeDrafter, Drafter, LookupDrafter, ModelDrafter
+from specdec.core.drafters import (
+    CompositeDrafter,
+    Drafter,
+    LookupDrafter,
+    ModelDrafter,
+    PredictionDrafter,
+)
 from specdec.core.metrics import GenerationResult, GenerationStats, Round
 from specdec.core.model import SpecModel, as_token_list
 from specdec.core.pair import check_pair
@@ -114,22 +120,31 @@ def stream(
     max_new_tokens: int = 128,
     seed: int = 0,
     stop_ids: Sequence[int] | None = None,
+    prediction: Sequence[int] | torch.Tensor | None = None,
     cancelled: Callable[[], bool] | None = None,
     debug: bool = False,
 ) -> SpecStream:
     """Like `generate`, but yields each round's committed tokens as they are accepted.
 
-    Every argument is validated before any model work is done. `cancelled`, if given, is asked
-    between prefill chunks; when it returns True the stream ends with stop_reason "cancelled"
-    (between rounds, close the stream instead).
+    Every argument is validated before any model work is done. `prediction`: token ids the
+    output is expected to mostly repeat (e.g. the file an edit re-emits), drafted from first
+    (core.drafters.PredictionDrafter); it changes the speed, never the output distribution.
+    `cancelled`, if given, is asked between prefill chunks; when it returns True the stream
+    ends with stop_reason "cancelled" (between rounds, close the stream instead).
     """
     prompt = as_token_list(prompt_ids)
     kind = spec.drafter_for(draft is not None)
+    if kind == "prediction" and prediction is None:
+        raise ValueError("drafter 'prediction' needs a prediction (prediction=, --prediction)")
     width = _check_budget(
         target, draft if kind in ("model", "composite") else None, prompt, max_new_tokens
     )
+    pred = None if prediction is None else _check_ids("prediction", prediction, width)
     generator = torch.Generator().manual_seed(seed)
     drafter = _make_drafter(kind, draft, spec, warp, generator, width)
+    if pred is not None:  # the prediction first, then the configured drafter (else lookup)
+        rest = drafter if drafter is not None else LookupDrafter()
+        drafter, kind = CompositeDrafter(PredictionDrafter(pred, len(prompt)), rest), "prediction"
     policy = _policy(spec, target, draft, kind) if drafter is not None else None
     run = _Run(
         target,
@@ -282,6 +297,14 @@ def _check_caches(target: SpecModel, drafter: Drafter | None, seq: list[int]) ->
         raise AssertionError("draft cache is not a prefix of the committed sequence")
 
 
+def _check_ids(what: str, ids: Sequence[int] | torch.Tensor, width: int) -> list[int]:
+    out = as_token_list(ids)
+    bad = next((t for t in out if not 0 <= t < width), None)
+    if bad is not None:
+        raise ValueError(f"{what} token id {bad} is outside the vocabulary [0, {width})")
+    return out
+
+
 def _make_drafter(
     kind: str | Drafter | None,
     draft: SpecModel | None,
@@ -292,7 +315,7 @@ def _make_drafter(
 ) -> Drafter | None:
     if kind is None or not isinstance(kind, str):
         return kind
-    if kind == "lookup":
+    if kind in ("lookup", "prediction"):  # "prediction": `stream` puts the prediction first
         return LookupDrafter()
     assert draft is not None  # SpecConfig.drafter_for: "model" and "composite" have one
     model = ModelDrafter(draft, warp, generator, width, spec.p_min)
@@ -335,7 +358,5 @@ def _check_budget(
                 f"context window of {m.name} ({m.n_ctx}); shorten the prompt, lower "
                 "max_new_tokens, or load the model with a larger n_ctx"
             )
-    bad = next((t for t in prompt if not 0 <= t < width), None)
-    if bad is not None:
-        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {width})")
+    _check_ids("prompt", prompt, width)
     return width

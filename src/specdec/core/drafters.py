@@ -19,6 +19,7 @@ draft side (context, drafted tokens, q): the accept rule is then exact for every
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import NamedTuple, Protocol
 
@@ -192,26 +193,131 @@ class LookupDrafter:
         pass
 
 
-class CompositeDrafter:
-    """Prompt lookup when the context has a match, else the draft model."""
+class PredictionDrafter:
+    """Drafts from a prediction of the output (OpenAI's Predicted Outputs; Cursor's speculative
+    edits): typically the file an edit will re-emit. No model: q = None, exact at any temperature.
 
-    def __init__(self, lookup: LookupDrafter, model: ModelDrafter) -> None:
-        self.lookup = lookup
-        self.model = model.model  # the draft model's cache is the one this drafter keeps
-        self._model_drafter = model
-        self._last: LookupDrafter | ModelDrafter | None = None
+    The drafter keeps the output aligned with the prediction: `_pos` is the index in the
+    prediction of the token expected next. While the output follows the prediction, the
+    alignment advances with it and the drafts are the prediction's continuation. After a
+    divergence (the edit), it re-aligns on the output's latest n-gram (n = N_MAX down to 1) found
+    in the prediction, preferring the nearest occurrence at or after the last aligned position (an
+    edit rarely moves backwards); n < MIN_BACKWARD matches are accepted only forward and nearby,
+    since a short n-gram recurs all over a file. Before any alignment (the answer's preamble,
+    e.g. an opening code fence), the prediction's start is proposed, as source
+    "prediction-start", so the K policy judges those guesses apart from aligned drafts.
 
-    def _pick(self, context: list[int]) -> tuple[LookupDrafter | ModelDrafter, str]:
-        src = self.lookup.source(context)
-        if src is not None:
-            return self.lookup, src
-        return self._model_drafter, "model"
+    prediction  token ids, tokenized alone with the target's tokenizer
+    start       where the output begins in the context (the prompt's length)
+    """
+
+    N_MAX = 8
+    MIN_BACKWARD = 3  # shortest n-gram trusted to re-align backwards or far ahead
+    NEAR = 64  # "nearby" for short n-grams, in tokens
+    START_WINDOW = 32  # output tokens during which the prediction's start is proposed
+
+    model = None
+
+    def __init__(self, prediction: list[int], start: int) -> None:
+        self.prediction = list(prediction)
+        self.start = start
+        # n-gram -> sorted end positions (index after the n-gram) in the prediction
+        self._index: dict[tuple[int, ...], list[int]] = {}
+        for end in range(1, len(self.prediction) + 1):
+            for n in range(1, min(self.N_MAX, end) + 1):
+                self._index.setdefault(tuple(self.prediction[end - n : end]), []).append(end)
+        self._seen = 0  # output tokens accounted for by the alignment
+        self._pos: int | None = None  # next expected prediction index; None: not aligned
+        self._last = 0  # the last aligned position, for "prefer forward"
+        self._aligned_once = False
+        self._proposed: tuple[int, int] | None = None  # (prediction index, output length)
+
+    def _align(self, out: list[int]) -> None:
+        """Advance or re-establish the alignment for the output tokens seen since last call."""
+        if len(out) < self._seen:  # a different, shorter sequence: start over
+            self._seen, self._pos, self._last, self._aligned_once = 0, None, 0, False
+        new = out[self._seen :]
+        pred = self.prediction
+        if self._pos is not None and pred[self._pos : self._pos + len(new)] == new:
+            self._pos += len(new)
+        elif new:
+            self._pos = self._realign(out)
+        self._seen = len(out)
+        if self._pos is not None:
+            self._last, self._aligned_once = self._pos, True
+
+    def _realign(self, out: list[int]) -> int | None:
+        # Before the first alignment a short n-gram (a newline after the opening fence) would
+        # align mid-file; the prediction's start is the better guess there.
+        shortest = 1 if self._aligned_once else self.MIN_BACKWARD
+        for n in range(min(self.N_MAX, len(out)), shortest - 1, -1):
+            ends = self._index.get(tuple(out[-n:]))
+            if not ends:
+                continue
+            i = bisect.bisect_left(ends, self._last)
+            if i < len(ends) and (n >= self.MIN_BACKWARD or ends[i] - self._last <= self.NEAR):
+                return ends[i]  # nearest at or after the last aligned position
+            if n >= self.MIN_BACKWARD:
+                return ends[i - 1]  # only behind it: the edit re-emits an earlier part
+        return None
+
+    def _draft_from(self, context: list[int]) -> tuple[str, int] | None:
+        out = context[self.start :]
+        self._align(out)
+        if self._pos is not None:
+            return ("prediction", self._pos) if self._pos < len(self.prediction) else None
+        if not self._aligned_once and len(out) < self.START_WINDOW and self.prediction:
+            return "prediction-start", 0
+        return None
 
     def source(self, context: list[int]) -> str | None:
-        return self._pick(context)[1]
+        m = self._draft_from(context)
+        return None if m is None else m[0]
 
     def propose(self, context: list[int], k: int) -> Proposal:
-        self._last, _ = self._pick(context)
+        m = self._draft_from(context)
+        tokens = [] if m is None else self.prediction[m[1] : m[1] + k]
+        self._proposed = None if m is None else (m[1], len(context) - self.start)
+        return Proposal(torch.tensor(tokens, dtype=torch.long), None)
+
+    def observe(self, n_accepted: int) -> None:
+        """The accepted drafts were the prediction's tokens from the proposed index: the output
+        is aligned just past them (the recovered or bonus token is checked at the next call)."""
+        if self._proposed is not None and n_accepted > 0:
+            at, n_out = self._proposed
+            self._pos, self._seen = at + n_accepted, n_out + n_accepted
+            self._last, self._aligned_once = self._pos, True
+        self._proposed = None
+
+
+class CompositeDrafter:
+    """The first of several drafters that has something to propose: e.g. the prediction, else
+    prompt lookup, else the draft model. At most one of them may keep a draft model."""
+
+    def __init__(self, *parts: Drafter) -> None:
+        models = [d.model for d in parts if d.model is not None]
+        if len(models) > 1:
+            raise ValueError("a composite drafter may hold one draft model at most")
+        self.parts = parts
+        self.model = models[0] if models else None  # the cache the loop checks
+        self._last: Drafter | None = None
+
+    def _pick(self, context: list[int]) -> tuple[Drafter, str] | None:
+        for d in self.parts:
+            src = d.source(context)
+            if src is not None:
+                return d, src
+        return None
+
+    def source(self, context: list[int]) -> str | None:
+        pick = self._pick(context)
+        return None if pick is None else pick[1]
+
+    def propose(self, context: list[int], k: int) -> Proposal:
+        pick = self._pick(context)
+        self._last = None if pick is None else pick[0]
+        if self._last is None:
+            return Proposal(torch.empty(0, dtype=torch.long), None)
         return self._last.propose(context, k)
 
     def observe(self, n_accepted: int) -> None:

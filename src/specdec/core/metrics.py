@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+#: Draft sources whose name starts with this draft from the request's prediction (drafters.py).
+PREDICTION_SOURCE = "prediction"
+
 
 @dataclass(frozen=True)
 class Round:
@@ -47,6 +50,16 @@ class GenerationStats:
     mean_acceptance_length  1 + accepted / drafting_rounds: vLLM's "mean acceptance length",
                       over rounds that drafted only, the recovered or bonus token included
     acceptance_rate   accepted / drafted (pooled)
+    drafted_by_source, accepted_by_source   drafted and accepted, per draft source ("model",
+                      "lookup3", "prediction", ...: the names the drafters report)
+    accepted_prediction_tokens  drafted tokens taken from the request's prediction that the
+                      verifier accepted (OpenAI's usage field of that name)
+    rejected_prediction_tokens  drafted from the prediction and not accepted: the rejected one
+                      and any drafted after it in the same round (they never reach the output;
+                      OpenAI: "tokens in the prediction that did not appear in the completion").
+                      Prediction tokens never drafted (after the output stopped following the
+                      prediction) are in neither count.
+    k_histogram       k_histogram[K]: rounds that verified K drafted tokens (K = 0: plain steps)
     ttft_s            start of the call to the first committed token (includes the prefill and,
                       when speculating, the whole first draft + verify round)
     wall_s            start of the call to the last committed token
@@ -66,6 +79,9 @@ class GenerationStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    k_histogram: dict[int, int] = field(default_factory=dict)
     drafted_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
     generated: int = 0
@@ -91,6 +107,17 @@ class GenerationStats:
     @property
     def tokens_per_round(self) -> float:
         return self.generated / self.rounds if self.rounds else 0.0
+
+    def _from_prediction(self, counts: dict[str, int]) -> int:
+        return sum(n for s, n in counts.items() if s.startswith(PREDICTION_SOURCE))
+
+    @property
+    def accepted_prediction_tokens(self) -> int:
+        return self._from_prediction(self.accepted_by_source)
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        return self._from_prediction(self.drafted_by_source) - self.accepted_prediction_tokens
 
     @property
     def drafting_rounds(self) -> int:
@@ -125,6 +152,12 @@ class GenerationStats:
         self.drafted += k
         self.accepted += n_accepted
         self.generated += r.n_emitted
+        self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
+        if k:
+            self.drafted_by_source[r.source] = self.drafted_by_source.get(r.source, 0) + k
+            self.accepted_by_source[r.source] = (
+                self.accepted_by_source.get(r.source, 0) + n_accepted
+            )
         grow = k - len(self.drafted_per_pos)
         if grow > 0:
             self.drafted_per_pos += [0] * grow
@@ -140,6 +173,8 @@ class GenerationStats:
             acceptance_rate=self.acceptance_rate,
             tokens_per_round=self.tokens_per_round,
             drafting_rounds=self.drafting_rounds,
+            accepted_prediction_tokens=self.accepted_prediction_tokens,
+            rejected_prediction_tokens=self.rejected_prediction_tokens,
             mean_acceptance_length=self.mean_acceptance_length,
             positional_acceptance=self.positional_acceptance,
             tokens_per_s=self.tokens_per_s,
