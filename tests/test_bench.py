@@ -183,8 +183,8 @@ def test_cli_ctrl_c_exits_130_and_keeps_rows(tmp_path, monkeypatch) -> None:
     ("argv", "message"),
     [
         (["bench", "--config", "smoke", "-k", "0"], "K must be >= 1"),
-        (["bench", "--config", "smoke", "--prompts", "0"], "prompts must be in [1, 100]"),
-        (["bench", "--config", "smoke", "--prompts", "101"], "prompts must be in [1, 100]"),
+        (["bench", "--config", "smoke", "--prompts", "0"], "prompts must be in [1, 128]"),
+        (["bench", "--config", "smoke", "--prompts", "129"], "prompts must be in [1, 128]"),
         (["bench", "--config", "smoke", "--prompts", "2", "--warmup", "2"], "must be < prompts"),
         (["bench", "--config", "smoke", "--warmup", "-1"], "warmup must be >= 0"),
         (["bench", "--config", "smoke", "-t", "-1"], "temperature must be"),

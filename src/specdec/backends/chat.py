@@ -44,6 +44,14 @@ def encode(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
+def encode_prediction(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a prediction (OpenAI's Predicted Outputs): the text alone, no chat template
+    and no special tokens, so it tokenizes as the answer would when it repeats the text."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer (a mock?); pass the prediction as ids")
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def stop_ids(tokenizer: Any) -> list[int]:
     """EOS plus the end-of-turn markers present in this vocabulary."""
     if tokenizer is None:

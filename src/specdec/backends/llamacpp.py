@@ -182,6 +182,27 @@ def _ggml_base(llama: Any) -> Any:
     return lib
 
 
+def _cost_store(path: Path, model: LlamaCppModel) -> Path:
+    """Where k="auto" keeps this model's verify-cost curve: one file per GGUF content, build,
+    thread count and numerics setting (each changes v(b)), under $SPECDEC_HOME/costs/."""
+    import llama_cpp
+
+    from specdec.backends.registry import specdec_home
+    from specdec.backends.tokenizer import gguf_cache_key
+
+    c = model._cparams
+    parts = [
+        gguf_cache_key(path),
+        f"lcp{llama_cpp.__version__}",
+        f"t{c.n_threads}",
+        f"b{model.n_batch}",
+        f"k{c.type_k}",
+        f"fa{int(c.flash_attn_type)}",
+        "det" if model.deterministic else "def",
+    ]
+    return specdec_home() / "costs" / ("-".join(parts) + ".json")
+
+
 def _load_model(llama: Any, path: Path, mparams: Any) -> tuple[Any, float]:
     """llama_model_load_from_file, and the MiB of weights llama.cpp put in its repack buffer
     (read from its own buffer report: the check that `use_extra_bufts` reached it)."""
@@ -334,7 +355,9 @@ class LlamaCppModel(SpecModel):
             if device is not None and not _llama().llama_supports_gpu_offload():
                 log.warning("this llama.cpp build cannot offload to %s; running on the CPU", dev)
         tokenizer = load_tokenizer(path)  # the same cached conversion HFModel uses
-        return cls(path, tokenizer=tokenizer, name=name, **kwargs)
+        model = cls(path, tokenizer=tokenizer, name=name, **kwargs)
+        model.cost_store = _cost_store(path, model)
+        return model
 
     def _check_tokenizer(self, vocab: Any, tokenizer: Any) -> None:
         """Ids go to llama.cpp untranslated, so its vocabulary must read them as the HF tokenizer

@@ -35,10 +35,19 @@ K_HELP = (
     "draft tokens per round: an int >= 1, 'auto' (K in 0..--k-max from measured costs) "
     "or 'schedule' (transformers' +2/-1) (default 4)"
 )
-K_MAX_HELP = "largest K for -k auto|schedule (int >= 1; default 8)"
+K_MAX_HELP = (
+    "largest K for -k auto|schedule (int >= 1; default 8 with a draft model, 64 for the "
+    "model-free drafters lookup and prediction)"
+)
 DRAFTER_HELP = (
-    "model (needs --draft), lookup (prompt lookup, no draft model) or composite (lookup, "
-    "else the draft model) (default: model when --draft is given, else none)"
+    "model (needs --draft), lookup (prompt lookup, no draft model), composite (lookup, "
+    "else the draft model) or prediction (the --prediction, else lookup) (default: model "
+    "when --draft is given, else none; a --prediction is drafted from first in any case)"
+)
+DETERMINISTIC_HELP = (
+    "batch-invariant llama.cpp numerics: a verify pass computes exactly the single-step "
+    "logits, so greedy speculative output equals greedy target-only output (flag; default off; "
+    "costs speed, see the README)"
 )
 P_MIN_HELP = (
     "stop drafting when the draft's top probability is below this, in [0, 1) (float; default off)"
@@ -91,7 +100,7 @@ def add_spec_args(
     p: argparse.ArgumentParser,
     k_default: int | str | None = 4,
     k_help: str = K_HELP,
-    k_max_default: int | None = 8,
+    k_max_default: int | None = None,
     k_max_help: str = K_MAX_HELP,
     drafter_default: str | None = None,
     drafter_help: str = DRAFTER_HELP,
@@ -120,6 +129,11 @@ def add_sampling_args(
         p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     if max_new_tokens:
         p.add_argument("--max-new-tokens", type=int, default=128, help=MAX_NEW_TOKENS_HELP)
+
+
+def add_deterministic_arg(p: argparse.ArgumentParser, help: str = DETERMINISTIC_HELP) -> None:
+    """--deterministic (flag): load llama.cpp models batch-invariant (backends.load_model)."""
+    p.add_argument("--deterministic", action="store_true", help=help)
 
 
 def add_no_progress_arg(p: argparse.ArgumentParser, help: str = NO_PROGRESS_HELP) -> None:

@@ -100,6 +100,7 @@ def _add_common(p: argparse.ArgumentParser, prompts: int, max_new: int, out: str
         default=None,
         help="suffix for the artifact file names, [A-Za-z0-9_.-] (str; default none)",
     )
+    cli_args.add_deterministic_arg(p)
     cli_args.add_no_progress_arg(p)
 
 
@@ -113,15 +114,17 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         k_help="draft tokens per round: an int >= 1, 'auto' or 'schedule' (default 4)",
         drafter_default="model",
         drafter_help="the speculative method's drafter: model, lookup (prompt lookup, no draft "
-        "model) or composite (str; default model)",
+        "model), composite or prediction (each prompt's prediction, e.g. the file a rewrite "
+        "task re-emits; prompts without one use lookup) (str; default model)",
         p_min_help="draft confidence cutoff in [0, 1) (float; default off)",
     )
     p.add_argument(
         "--variants",
         default="",
         metavar="DRAFTER:K,...",
-        help="more speculative methods on the same prompts, e.g. model:auto,lookup:auto "
-        "(comma-separated; default none)",
+        help="more speculative methods on the same prompts, e.g. model:auto,lookup:auto; "
+        "DRAFTER may also be wrong-prediction (the prediction drafter given another task's "
+        "file) (comma-separated; default none)",
     )
     p.add_argument(
         "--compare",
@@ -170,6 +173,7 @@ def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) ->
         max_new_tokens=args.max_new_tokens,
         compare=compare,
         device=args.device,
+        deterministic=args.deterministic,
         **extra,
     )
 

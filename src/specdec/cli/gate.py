@@ -83,6 +83,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="directory for gate_<config>.json (path; default results/)",
     )
+    cli_args.add_deterministic_arg(p)
     cli_args.add_no_progress_arg(p, help="hide the progress bars (flag; default off)")
     p.set_defaults(func=_cmd_gate)
 
@@ -127,10 +128,12 @@ def _cmd_gate(args: argparse.Namespace) -> int:
     if need > len(prompts):
         raise ValueError(f"the gate needs {need} prompts; the vendored set has {len(prompts)}")
     try:
-        target = load_model(cfg.target, device=args.device, n_threads=args.threads)
-        draft = load_model(cfg.draft, device=args.device, n_threads=args.threads)
+        kw = {"device": args.device, "n_threads": args.threads, "deterministic": args.deterministic}
+        target = load_model(cfg.target, **kw)
+        draft = load_model(cfg.draft, **kw)
         tok = target.tokenizer
         ids = [(p.id, prompting.encode(tok, p.text)) for p in prompts[:need]]
+        greedy = [(p.id, prompting.encode(tok, p.text)) for p in _greedy_prompts(prompts, settings)]
         result = run_gate(
             target,
             draft,
@@ -139,6 +142,7 @@ def _cmd_gate(args: argparse.Namespace) -> int:
             stop_ids=prompting.stop_ids(tok),
             label=lambda t: _token_label(tok, t),
             progress=not args.no_progress,
+            greedy_prompts=greedy,
         )
     except KeyboardInterrupt:
         # A partial sample is not the sample the test was sized for: write nothing.
@@ -153,12 +157,27 @@ def _cmd_gate(args: argparse.Namespace) -> int:
         "target": cfg.target,
         "quick": args.quick,
         "threads": args.threads,
+        "deterministic": args.deterministic,
+        "greedy_prompt_ids": [pid for pid, _ in greedy],
         **asdict(settings),
     }
     models = {"draft": model_block(cfg.draft, draft), "target": model_block(cfg.target, target)}
     art = build_artifact(config, models, result)
-    out = Path(args.out) / f"gate_{cfg.name}.json"
+    mode = "_deterministic" if args.deterministic else ""
+    out = Path(args.out) / f"gate_{cfg.name}{mode}.json"
     write_json(out, art)
     print(format_summary(art))
     print(f"wrote {out}", file=sys.stderr)
     return 0 if art.passed else EXIT_FAILED
+
+
+def _greedy_prompts(prompts: list, settings: GateSettings) -> list:
+    """The greedy leg's prompts: the first greedy_prompts - 1 of the set plus one whole-file
+    rewrite (the first "rewrite" prompt, 600+ tokens once templated), so the leg covers cache
+    lengths past 512 and 1,024 where attention and matmul kernels change path. A leg of one
+    prompt, or a set without rewrite tasks, takes the first prompts."""
+    n = settings.greedy_prompts
+    long = next((p for p in prompts if p.category == "rewrite"), None)
+    if n < 2 or long is None:
+        return prompts[:n]
+    return [*prompts[: n - 1], long]

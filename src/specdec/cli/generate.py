@@ -22,7 +22,8 @@ def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
             metavar="SPEC",
             help="draft model SPEC, or 'none' for target-only decoding (str; default none)",
         )
-    cli_args.add_device_args(p, threads=False)
+    cli_args.add_device_args(p)
+    cli_args.add_deterministic_arg(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +45,13 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print one JSON object (tokens, text, stats) instead of streaming (flag)",
     )
+    p.add_argument(
+        "--prediction",
+        default=None,
+        metavar="FILE",
+        help="text the answer is expected to mostly repeat (e.g. the file an edit re-emits), "
+        "drafted from first; '-' reads stdin (path; default none)",
+    )
     p.add_argument("prompt", metavar="PROMPT", help="the user message (str)")
     p.set_defaults(func=_cmd_generate)
 
@@ -57,10 +65,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from specdec.core.config import SpecConfig, Warp
     from specdec.core.decode import stream
 
-    target = load_model(args.target, device=args.device)
-    draft = None if args.draft.lower() == "none" else load_model(args.draft, device=args.device)
+    cli_args.check_threads(args.threads)
+    prediction_text = _read_prediction(args.prediction)  # before minutes of model loading
+    kw = {"device": args.device, "n_threads": args.threads, "deterministic": args.deterministic}
+    target = load_model(args.target, **kw)
+    draft = None if args.draft.lower() == "none" else load_model(args.draft, **kw)
     tok = target.tokenizer if target.tokenizer is not None else getattr(draft, "tokenizer", None)
     prompt_ids = prompting.encode(tok, args.prompt, chat=not args.no_chat)
+    prediction = None
+    if prediction_text is not None:
+        prediction = prompting.encode_prediction(tok, prediction_text)
     t0 = time.perf_counter()
     s = stream(
         target,
@@ -71,6 +85,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         stop_ids=prompting.stop_ids(tok),
+        prediction=prediction,
     )
     out: list[int] = []
     shown = ""
@@ -104,6 +119,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         (
             f" | accepted {st.accepted}/{st.drafted} ({st.acceptance_rate:.1%}), by position "
             f"[{pos}], {st.tokens_per_round:.2f} tokens/round"
+            + (
+                f", prediction tokens accepted {st.accepted_prediction_tokens} / rejected "
+                f"{st.rejected_prediction_tokens}"
+                if prediction is not None
+                else ""
+            )
         )
         if st.drafted
         else ""
@@ -114,3 +135,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _read_prediction(path: str | None) -> str | None:
+    """The --prediction text: a file, or stdin for '-'; a clear error for a missing file."""
+    if path is None:
+        return None
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read --prediction {path}: {e}") from e

@@ -9,7 +9,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from specdec.cli import args as cli_args
+from specdec.core.policy import save_curve
 from specdec.study.microbench import (
+    CONTENDED_SPREAD,
     acceptance_profile,
     artifact_path,
     check_prediction,
@@ -75,6 +77,12 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="directory for microbench_<target>.json (path; default results/)",
     )
+    p.add_argument(
+        "--tag",
+        default=None,
+        help="suffix for the artifact name, e.g. the context (str; default none)",
+    )
+    cli_args.add_deterministic_arg(p)
     cli_args.add_no_progress_arg(p)
     p.set_defaults(func=_cmd_microbench)
 
@@ -103,7 +111,7 @@ def _cmd_microbench(args: argparse.Namespace) -> int:
             raise ValueError(f"{path}: --check needs fixed-K bench artifacts, this one has k={k!r}")
         acceptance_profile(bench, source=str(path))  # validates the schema and the rows
         benches.append((str(path), bench))
-    kw = {"device": args.device, "n_threads": args.threads}
+    kw = {"device": args.device, "n_threads": args.threads, "deterministic": args.deterministic}
     target = load_model(args.target, **kw)
     draft = None if args.draft.lower() == "none" else load_model(args.draft, **kw)
     models = {
@@ -122,9 +130,17 @@ def _cmd_microbench(args: argparse.Namespace) -> int:
     )
     v = [pt.ratio for pt in art.verify]
     checks = tuple(check_prediction(v, art.c, b, src) for src, b in benches)
-    art = replace(art, threads=args.threads, checks=checks)  # threads None: all cores
-    out = artifact_path(Path(args.out), target.name)
+    art = replace(art, threads=args.threads, checks=checks, deterministic=args.deterministic)
+    out = artifact_path(Path(args.out), target.name, args.tag)
     write_json(out, art)
+    if target.cost_store is not None:  # k="auto" starts from this curve in later processes
+        save_curve(target.cost_store, {pt.b: pt.median_ms / 1e3 for pt in art.verify})
     print(format_table(art))
+    if art.step_spread is not None and art.step_spread > CONTENDED_SPREAD:
+        print(
+            f"warning: the single step varied by {art.step_spread:.0%} between passes: the "
+            "machine was busy, and every v(b) is flattened; rerun on an idle machine",
+            file=sys.stderr,
+        )
     print(f"wrote {out}", file=sys.stderr)
     return 0

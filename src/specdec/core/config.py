@@ -22,6 +22,10 @@ from typing import Any
 DRAFTERS = ("model", "lookup", "composite", "prediction")
 #: The named K policies (core.policy): cost-model K, transformers' +2/-1 schedule.
 NAMED_K = ("auto", "schedule")
+#: Default largest K: with a draft model (each drafted token costs a draft step), and for the
+#: model-free drafters (a verify pass over 65 tokens costs ~30 target steps here, a copy that
+#: long is accepted whole).
+K_MAX_MODEL, K_MAX_FREE = 8, 64
 #: Temperatures below this sample as greedy. Why: logits / 1e-39 overflow float32 to inf and the
 #: softmax to NaN; vLLM draws the same line (its _SAMPLING_EPS is 1e-5).
 GREEDY_BELOW = 1e-5
@@ -39,7 +43,7 @@ def check_int(what: str, value: Any, lo: int, hi: int | None = None) -> int:
 
 def is_policy(k: object) -> bool:
     """A KPolicy object passed as k (core.policy), e.g. a CostModelK with a known cost curve."""
-    return all(hasattr(k, m) for m in ("prepare", "choose", "observe"))
+    return all(hasattr(k, m) for m in ("prepare", "choose", "observe", "finish"))
 
 
 def check_k(k: Any) -> None:
@@ -94,26 +98,35 @@ class SpecConfig:
              a prediction, when given, is drafted from first.
     k        draft tokens per round: an int >= 1, "auto" (K in 0..k_max from measured costs,
              core.policy.CostModelK), "schedule" (transformers' +2/-1), or a KPolicy object
-    k_max    the largest K for "auto" and "schedule"
+    k_max    the largest K for "auto" and "schedule"; None: K_MAX_MODEL with a draft model,
+             K_MAX_FREE for the model-free drafters (lookup, prediction), whose long drafts cost
+             nothing to make and pay on copies (core.policy.CostModelK.depth_cap)
     p_min    stop drafting when the draft's top probability falls below it (llama.cpp's p-min)
     """
 
     drafter: Any = None
     k: Any = 4
-    k_max: int = 8
+    k_max: int | None = None
     p_min: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.drafter, str) and self.drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {self.drafter!r}; use one of {', '.join(DRAFTERS)}")
         check_k(self.k)
-        if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 1:
-            raise ValueError(f"k_max must be an integer >= 1, got {self.k_max!r}")
+        m = self.k_max
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"k_max must be an integer >= 1, got {m!r}")
         p = self.p_min
         if p is not None and (
             isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1
         ):
             raise ValueError(f"p_min must be in [0, 1), got {p!r}")
+
+    def resolved_k_max(self, uses_model: bool) -> int:
+        """k_max, or its default for a drafter that does (not) run a draft model."""
+        if self.k_max is not None:
+            return self.k_max
+        return K_MAX_MODEL if uses_model else K_MAX_FREE
 
     def drafter_for(self, has_draft_model: bool) -> Any:
         """The drafter this config runs with: "model" by default when a draft model is given.

@@ -145,7 +145,7 @@ def stream(
     if pred is not None:  # the prediction first, then the configured drafter (else lookup)
         rest = drafter if drafter is not None else LookupDrafter()
         drafter, kind = CompositeDrafter(PredictionDrafter(pred, len(prompt)), rest), "prediction"
-    policy = _policy(spec, target, draft, kind) if drafter is not None else None
+    policy = _policy(spec, target, drafter, kind) if drafter is not None else None
     run = _Run(
         target,
         drafter,
@@ -189,16 +189,10 @@ def generate(
 
 
 def _loop(run: _Run) -> Iterator[list[int]]:
-    target, drafter, policy, warp, stats, seq = (
-        run.target,
-        run.drafter,
-        run.policy,
-        run.warp,
-        run.stats,
-        list(run.prompt),
-    )
+    target, drafter, policy, stats = run.target, run.drafter, run.policy, run.stats
     clock = _Clock(stats, [target.device] + ([drafter.model.device] if _has_model(drafter) else []))
     t_start = clock.now()
+    seq = list(run.prompt)
     with clock.phase("verify_s"):  # prefill: the target holds seq[:-1] between rounds
         cancelled = _prefill(target, seq[:-1], run.cancelled)
     stats.prefill_s = clock.last["verify_s"]
@@ -209,8 +203,19 @@ def _loop(run: _Run) -> Iterator[list[int]]:
         # Fresh caches per call, so a seeded run never depends on what ran before it (reusing a
         # shared prefix would change draft numerics slightly, and with them the sampled drafts).
         drafter.model.reset()
-    if policy is not None:
-        stats.calibration_s = policy.prepare(target, seq)
+    if policy is None:
+        yield from _rounds(run, clock, seq, t_start)
+        return
+    stats.calibration_s = policy.prepare(target, seq)
+    try:
+        yield from _rounds(run, clock, seq, t_start)
+    finally:  # also when the consumer closes the stream early
+        policy.finish(target)
+
+
+def _rounds(run: _Run, clock: _Clock, seq: list[int], t_start: float) -> Iterator[list[int]]:
+    """Algorithm 1's rounds, in the paper's order; `seq` is the committed sequence."""
+    target, drafter, policy, warp, stats = run.target, run.drafter, run.policy, run.warp, run.stats
     while len(run.tokens) < run.max_new_tokens:
         room = run.max_new_tokens - len(run.tokens) - 1  # a round emits <= k+1 tokens
         source = drafter.source(seq) if drafter is not None and room > 0 else None
@@ -237,14 +242,8 @@ def _loop(run: _Run) -> Iterator[list[int]]:
         target.truncate(len(seq) - 1)
         if k > 0:
             drafter.observe(n_acc)
-        r = Round(
-            source or "none",
-            k,
-            n_acc,
-            len(new),
-            max(0.0, clock.last["draft_s"] - catchup_s),
-            clock.last["verify_s"],
-        )
+        draft_s = max(0.0, clock.last["draft_s"] - catchup_s)  # per-token cost, no catch-up
+        r = Round(source or "none", k, n_acc, len(new), draft_s, clock.last["verify_s"])
         stats.catchup_s += catchup_s
         stats.record(r)
         if policy is not None:
@@ -328,15 +327,17 @@ def _make_drafter(
 _AUTO_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _policy(spec: SpecConfig, target: SpecModel, draft: SpecModel | None, kind: object) -> KPolicy:
+def _policy(spec: SpecConfig, target: SpecModel, drafter: Drafter, kind: object) -> KPolicy:
     if is_policy(spec.k):
         return spec.k
+    k_max = spec.resolved_k_max(uses_model=drafter.model is not None)
     if spec.k != "auto":
-        return make_policy(spec.k, spec.k_max if isinstance(spec.k, str) else spec.k)
-    key = (kind if isinstance(kind, str) else id(kind), id(draft) if draft else None, spec.k_max)
+        return make_policy(spec.k, k_max if isinstance(spec.k, str) else spec.k)
+    model = drafter.model
+    key = (kind if isinstance(kind, str) else id(kind), id(model) if model else None, k_max)
     per_target = _AUTO_POLICIES.setdefault(target, {})
     if key not in per_target:
-        per_target[key] = make_policy("auto", spec.k_max)
+        per_target[key] = make_policy("auto", k_max)
     return per_target[key]
 
 

@@ -71,8 +71,8 @@ class GenerationStats:
     catchup_s         the part of draft_s a draft model spent prefilling context it had not
                       seen (the prompt in the first round; tokens committed by lookup rounds)
     sampling_s        target-side warping plus the accept/reject walk
-    calibration_s     k="auto" only: the one-off measurement of the verify cost curve for a
-                      model not seen before in this process (0 afterwards)
+    calibration_s     k="auto" only: reading the persisted verify-cost curve when a process
+                      first meets a target (no target pass is run for it; ~0 s)
     other_s           wall_s minus the four above: bookkeeping, cache truncation, Python
     """
 

@@ -58,6 +58,9 @@ class SpecModel(ABC):
     device: torch.device = torch.device("cpu")
     #: the Hugging Face tokenizer that is the single source of truth for ids (None for mock models)
     tokenizer: Any = None
+    #: where k="auto" keeps this model's measured verify-cost curve between processes (a JSON
+    #: file named by the backend for this model file, build and settings); None: not kept
+    cost_store: Any = None
 
     def __init__(self) -> None:
         self.cached_tokens: list[int] = []

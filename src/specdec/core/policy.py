@@ -1,8 +1,9 @@
 """How many tokens to draft each round: fixed K, transformers' +2/-1 schedule, or K from cost.
 
 Every policy gets `prepare(target, context) -> seconds` once per generation, after the prompt
-prefill (k="auto" measures the verify curve there the first time it meets a target), answers
-`choose(source, remaining) -> K` before each round and hears `observe(round)` after it.
+prefill (k="auto" reads its persisted cost curve there), answers `choose(source, remaining) -> K`
+before each round, hears `observe(round)` after it, and `finish(target)` when the generation
+ends (k="auto" persists what it learned).
 Policies see only costs and past acceptance — never the target's distribution for the current
 round — so any of them leaves the output distribution exactly the target's.
 
@@ -20,14 +21,16 @@ where speculation cannot pay, it turns itself off.
 
 from __future__ import annotations
 
+import bisect
+import json
+import os
 import time
-import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from specdec.core.cost import cost_in_target_steps, expected_tokens_per_round
 from specdec.core.cost import p_at_least_from_conditional as p_at_least
-from specdec.core.device import synchronize
 from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
 
@@ -51,11 +54,16 @@ class KPolicy(Protocol):
 
     def observe(self, r: Round) -> None: ...
 
+    def finish(self, target: SpecModel) -> None: ...
+
 
 class _NoPreparation:
     def prepare(self, target: SpecModel, context: list[int]) -> float:
         """Seconds spent getting ready for a generation: none for policies without costs."""
         return 0.0
+
+    def finish(self, target: SpecModel) -> None:
+        """Called when a generation ends: nothing to keep for policies without costs."""
 
 
 @dataclass
@@ -92,29 +100,51 @@ class _SourceStats:
     draft_s_per_token: float | None = None
 
 
+#: Until a pass over b tokens has been timed, it is assumed to cost one step plus PRIOR_SLOPE of
+#: a step per extra token: between this CPU's measured 0.46-0.66 (llama.cpp, Qwen 1.5B) and a
+#: GPU's ~0.02, so a new source is tried at K = 1 (break-even at 50% acceptance) and the real
+#: cost replaces the guess after one round. Measured points are interpolated linearly.
+PRIOR_SLOPE = 0.5
+#: Sources whose drafts are strong evidence from the start: (prior acceptance, depth cap before
+#: any evidence). A prediction aligned with the output is the file being re-emitted; its drafts
+#: run to the next edit (measured on the rewrite tasks: most rounds accept every drafted token).
+STRONG_SOURCES = {"prediction": (0.9, 8)}
+
+
 @dataclass
 class CostModelK:
-    """K maximizing expected tokens per second under measured costs (module docstring)."""
+    """K maximizing expected tokens per second under measured costs (module docstring).
+
+    No calibration runs in the request path: v(b) is learned from the verify passes the
+    generation makes anyway (PRIOR_SLOPE until then), and kept in `target.cost_store` (a JSON
+    file the backend names per model file, build and settings) between processes.
+    """
 
     k_max: int
     verify_s: dict[int, float] = field(default_factory=dict)  # b -> seconds (EMA)
     sources: dict[str, _SourceStats] = field(default_factory=dict)
+    _known: list[int] = field(default_factory=list, repr=False)  # sorted keys of verify_s
+    _dirty: bool = field(default=False, repr=False)  # verify_s changed since the last save
 
     # ------------------------------------------------------------------ estimates
     def v(self, b: int) -> float:
-        """Seconds for a target pass over b tokens: measured, else interpolated linearly."""
+        """Seconds for a target pass over b tokens: measured, else interpolated linearly
+        between measurements, else the prior's slope from the nearest measurement."""
         if b in self.verify_s:
             return self.verify_s[b]
-        known = sorted(self.verify_s)
+        known = self._known
+        if len(known) != len(self.verify_s):
+            known = self._known = sorted(self.verify_s)
         if not known:
-            return float(b)  # no data: serial cost, so nothing looks free
-        lo = max((x for x in known if x < b), default=None)
-        hi = min((x for x in known if x > b), default=None)
-        if lo is not None and hi is not None:
+            return 1.0 + PRIOR_SLOPE * (b - 1)  # in steps; any unit gives the same argmax
+        i = bisect.bisect_left(known, b)
+        if 0 < i < len(known):
+            lo, hi = known[i - 1], known[i]
             w = (b - lo) / (hi - lo)
             return (1 - w) * self.verify_s[lo] + w * self.verify_s[hi]
-        ref = lo if lo is not None else hi
-        return self.verify_s[ref] * b / ref  # beyond the data: assume serial, pessimistic
+        ref = known[0] if i == 0 else known[-1]
+        step = self.verify_s.get(1, self.verify_s[ref] / (1 + PRIOR_SLOPE * (ref - 1)))
+        return max(step, self.verify_s[ref] + PRIOR_SLOPE * step * (b - ref))
 
     def alphas(self, source: str) -> list[float]:
         """Conditional acceptance per position; position i's prior is position i-1's estimate.
@@ -125,59 +155,76 @@ class CostModelK:
         copy-heavy outputs: stuck at K = 3). Positions deeper in a run of accepted drafts are
         rarely less likely to be accepted, so the previous position is the better guess.
         """
+        prior = STRONG_SOURCES.get(source, (PRIOR_ALPHA, 1))[0]
         st = self.sources.get(source)
         if st is None:
-            return [PRIOR_ALPHA] * self.k_max
-        out, prior = [], PRIOR_ALPHA
+            return [prior] * self.k_max
+        out = []
         for a, n in zip(st.accepted, st.tried, strict=True):
             prior = (a + prior * PRIOR_WEIGHT) / (n + PRIOR_WEIGHT)
             out.append(prior)
         return out
 
-    def expected_rate(self, source: str, k: int) -> float:
-        """Expected tokens per second of a round drafting k tokens from `source`."""
-        e = expected_tokens_per_round(p_at_least(self.alphas(source)[:k]), k)
+    def _rates(self, source: str, k_top: int) -> list[float]:
+        """Expected tokens per second for k = 0..k_top (core.cost's E(k) / cost(k))."""
+        alphas = self.alphas(source)
         st = self.sources.get(source)
         t_d = st.draft_s_per_token if st and st.draft_s_per_token is not None else 0.0
-        return e / cost_in_target_steps([self.v(b) for b in range(1, k + 2)], t_d, k)
+        p = p_at_least(alphas[:k_top])
+        vs = [self.v(b) for b in range(1, k_top + 2)]  # [k_top + 1]: v(1) .. v(k_top + 1)
+        return [expected_tokens_per_round(p, k) / cost_in_target_steps(vs, t_d, k)
+                for k in range(k_top + 1)]  # fmt: skip
+
+    def expected_rate(self, source: str, k: int) -> float:
+        """Expected tokens per second of a round drafting k tokens from `source`."""
+        return self._rates(source, k)[k]
 
     # ------------------------------------------------------------------ policy
     def prepare(self, target: SpecModel, context: list[int]) -> float:
-        """Measure v(b) once, the first time this policy meets a target (then refined online);
-        return the seconds it took (0 once known)."""
-        if self.verify_s:
+        """Read the persisted cost curve the first time this policy meets a target; return the
+        seconds it took (no pass of the target is run)."""
+        path = target.cost_store
+        if self.verify_s or path is None:
             return 0.0
         t0 = time.perf_counter()
-        self.verify_s.update(calibrate_verify(target, self.k_max, context))
+        try:
+            saved = json.loads(Path(path).read_text())["verify_s"]
+            self.verify_s.update({int(b): float(s) for b, s in saved.items() if float(s) > 0})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # none yet, or unreadable: learn it again
         return time.perf_counter() - t0
 
+    def finish(self, target: SpecModel) -> None:
+        """Keep what this generation learned of v(b) for the next process."""
+        if self._dirty and target.cost_store is not None:
+            self._dirty = not save_curve(target.cost_store, self.verify_s)
+
     def depth_cap(self, source: str) -> int:
-        """Draft at most one position beyond those with evidence: 1 + the leading positions
-        judged at least once (decayed count >= 0.5). Why: position i's acceptance is guessed
-        from position i-1's until it is judged, and an untried source would otherwise be
-        explored at the K the prior favours (K = 3 on this CPU's curve) — each failed
-        exploration then costs v(4) - v(1) instead of v(2) - v(1)."""
+        """Draft at most about twice as deep as the positions with evidence: 2 * (leading
+        positions judged at least once, decayed count >= 0.5) + 1. Why: position i's
+        acceptance is guessed from position i-1's until it is judged, so an untried source is
+        explored at K = 1 (a failed exploration then costs v(2) - v(1), not v(4) - v(1)); and
+        doubling reaches the long drafts a copy needs (K = 31+, where a verify pass costs ~0.46
+        steps per token on this CPU) in five fully accepted rounds, where one position per
+        round took thirty."""
+        floor = STRONG_SOURCES.get(source, (PRIOR_ALPHA, 1))[1]
         st = self.sources.get(source)
-        if st is None:
-            return 1
         depth = 0
-        while depth < self.k_max and st.tried[depth] >= 0.5:
+        while st is not None and depth < self.k_max and st.tried[depth] >= 0.5:
             depth += 1
-        return min(self.k_max, depth + 1)
+        return min(self.k_max, max(floor, 2 * depth + 1))
 
     def choose(self, source: str, remaining: int) -> int:
-        best_k, best = 0, self.expected_rate(source, 0)
-        for k in range(1, min(self.k_max, remaining, self.depth_cap(source)) + 1):
-            r = self.expected_rate(source, k)
-            if r > best:
-                best_k, best = k, r
-        return best_k
+        k_top = min(self.k_max, remaining, self.depth_cap(source))
+        rates = self._rates(source, k_top)
+        return max(range(k_top + 1), key=lambda k: (rates[k], -k))
 
     def observe(self, r: Round) -> None:
         source, k, n_accepted = r.source, r.k, r.n_accepted
         b = k + 1
         old = self.verify_s.get(b)
         self.verify_s[b] = r.verify_s if old is None else DECAY * old + (1 - DECAY) * r.verify_s
+        self._dirty = True
         # Every round forgets a little of every source, drafted or not: a source whose estimate
         # fell below break-even drifts back to the prior and is tried again. Forgetting only on
         # use froze it: one early rejection per source switched prompt lookup off for the rest
@@ -205,35 +252,19 @@ class CostModelK:
         )
 
 
-# ---------------------------------------------------------------------- calibration
-#: Verify-cost curves measured once per loaded model (and K_max) in this process.
-_CALIBRATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-CALIBRATION_REPEATS = 3
-
-
-def calibrate_verify(target: SpecModel, k_max: int, context: list[int]) -> dict[int, float]:
-    """Median seconds of target passes over b = 1..k_max+1 tokens on top of `context`.
-
-    Measured once per model and cached (a second call returns the cached curve); the target's
-    cache must hold `context[:-1]` or less and is restored to its length on return.
-    """
-    cached = _CALIBRATED.get(target)
-    if cached is not None and max(cached) >= k_max + 1:
-        return cached
-    n0 = target.n_cached
-    filler = (context * (k_max + 2))[: k_max + 1]  # real token ids, content is irrelevant
-    samples: dict[int, list[float]] = {b: [] for b in range(1, k_max + 2)}
-    for _ in range(CALIBRATION_REPEATS):
-        for b in samples:
-            synchronize(target.device)
-            t0 = time.perf_counter()
-            target.extend(filler[:b])
-            synchronize(target.device)
-            samples[b].append(time.perf_counter() - t0)
-            target.truncate(n0)
-    curve = {b: sorted(ts)[len(ts) // 2] for b, ts in samples.items()}
-    _CALIBRATED[target] = curve
-    return curve
+def save_curve(path: str | os.PathLike[str], verify_s: dict[int, float]) -> bool:
+    """Write a verify-cost curve {b: seconds} where CostModelK.prepare reads it (atomically);
+    False if it could not be written (a read-only cache only costs the next process some
+    learning)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"verify_s": {str(b): s for b, s in sorted(verify_s.items())}}))
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
 
 
 def make_policy(k: int | str, k_max: int) -> KPolicy:

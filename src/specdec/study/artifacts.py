@@ -114,6 +114,9 @@ def meta_block() -> dict[str, Any]:
             "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
             "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            # 1/5/15-minute load averages when the artifact was made: benchmarks here need an
+            # idle machine (llama.cpp's spinning thread pools stall when a core is taken)
+            "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         },
     }
 
@@ -789,6 +792,10 @@ class MicrobenchArtifact(_Json):
     max_batch: int | None = None
     verify: tuple[VerifyPoint, ...]  # sorted by b
     target_step_ms: float
+    # max / min - 1 of the single-step samples (one per pass, spread over the whole run): a
+    # probe for a contended machine; None in older artifacts
+    step_spread: float | None = None
+    deterministic: bool | None = None  # llama.cpp deterministic mode; None in older artifacts
     draft_step_ms: float | None  # None without a draft
     draft_samples_ms: tuple[float, ...] | None = None  # [repeats]
     c: float | None  # draft_step_ms / target_step_ms; None without a draft

@@ -68,6 +68,10 @@ from specdec.study.artifacts import (
 CONFIGS: dict[str, tuple[str, str]] = {n: (c.draft, c.target) for n, c in PAIRS.items()}
 CUSTOM = "custom"  # the config name of a --draft/--target pair
 COMPARES = ("hf-assisted",)
+#: The drafters a bench method may use: the core's, plus "wrong-prediction", the prediction
+#: drafter given another task's file (the leg that shows a wrong prediction costs nothing).
+WRONG_PREDICTION = "wrong-prediction"
+BENCH_DRAFTERS = (*DRAFTERS, WRONG_PREDICTION)
 METHODS = MAIN_METHODS  # in run order; variants follow
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # goes into file names
 
@@ -88,9 +92,10 @@ class BenchConfig:
     max_new_tokens: int = 128
     compare: str | None = None  # None or "hf-assisted"
     device: str | None = None  # None: best available (specdec.core.device.get_device)
-    drafter: str = "model"  # model | lookup | composite (drafters.py)
-    k_max: int = 8  # the largest K for k="auto" / "schedule"
+    drafter: str = "model"  # one of BENCH_DRAFTERS
+    k_max: int | None = None  # the largest K for k="auto" / "schedule" (None: SpecConfig's)
     p_min: float | None = None  # draft confidence cutoff
+    deterministic: bool = False  # batch-invariant llama.cpp numerics (backends.load_model)
     # Extra speculative methods run on the same prompts, "DRAFTER:K" each (e.g. "lookup:auto"):
     # one run holds every method of a comparison table, so their ratios are valid.
     variants: tuple[str, ...] = ()
@@ -100,7 +105,7 @@ class BenchConfig:
 
     @property
     def spec(self) -> SpecConfig:
-        return SpecConfig(self.drafter, self.k, self.k_max, self.p_min)
+        return SpecConfig(_core_drafter(self.drafter), self.k, self.k_max, self.p_min)
 
     @property
     def warp(self) -> Warp:
@@ -175,13 +180,17 @@ def select_prompts(
     return prompts[:limit] if limit is not None else prompts
 
 
+def _core_drafter(drafter: str) -> str:
+    return "prediction" if drafter == WRONG_PREDICTION else drafter
+
+
 def parse_variant(text: str) -> tuple[str, int | str]:
     """'DRAFTER:K' -> (drafter, K), e.g. 'lookup:auto' -> ('lookup', 'auto')."""
     drafter, sep, k = text.partition(":")
-    if not sep or drafter not in DRAFTERS:
+    if not sep or drafter not in BENCH_DRAFTERS:
         raise ValueError(
-            f"variant {text!r} must be DRAFTER:K with DRAFTER one of {', '.join(DRAFTERS)} and K "
-            "an int >= 1, 'auto' or 'schedule' (e.g. lookup:auto)"
+            f"variant {text!r} must be DRAFTER:K with DRAFTER one of {', '.join(BENCH_DRAFTERS)} "
+            "and K an int >= 1, 'auto' or 'schedule' (e.g. lookup:auto)"
         )
     kk: int | str = int(k) if k.isdigit() else k
     check_k(kk)
@@ -237,7 +246,17 @@ def tag_suffix(tag: str | None) -> str:
 
 
 # ------------------------------------------------------------------------------------ running
-Runner = Callable[[list[int], int], Mapping[str, Any]]  # (prompt ids, seed) -> RUN record
+@dataclass(frozen=True)
+class Task:
+    """One prompt as every method receives it."""
+
+    ids: list[int]  # the chat-templated prompt
+    seed: int
+    prediction: list[int] | None  # the prompt's own prediction, tokenized (None: it has none)
+    other_prediction: list[int] | None  # another task's, for the wrong-prediction leg
+
+
+Runner = Callable[[Task], Mapping[str, Any]]  # -> RUN record
 
 
 def run_bench(
@@ -273,9 +292,10 @@ def loaded_pair(cfg: BenchConfig) -> Iterator[tuple[SpecModel, SpecModel]]:
         from specdec.core.device import get_device
 
         get_device(cfg.device)  # an unavailable device fails before minutes of loading
-    draft = load_model(cfg.draft, device=cfg.device)
+    kw = {"device": cfg.device, "deterministic": cfg.deterministic}
+    draft = load_model(cfg.draft, **kw)
     try:
-        target = load_model(cfg.target, device=cfg.device)
+        target = load_model(cfg.target, **kw)
         try:
             yield draft, target
         finally:
@@ -291,25 +311,35 @@ def _runners(
     sampling = dict(max_new_tokens=cfg.max_new_tokens, warp=cfg.warp, stop_ids=stops)
 
     def speculative(drafter: str, k: int | str) -> Runner:
-        d = None if drafter == "lookup" else draft  # prompt lookup needs no draft model
-        spec = SpecConfig(drafter, k, cfg.k_max, cfg.p_min)
-        return lambda ids, seed: _record(
-            generate(target, ids, draft=d, spec=spec, seed=seed, **sampling)
-        )
+        free = drafter in ("lookup", "prediction", WRONG_PREDICTION)
+        d = None if free else draft  # model-free drafters need no draft model
+
+        def run(t: Task) -> Mapping[str, Any]:
+            pred = t.other_prediction if drafter == WRONG_PREDICTION else t.prediction
+            name = _core_drafter(drafter)
+            if name == "prediction" and pred is None:
+                name = "lookup"  # a prompt without a prediction: what the drafter falls back to
+            spec = SpecConfig(name, k, cfg.k_max, cfg.p_min)
+            kw = {"prediction": pred} if name == "prediction" else {}
+            return _record(
+                generate(target, t.ids, draft=d, spec=spec, seed=t.seed, **sampling, **kw)
+            )
+
+        return run
 
     runners: dict[str, Runner] = {
-        "baseline": lambda ids, seed: _record(generate(target, ids, seed=seed, **sampling)),
+        "baseline": lambda t: _record(generate(target, t.ids, seed=t.seed, **sampling)),
         "speculative": speculative(cfg.drafter, cfg.k),
     }
     if cfg.compare == "hf-assisted":
-        runners["hf_assisted"] = lambda ids, seed: hf.run(
+        runners["hf_assisted"] = lambda t: hf.run(
             draft,
             target,
-            ids,
+            t.ids,
             k=cfg.k,
             max_new_tokens=cfg.max_new_tokens,
             warp=cfg.warp,
-            seed=seed,
+            seed=t.seed,
             stops=stops,
         )
     for v in cfg.variants:
@@ -338,8 +368,10 @@ def _run(
         path=path,
     )
     rows: list[BenchRow] = []
+    prompts = select_prompts(cfg.categories, cfg.n_prompts)
+    predictions = [_prediction_ids(tokenizer, p.prediction) for p in prompts]
     bar = tqdm(
-        select_prompts(cfg.categories, cfg.n_prompts),
+        prompts,
         desc=f"bench {cfg.name} K={cfg.k}",
         unit="prompt",
         disable=not progress,
@@ -347,8 +379,9 @@ def _run(
     try:
         for i, prompt in enumerate(bar):
             ids = _prompt_ids(tokenizer, prompt.text, target.vocab_size)
+            task = Task(ids, i, predictions[i], _another(predictions, i))
             sequence = methods if i % 2 == 0 else methods[::-1]
-            runs = {m: runners[m](ids, i) for m in sequence}
+            runs = {m: runners[m](task) for m in sequence}
             if i >= cfg.warmup:
                 rows.append(_row(i, prompt, ids, sequence, runs, variants))
             art = replace(art, rows=tuple(rows), aggregates=aggregate(rows, methods))
@@ -396,6 +429,22 @@ def _prompt_ids(tokenizer: Any, text: str, vocab_size: int) -> list[int]:
     # Tokenizer-less (mock) pairs: the prompt's UTF-8 bytes folded into the vocabulary. Not a
     # tokenization of anything; just deterministic, prompt-dependent ids for the harness tests.
     return [b % vocab_size for b in text.encode("utf-8")]
+
+
+def _prediction_ids(tokenizer: Any, text: str | None) -> list[int] | None:
+    if text is None or tokenizer is None:
+        return None
+    return prompting.encode_prediction(tokenizer, text)
+
+
+def _another(predictions: Sequence[list[int] | None], i: int) -> list[int] | None:
+    """The next task's prediction after task i (cyclically), for the wrong-prediction leg."""
+    n = len(predictions)
+    for j in range(1, n):
+        other = predictions[(i + j) % n]
+        if other is not None:
+            return other
+    return None
 
 
 def _record(result: Any) -> dict[str, Any]:

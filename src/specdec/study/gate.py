@@ -281,9 +281,11 @@ def run_gate(
     stop_ids: Sequence[int] = (),
     label: Callable[[int], str] = str,
     progress: bool = True,
+    greedy_prompts: Sequence[PromptIds] | None = None,
 ) -> GateResult:
     """Both legs on already-loaded models. `prompts` must hold at
-    least max(settings.prompts, settings.greedy_prompts) prompts; the first ones are used."""
+    least max(settings.prompts, settings.greedy_prompts) prompts; the first ones are used, by
+    the greedy leg too unless `greedy_prompts` names its own."""
     from specdec.core.pair import check_pair
 
     need = max(settings.prompts, settings.greedy_prompts)
@@ -305,7 +307,7 @@ def run_gate(
     greedy = greedy_leg(
         target,
         draft,
-        prompts[: settings.greedy_prompts],
+        prompts[: settings.greedy_prompts] if greedy_prompts is None else greedy_prompts,
         settings,
         stop_ids=stop_ids,
         progress=progress,

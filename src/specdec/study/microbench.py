@@ -248,6 +248,7 @@ def build_artifact(
             for b in sorted(medians)
         ),
         target_step_ms=step,
+        step_spread=max(verify[1]) / min(verify[1]) - 1,
         draft_step_ms=draft_step,
         draft_samples_ms=tuple(draft_ms) or None,
         c=c,
@@ -322,6 +323,13 @@ def format_table(art: MicrobenchArtifact) -> str:
     return "\n".join(lines)
 
 
-def artifact_path(out: Path, target_name: str) -> Path:
-    """<out>/microbench_<target-name>.json, the name made filesystem-safe."""
-    return Path(out) / f"microbench_{re.sub(r'[^A-Za-z0-9._-]+', '-', target_name)}.json"
+#: A single step that varies by more than this between passes means the machine was busy (one
+#: other busy process turned an 18 ms llama.cpp step into 2,000 ms here): every v(b) is then
+#: flattened, and the curve is not this machine's.
+CONTENDED_SPREAD = 0.10
+
+
+def artifact_path(out: Path, target_name: str, tag: str | None = None) -> Path:
+    """<out>/microbench_<target-name>[_<tag>].json, the name made filesystem-safe."""
+    name = "_".join(x for x in (target_name, tag) if x)
+    return Path(out) / f"microbench_{re.sub(r'[^A-Za-z0-9._-]+', '-', name)}.json"
