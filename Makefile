@@ -32,14 +32,16 @@ test: venv
 	$(BIN)/python -m pytest -q
 
 lint: venv
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
 
 # The main job: a short study on the default pair (all_gguf: llama.cpp 0.5B draft -> 1.5B target).
 demo: venv
 	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 	$(BIN)/specdec bench --config all_gguf -k 4 -t 0.8 --variants lookup:auto --prompts 5 --warmup 1 \
 	  --max-new-tokens 48 --out runs/demo
+	$(BIN)/specdec bench --config all_gguf -t 0 --category rewrite --drafter prediction -k auto \
+	  --variants lookup:auto --prompts 2 --warmup 0 --max-new-tokens 512 --out runs/demo
 	$(BIN)/specdec figures runs/demo
 	$(BIN)/specdec report runs/demo
 	@echo "figures and REPORT.md in runs/demo/"

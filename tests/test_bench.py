@@ -372,3 +372,45 @@ def test_cli_category_caps_the_default_prompt_count(tmp_path) -> None:
     assert summary["config"]["categories"] == ["creative"]
     art = _load(tmp_path / summary["points"][0]["artifact"])
     assert {r["category"] for r in art["rows"]} == {"creative"}
+
+
+@pytest.mark.slow
+def test_rewrite_tasks_with_the_prediction_drafter(smol_llamacpp, tmp_path) -> None:
+    """The rewrite category end to end on a real model: each task's prediction (its original
+    file) is tokenized with the target's tokenizer and drafted from; greedy output equals
+    target-only (smollm2 is batch-invariant); the wrong-prediction leg gets another task's file
+    and still reproduces target-only exactly. Fixed K, so drafting does not depend on timing
+    (smollm2 is too small to copy a file: few drafts are accepted, and that is not tested)."""
+    spec = "llamacpp:smollm2-135m"
+    cfg = bench_config(
+        None,
+        spec,
+        spec,
+        k=8,
+        drafter="prediction",
+        temperature=0.0,
+        categories=("rewrite",),
+        n_prompts=2,
+        warmup=0,
+        max_new_tokens=48,
+        variants=("lookup:8", "wrong-prediction:8"),
+    )
+    art = run_bench(cfg, tmp_path, progress=False, models=(smol_llamacpp, smol_llamacpp))
+    rows = art.to_json()["rows"]
+    assert [r["category"] for r in rows] == ["rewrite", "rewrite"]
+    for r in rows:
+        base = r["baseline"]["tokens"]
+        assert r["speculative"]["tokens"] == base
+        assert all(v["tokens"] == base for v in r["variants"].values())
+    for method in ("speculative", "wrong-prediction-k8"):
+        runs = [
+            r["speculative"] if method == "speculative" else r["variants"][method] for r in rows
+        ]
+        drafted = [
+            sum(v for s, v in run["drafted_by_source"].items() if "prediction" in s) for run in runs
+        ]
+        assert all(d > 0 for d in drafted), (method, drafted)
+        assert all(
+            run["accepted_prediction_tokens"] + run["rejected_prediction_tokens"] == d
+            for run, d in zip(runs, drafted, strict=True)
+        )

@@ -368,3 +368,20 @@ def test_lookup_sources_bucket_the_match_length() -> None:
     assert d.source([*run, 99, *run[:5]]) == "lookup4+"
     assert d.source([*run, 99, *run[:9]]) == "lookup8+"
     assert d.propose([*run, 99, *run[:9]], 3)[0].tolist() == run[9:12]
+
+
+def test_auto_recovers_from_a_cost_curve_measured_on_a_busy_machine() -> None:
+    """A v(2) measured while another process held a core (2.4 steps: drafting looks dear) must
+    not switch speculation off for good: unconfirmed measurements fade back to the prior, and a
+    source with good acceptance is retried at K = 1 (its real cost is measured again)."""
+    p = CostModelK(k_max=8)
+    p.observe(_round("none", 0, 0, verify_s=0.05))
+    for i in range(10):  # v(2) = 2.4 v(1): contended; half the drafts accepted
+        p.observe(_round("lookup3", 1, i % 2, verify_s=0.12))
+    assert p.choose("lookup3", 100) == 0  # drafting does not pay at that cost
+    rounds = 0
+    while p.choose("lookup3", 100) == 0:
+        p.observe(_round("none", 0, 0, verify_s=0.05))
+        rounds += 1
+        assert rounds < 2000, "never retried"
+    assert 50 < rounds < 1000

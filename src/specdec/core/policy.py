@@ -109,6 +109,8 @@ PRIOR_SLOPE = 0.5
 #: any evidence). A prediction aligned with the output is the file being re-emitted; its drafts
 #: run to the next edit (measured on the rewrite tasks: most rounds accept every drafted token).
 STRONG_SOURCES = {"prediction": (0.9, 8)}
+#: The weight of a persisted v(b) read from the cost store, in measurements (see `_measured`).
+LOADED_WEIGHT = 0.5
 
 
 @dataclass
@@ -122,16 +124,30 @@ class CostModelK:
 
     k_max: int
     verify_s: dict[int, float] = field(default_factory=dict)  # b -> seconds (EMA)
+    # b -> decayed count of measurements; a b given in verify_s without one is trusted as is
+    verify_n: dict[int, float] = field(default_factory=dict)
     sources: dict[str, _SourceStats] = field(default_factory=dict)
     _known: list[int] = field(default_factory=list, repr=False)  # sorted keys of verify_s
     _dirty: bool = field(default=False, repr=False)  # verify_s changed since the last save
 
     # ------------------------------------------------------------------ estimates
+    def _prior(self, b: int) -> float:
+        step = self.verify_s.get(1)
+        return (1.0 if step is None else step) * (1 + PRIOR_SLOPE * (b - 1))
+
+    def _measured(self, b: int) -> float:
+        """The measurement of v(b), drawn back to the prior as it goes stale: its weight is its
+        decayed count, capped at 1. Why: a curve measured on a busy machine (or read from the
+        store) can make every K > 0 look dear, and then K = 0 forever never re-measures it;
+        fading it lets a source's retry (IDLE_DECAY) find the real cost again."""
+        n = min(1.0, self.verify_n.get(b, 1.0))
+        return n * self.verify_s[b] + (1 - n) * self._prior(b)
+
     def v(self, b: int) -> float:
         """Seconds for a target pass over b tokens: measured, else interpolated linearly
         between measurements, else the prior's slope from the nearest measurement."""
         if b in self.verify_s:
-            return self.verify_s[b]
+            return self._measured(b)
         known = self._known
         if len(known) != len(self.verify_s):
             known = self._known = sorted(self.verify_s)
@@ -141,10 +157,10 @@ class CostModelK:
         if 0 < i < len(known):
             lo, hi = known[i - 1], known[i]
             w = (b - lo) / (hi - lo)
-            return (1 - w) * self.verify_s[lo] + w * self.verify_s[hi]
+            return (1 - w) * self._measured(lo) + w * self._measured(hi)
         ref = known[0] if i == 0 else known[-1]
         step = self.verify_s.get(1, self.verify_s[ref] / (1 + PRIOR_SLOPE * (ref - 1)))
-        return max(step, self.verify_s[ref] + PRIOR_SLOPE * step * (b - ref))
+        return max(step, self._measured(ref) + PRIOR_SLOPE * step * (b - ref))
 
     def alphas(self, source: str) -> list[float]:
         """Conditional acceptance per position; position i's prior is position i-1's estimate.
@@ -189,7 +205,9 @@ class CostModelK:
         t0 = time.perf_counter()
         try:
             saved = json.loads(Path(path).read_text())["verify_s"]
-            self.verify_s.update({int(b): float(s) for b, s in saved.items() if float(s) > 0})
+            for b, s in saved.items():
+                if float(s) > 0:  # half a measurement's weight: confirmed or replaced soon
+                    self.verify_s[int(b)], self.verify_n[int(b)] = float(s), LOADED_WEIGHT
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # none yet, or unreadable: learn it again
         return time.perf_counter() - t0
@@ -224,6 +242,9 @@ class CostModelK:
         b = k + 1
         old = self.verify_s.get(b)
         self.verify_s[b] = r.verify_s if old is None else DECAY * old + (1 - DECAY) * r.verify_s
+        for x in self.verify_n:  # measurements go stale like acceptance estimates do
+            self.verify_n[x] *= IDLE_DECAY
+        self.verify_n[b] = self.verify_n.get(b, 0.0) + 1.0
         self._dirty = True
         # Every round forgets a little of every source, drafted or not: a source whose estimate
         # fell below break-even drifts back to the prior and is tried again. Forgetting only on

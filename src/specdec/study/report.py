@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from specdec.study import fmt
 from specdec.study.artifacts import (
@@ -546,6 +547,66 @@ def _section_files(s: Study) -> list[str]:
     return [*out, ""]
 
 
+def _k_hist(run: Mapping[str, Any]) -> str:
+    """'0:12 1:3 15:4': rounds per drafted K (core.metrics k_histogram), K ascending."""
+    hist = run.get("k_histogram") or {}
+    return " ".join(f"{k}:{n}" for k, n in sorted(hist.items(), key=lambda kv: int(kv[0])))
+
+
+def _section_predictions(s: Study, figures: Path, report: Path) -> list[str]:
+    """Per task, for every method of a run that drafted from a prediction: the speedup over
+    target-only on that prompt, accepted / rejected prediction tokens, and the chosen K's."""
+    out: list[str] = []
+    for b in s.benches:
+        methods = [
+            m
+            for m in ("speculative", *b.variants)
+            if any(
+                (r.run(m).get("drafted_by_source") or {}).keys()
+                & {"prediction", "prediction-start"}
+                for r in b.rows
+            )
+        ]
+        if not methods:
+            continue
+        if not out:
+            out = [
+                "## Per task: drafting from a prediction",
+                "",
+                "Speedup = target-only wall time / the method's, on the same prompt (end to "
+                "end; decode phase in brackets). Accepted / rejected prediction tokens as "
+                "OpenAI's usage fields (core.metrics). K histogram: rounds per drafted K.",
+                "",
+            ]
+        rows = []
+        for r in b.rows:
+            base = r.baseline
+            for m in methods:
+                run = r.run(m)
+                e2e = fmt.x(base["wall_s"] / run["wall_s"] if run["wall_s"] else None)
+                dec = fmt.x(_decode_ratio(base, run))
+                rows.append(
+                    [
+                        r.prompt_id,
+                        m,
+                        str(run["generated"]),
+                        f"{e2e} ({dec})",
+                        str(run.get("accepted_prediction_tokens", "—")),
+                        str(run.get("rejected_prediction_tokens", "—")),
+                        _k_hist(run),
+                    ]
+                )
+        header = ["Prompt", "Method", "Tokens", "Speedup", "Accepted", "Rejected", "K histogram"]
+        out += [f"From {_cite(b.src)}:", "", *fmt.md_table(header, rows), ""]
+    return out
+
+
+def _decode_ratio(base: Mapping[str, Any], run: Mapping[str, Any]) -> float | None:
+    """Decode-phase speedup of one run over its baseline (core.metrics decode_tokens_per_s)."""
+    b, r = base.get("decode_tokens_per_s"), run.get("decode_tokens_per_s")
+    return r / b if b and r else None
+
+
 def render_report(study: Study, figures: Path, report: Path) -> str:
     """REPORT.md's text; figures under `figures` are linked relative to `report` when present."""
     n = len(study.metas)
@@ -564,6 +625,7 @@ def render_report(study: Study, figures: Path, report: Path) -> str:
         _section_latency,
         _section_micro,
         _section_gate,
+        _section_predictions,
     ):
         out += section(study, figures, report)
     out += _section_files(study)
