@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -27,14 +29,15 @@ from typing import Any
 
 import openai
 import pytest
-import uvicorn
 
 from specdec.backends import chat as prompting
 from specdec.backends import registry
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
-from specdec.serve.app import Engine, ServeConfig, TextAssembler, create_app
+from specdec.serve.app import GRACEFUL_SHUTDOWN_S, ServeConfig, create_app, uvicorn_server
+from specdec.serve.engine import Engine
+from specdec.serve.text import TextAssembler
 
 V = 48
 MOCK_SPEC = "mock:vocab=48,seed=0"
@@ -62,8 +65,7 @@ class Server:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(create_app(engine, cfg), log_level="warning", lifespan="on")
-        self.uv = uvicorn.Server(config)
+        self.uv = uvicorn_server(create_app(engine, cfg), log_level="warning", lifespan="on")
         self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -355,6 +357,48 @@ BAD_INPUTS = [
     ("not-bearer", "/v1/completions", GOOD, {"Authorization": API_KEY}, 401, None),
     ("too-large", "/v1/completions", {**GOOD, "user": "x" * 5000}, AUTH, 413, None),
     ("unknown-route", "/v1/embeddings", GOOD, AUTH, 404, None),
+    # issue 11: each of these was a 500, a silent success or a wedge on the old server
+    (
+        "too-many-stops",
+        "/v1/completions",
+        {**GOOD, "stop": list("abcdefghijklmnopq")},
+        AUTH,
+        400,
+        "stop",
+    ),
+    ("stop-1000-chars", "/v1/completions", {**GOOD, "stop": "x" * 1000}, AUTH, 400, "stop"),
+    ("auth-non-ascii", "/v1/completions", GOOD, {"Authorization": "Bearer \xff"}, 401, None),
+    ("text-plain", "/v1/completions", GOOD, {**AUTH, "Content-Type": "text/plain"}, 415, None),
+    ("no-content-type", "/v1/completions", GOOD, {**AUTH, "Content-Type": ""}, 415, None),
+    ("foreign-host", "/v1/completions", GOOD, {**AUTH, "Host": "evil.example"}, 400, None),
+    (
+        "temperature-above-2",
+        "/v1/completions",
+        {**GOOD, "temperature": 2.5},
+        AUTH,
+        400,
+        "temperature",
+    ),
+    ("deep-nesting", "/v1/completions", b"[" * 3000, AUTH, 400, None),
+    (
+        "lone-surrogate",
+        "/v1/completions",
+        json.dumps({**GOOD, "user": "\ud800"}).encode(),  # ensure_ascii: sent as \\ud800
+        AUTH,
+        400,
+        None,
+    ),
+    ("logprobs", "/v1/completions", {**GOOD, "logprobs": 2}, AUTH, 400, "logprobs"),
+    ("tools", "/v1/completions", {**GOOD, "tools": [{"type": "function"}]}, AUTH, 400, "tools"),
+    (
+        "response-format",
+        "/v1/completions",
+        {**GOOD, "response_format": {"type": "json_object"}},
+        AUTH,
+        400,
+        "response_format",
+    ),
+    ("logit-bias", "/v1/completions", {**GOOD, "logit_bias": {"1": 100}}, AUTH, 400, "logit_bias"),
 ]
 
 
@@ -378,8 +422,17 @@ def test_bad_input_is_an_openai_error_and_the_server_keeps_serving(
         assert err["param"] is not None and err["param"].startswith(param), err
     if status == 401:
         assert err["code"] == "invalid_api_key" and hdrs["www-authenticate"] == "Bearer"
-    ok, _, good = small_ctx.request("POST", "/v1/completions", GOOD, AUTH)
-    assert ok == 200 and good["choices"][0]["text"], good
+    assert_good_request_exact(small_ctx, AUTH)
+
+
+def assert_good_request_exact(srv: Server, headers: dict[str, str] | None = None) -> None:
+    """A greedy request after a bad one: still served, and still exactly `generate()`'s."""
+    body = {**GOOD, "temperature": 0, "seed": 1, "return_token_ids": True}
+    ok, _, good = srv.request("POST", "/v1/completions", body, headers)
+    assert ok == 200, good
+    want = expected(srv, GOOD["prompt"], GOOD["max_tokens"]).tokens
+    assert good["choices"][0]["token_ids"] == want
+    assert good["choices"][0]["text"] == " ".join(map(str, want))
 
 
 def test_wrong_method_and_client_side_error_classes(small_ctx: Server) -> None:
@@ -505,7 +558,10 @@ def test_models_health_and_metrics(mock: Server) -> None:
     assert buckets == sorted(buckets) and buckets[-1] == metric(
         text, "specdec_acceptance_length_count"
     )
-    assert metric(text, "specdec_acceptance_length_sum") == metric(
+    # acceptance length: drafting rounds only (vLLM's); tokens per round: every round
+    assert metric(text, "specdec_acceptance_length_count") == metric(text, "specdec_drafts_total")
+    assert metric(text, "specdec_tokens_per_round_count") == metric(text, "specdec_rounds_total")
+    assert metric(text, "specdec_tokens_per_round_sum") == metric(
         text, "specdec_generated_tokens_total"
     )
 
@@ -530,7 +586,12 @@ def test_cli_serve_subprocess_binds_loopback() -> None:
         "--max-queue",
         "2",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The key from the environment (issue 11, Low: it could only be given on the command line,
+    # where `ps` shows it).
+    env = {**os.environ, "SPECDEC_API_KEY": "env-key"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -544,12 +605,312 @@ def test_cli_serve_subprocess_binds_loopback() -> None:
             except OSError:
                 time.sleep(0.2)
         assert health["status"] == "ok" and health["model"] == MOCK_SPEC
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        url = f"http://127.0.0.1:{port}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="x", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=url, api_key="env-key", max_retries=0)
         r = client.completions.create(model=MOCK_SPEC, prompt=[1, 2], max_tokens=5, temperature=0)
         assert len(r.choices[0].text.split()) == 5 and r.spec["drafted"] > 0
+        assert r.spec["drafting_rounds"] >= 1 and r.spec["mean_acceptance_length"] >= 1
+        proc.terminate()  # SIGTERM: a graceful shutdown, bounded
+        # uvicorn re-raises the signal once it has shut down, so the status is -SIGTERM
+        assert proc.wait(GRACEFUL_SHUTDOWN_S + 10) in (0, -signal.SIGTERM)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+# ---------------------------------------------------------------------------- hardening (issue 11)
+class SlowPrefillMock(MockModel):
+    """A MockModel whose prompt prefill takes `prefill_delay` seconds per chunk (a long prompt on
+    a real model), while its decode rounds are fast."""
+
+    prefill_delay = 0.0
+
+    def _prefill(self, ids: list[int]) -> None:
+        time.sleep(self.prefill_delay)
+        super()._prefill(ids)
+
+
+class FakeTokenizer:
+    """The slice of the HF tokenizer interface the server uses, over the mock's 48 ids: one
+    character per token. Like the Rust tokenizers it refuses text with a lone surrogate, and a
+    prompt starting with "slow" takes `delay` seconds to encode (a 1 MiB body's worth)."""
+
+    eos_token_id = None
+    bos_token_id = None
+    chat_template = None
+    delay = 1.5
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        text.encode("utf-8")  # UnicodeEncodeError on a lone surrogate, as tokenizers raises
+        if text.startswith("slow"):
+            time.sleep(self.delay)
+        return {"input_ids": [ord(c) % V for c in text]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("0") + i) for i in ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(ord("0") + i): i for i in range(V)}
+
+
+def serve_models(target: MockModel, draft: MockModel | None = None, **cfg_kw: Any) -> Server:
+    """A server over these models (the engine warmed up, as `specdec serve` does)."""
+    cfg = ServeConfig(target=cfg_kw.pop("spec", MOCK_SPEC), **cfg_kw)
+    engine = Engine(target, draft, model_id=MOCK_SPEC, max_queue=cfg.max_queue)
+    engine.warm_up()
+    return Server(engine, cfg)
+
+
+def _open_stream(srv: Server, body: dict) -> tuple[http.client.HTTPConnection, Any]:
+    """A streaming request, read up to its first chunk with generated text."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), JSON)
+    resp = conn.getresponse()
+    assert resp.status == 200
+    while b'"text":"' not in (line := resp.readline()) or b'"text":""' in line:
+        assert line, "the stream ended before any text"
+    return conn, resp
+
+
+def _send_and_leave(srv: Server, body: dict) -> http.client.HTTPConnection:
+    """Send a request without reading the answer; closing the connection is a disconnect."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), JSON)
+    return conn
+
+
+def _wait_for(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+JSON = {"Content-Type": "application/json"}
+LONG = {"model": MOCK_SPEC, "prompt": [1, 2], "max_tokens": 1000, "temperature": 0.8}
+
+
+def test_unknown_paths_without_a_key_add_at_most_one_metrics_series(mock: Server) -> None:
+    """Item 1: each distinct /v1 path, 404 before the key check, was a new series forever."""
+
+    def series() -> set[str]:
+        lines = mock.metrics().splitlines()
+        return {x.rsplit(" ", 1)[0] for x in lines if x.startswith("specdec_requests_total{")}
+
+    before = series()
+    for i in range(50):
+        status, _, body = mock.request("POST", f"/v1/probe-{i}/{i * 7919}", GOOD)
+        assert status == 404 and _error_of(status, body, "not_found")
+    assert len(series() - before) <= 1
+    assert_good_request_exact(mock, AUTH)
+
+
+def test_temperature_1e_minus_39_is_greedy(mock: Server) -> None:
+    """Item 9: logits / 1e-39 overflowed to NaN, a 500 blamed on the model."""
+    body = {**GOOD, "temperature": 1e-39, "max_tokens": 12, "return_token_ids": True}
+    status, _, r = mock.request("POST", "/v1/completions", body, AUTH)
+    assert status == 200, r
+    assert r["choices"][0]["token_ids"] == expected(mock, GOOD["prompt"], 12).tokens
+    assert_good_request_exact(mock, AUTH)
+
+
+def test_stream_null_and_fields_that_ask_for_nothing_are_accepted(mock: Server) -> None:
+    body = {
+        **GOOD,
+        "temperature": 0,
+        "stream": None,
+        "logprobs": None,
+        "presence_penalty": 0,
+        "logit_bias": {},
+        "return_token_ids": True,
+    }
+    status, _, r = mock.request("POST", "/v1/completions", body, AUTH)
+    assert status == 200, r
+    assert r["choices"][0]["token_ids"] == expected(mock, GOOD["prompt"], GOOD["max_tokens"]).tokens
+
+
+def test_health_shows_no_paths_and_there_is_no_openapi_schema() -> None:
+    """Low: /health (no key needed) showed the absolute model path; /openapi.json was on."""
+    target = SlowMock(V, seed=0, name=MOCK_SPEC)
+    srv = serve_models(target, spec="llamacpp:/home/someone/private/model.gguf")
+    try:
+        status, _, health = srv.request("GET", "/health")
+        assert status == 200 and health["model"] == "llamacpp:model.gguf", health
+        assert "/home" not in json.dumps(health)
+        for path in ("/openapi.json", "/docs", "/redoc"):
+            assert srv.request("GET", path)[0] == 404, path
+        assert_good_request_exact(srv)
+    finally:
+        srv.close()
+
+
+def test_disconnect_during_a_slow_prefill_frees_the_engine_within_a_chunk() -> None:
+    """Item 5: cancellation was checked only between rounds, after the whole prefill."""
+    target = SlowPrefillMock(V, seed=0, name=MOCK_SPEC)
+    srv = serve_models(target, SlowPrefillMock.near(target, noise=0.7, seed=1))
+    target.prefill_delay = 1.0  # per 512-token chunk: a 2048-token prompt prefills in 4 s
+    try:
+        before = metric(srv.metrics(), "specdec_generations_total", outcome="cancelled")
+        body = {"model": MOCK_SPEC, "prompt": [i % V for i in range(2048)], "max_tokens": 8}
+        conn = _send_and_leave(srv, body)
+        _wait_for(lambda: srv.engine.busy, 10, "the request never started")
+        time.sleep(0.3)  # inside the first prefill chunk
+        conn.close()
+        t0 = time.monotonic()
+        srv.wait_idle()
+        assert time.monotonic() - t0 < 2.0  # one chunk (1 s) at most, not the 3 s left
+        after = metric(srv.metrics(), "specdec_generations_total", outcome="cancelled")
+        assert after == before + 1
+        assert_good_request_exact(srv)
+    finally:
+        srv.close()
+
+
+def test_tokenization_runs_off_the_event_loop() -> None:
+    """Item 6: a long prompt's tokenization blocked the event loop: no other request (not even
+    /health) was answered meanwhile."""
+    target = SlowMock(V, seed=0, name=MOCK_SPEC)
+    target.tokenizer = FakeTokenizer()
+    srv = serve_models(target)
+    try:
+        body = {"model": MOCK_SPEC, "prompt": "slow prompt", "max_tokens": 3, "temperature": 0}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            slow = pool.submit(srv.request, "POST", "/v1/completions", body)
+            time.sleep(0.3)  # the slow request is being tokenized now (1.5 s)
+            t0 = time.monotonic()
+            assert srv.request("GET", "/health")[0] == 200
+            assert time.monotonic() - t0 < 0.5
+            status, _, r = slow.result()
+        assert status == 200, r
+        want = expected(srv, FakeTokenizer()("slow prompt")["input_ids"], 3).tokens
+        assert r["choices"][0]["text"] == FakeTokenizer().decode(want)
+    finally:
+        srv.close()
+
+
+def test_a_lone_surrogate_in_a_text_prompt_is_400_not_500() -> None:
+    """Low: the tokenizer raised UnicodeEncodeError on the surrogate: a 500."""
+    target = SlowMock(V, seed=0, name=MOCK_SPEC)
+    target.tokenizer = FakeTokenizer()
+    srv = serve_models(target)
+    try:
+        raw = b'{"model": "%s", "prompt": "ab\\ud800", "max_tokens": 2}' % MOCK_SPEC.encode()
+        status, _, body = srv.request("POST", "/v1/completions", raw)
+        assert status == 400 and _error_of(status, body, "invalid_text")
+        ok = {"model": MOCK_SPEC, "prompt": "abc", "max_tokens": 4, "temperature": 0}
+        status, _, r = srv.request("POST", "/v1/completions", ok)
+        want = expected(srv, FakeTokenizer()("abc")["input_ids"], 4).tokens
+        assert status == 200 and r["choices"][0]["text"] == FakeTokenizer().decode(want)
+    finally:
+        srv.close()
+
+
+def test_a_request_abandoned_in_the_queue_frees_its_slot_at_once() -> None:
+    """Low: a cancelled job kept its queue slot (429s) until the worker reached it."""
+    srv = mock_server(delay=0.02, max_queue=1, with_draft=False)
+    try:
+        running, _ = _open_stream(srv, LONG)
+        waiting = _send_and_leave(srv, {**LONG, "max_tokens": 4})
+        _wait_for(lambda: srv.engine.queue_depth == 1, 10, "the second request was not queued")
+        waiting.close()  # its client goes away while it waits
+        _wait_for(lambda: srv.engine.queue_depth == 0, 5, "the abandoned job kept its slot")
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            body = {**GOOD, "temperature": 0, "return_token_ids": True}
+            third = pool.submit(srv.request, "POST", "/v1/completions", body)
+            _wait_for(lambda: srv.engine.queue_depth == 1 or third.done(), 10, "not queued")
+            running.close()  # now the engine is free for it
+            status, _, r = third.result()
+        assert status == 200, r  # not 429: the slot was free
+        assert r["choices"][0]["token_ids"] == expected(srv, GOOD["prompt"], 4).tokens
+    finally:
+        srv.close()
+
+
+def test_a_request_that_times_out_while_queued_counts_as_timeout() -> None:
+    """Low: it was counted as cancelled (the event loop's cancel was all the worker saw)."""
+    srv = mock_server(delay=0.02, request_timeout=0.6, with_draft=False)
+    try:
+        before = srv.metrics()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            body = {**LONG, "max_tokens": 400}
+            got = list(pool.map(lambda _: srv.request("POST", "/v1/completions", body), range(2)))
+        assert [g[0] for g in got] == [504, 504]
+        srv.wait_idle()
+        after = srv.metrics()
+        for outcome, n in (("timeout", 2), ("cancelled", 0)):
+            was = metric(before, "specdec_generations_total", outcome=outcome)
+            assert metric(after, "specdec_generations_total", outcome=outcome) == was + n, outcome
+        assert_good_request_exact(srv)
+    finally:
+        srv.close()
+
+
+def test_shutdown_fails_the_queue_cancels_the_running_request_and_is_bounded() -> None:
+    """Item 7: shutdown waited for every queued connection without limit, so the engine's 503
+    drain never ran, and the running request went on to its last token."""
+    srv = mock_server(delay=0.02, max_queue=8, with_draft=False)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        conn, stream = _open_stream(srv, LONG)  # 1000 tokens: ~20 s if left running
+        queued = [
+            pool.submit(srv.request, "POST", "/v1/completions", {**GOOD, "max_tokens": 8})
+            for _ in range(3)
+        ]
+        _wait_for(lambda: srv.engine.queue_depth == 3, 10, "the requests were not queued")
+        t0 = time.monotonic()
+        srv.close()
+        assert time.monotonic() - t0 < GRACEFUL_SHUTDOWN_S
+        for q in queued:
+            status, _, body = q.result(timeout=10)
+            assert status == 503 and _error_of(status, body, "shutting_down")
+        rest = stream.read().decode()  # the stream ends with the error event, promptly
+        assert "shutting_down" in rest and "[DONE]" not in rest
+        conn.close()
+    # The models are fine: a new server on them is exact.
+    fresh = serve_models(srv.engine.target)
+    try:
+        assert_good_request_exact(fresh)
+    finally:
+        fresh.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_worker_fails_requests_at_once() -> None:
+    """Low: submit did not check the worker, so requests waited for their deadline (504)."""
+
+    class Fatal(MockModel):
+        armed = False
+
+        def _prefill(self, ids: list[int]) -> None:
+            if self.armed:
+                raise SystemExit("the worker thread dies")  # a BaseException: not caught
+            super()._prefill(ids)
+
+    target = Fatal(V, seed=0, name=MOCK_SPEC)
+    srv = serve_models(target, request_timeout=30)
+    target.armed = True
+    try:
+        t0 = time.monotonic()
+        body = {**GOOD, "prompt": [1, 2, 3, 4]}
+        assert srv.request("POST", "/v1/completions", body)[0] == 500
+        _wait_for(lambda: not srv.engine.alive, 5, "the worker is still alive")
+        status, _, err = srv.request("POST", "/v1/completions", GOOD)
+        assert status == 503 and _error_of(status, err)["code"] in (
+            "engine_stopped",
+            "shutting_down",
+        )
+        assert srv.request("GET", "/health")[0] == 503
+        assert time.monotonic() - t0 < 10  # not the 30 s deadline
+    finally:
+        srv.close()
+    target.armed = False
+    fresh = serve_models(target)
+    try:
+        assert_good_request_exact(fresh)
+    finally:
+        fresh.close()
 
 
 # ---------------------------------------------------------------------------- smoke engine

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
+from pathlib import Path
 
 from specdec.cli import args as cli_args
 from specdec.serve.app import (
     DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_QUEUE,
     DEFAULT_REQUEST_TIMEOUT_S,
     ServeConfig,
     serve,
 )
+from specdec.serve.engine import DEFAULT_MAX_QUEUE
+
+#: The environment variable read for the API key when neither flag gives one.
+API_KEY_ENV = "SPECDEC_API_KEY"
 
 
 def add(subparsers: argparse._SubParsersAction) -> None:
@@ -51,10 +57,27 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help="address to bind (str; default 127.0.0.1, loopback only)",
     )
     p.add_argument("--port", type=int, default=8000, help="port (int; default 8000)")
-    p.add_argument(
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 (str; default none)",
+        help="require 'Authorization: Bearer KEY' on /v1 (str; default: --api-key-file, else "
+        f"${API_KEY_ENV}, else none). On the command line the key shows in `ps`: prefer the "
+        "file or the variable",
+    )
+    key.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from this file (its first line; path; default none)",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a Host header name to serve, repeatable; '*' for any (str; default: localhost, "
+        "127.0.0.1 and ::1 when bound to loopback, else any). Guards against DNS rebinding",
     )
     p.add_argument(
         "--max-queue",
@@ -98,10 +121,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             threads=args.threads,
             host=args.host,
             port=args.port,
-            api_key=args.api_key,
+            api_key=resolve_api_key(args.api_key, args.api_key_file, os.environ),
+            allowed_hosts=tuple(args.allowed_host or ()),
             max_queue=args.max_queue,
             max_body_bytes=args.max_body_bytes,
             request_timeout=args.request_timeout,
         )
     )
     return 0
+
+
+def resolve_api_key(flag: str | None, path: str | None, environ: Mapping[str, str]) -> str | None:
+    """The API key: --api-key, else the first line of --api-key-file, else $SPECDEC_API_KEY;
+    None (no key required) when none is set. An empty key is refused, not taken as "none"."""
+    if flag is not None:
+        key, where = flag, "--api-key"
+    elif path is not None:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        key, where = (lines[0].strip() if lines else ""), f"--api-key-file {path}"
+    elif API_KEY_ENV in environ:
+        key, where = environ[API_KEY_ENV].strip(), f"${API_KEY_ENV}"
+    else:
+        return None
+    if not key:
+        raise ValueError(f"the API key from {where} is empty")
+    return key

@@ -1,0 +1,405 @@
+"""One target (and draft), one worker thread that owns them, a bounded FIFO of jobs.
+
+The models are not thread-safe and their caches hold one sequence, so one worker thread
+generates one request at a time. Requests wait in a bounded FIFO (`max_queue` waiting, not
+counting the one being generated; 429 with Retry-After beyond that). The worker hands each
+job typed events through the job's asyncio.Queue (`loop.call_soon_threadsafe`), in order:
+
+    Start                   generation began (the request left the queue)
+    Delta(text, token_ids)  one round's committed tokens and the text now safe to send
+    Done(finish_reason, stats)
+    Failed(error)           at any point instead of the rest; an ApiError for the client
+
+A job is abandoned (`Engine.withdraw`) when its client goes away, its deadline passes or the
+server shuts down. A waiting job leaves the queue at once, freeing its slot; the running one
+stops within one round, or within one prefill chunk (decode.PREFILL_CHUNK tokens) while its
+prompt is being prefilled, so an abandoned request never holds the engine for long.
+
+Cache safety: `decode.stream` resets the target's and the draft's caches at the start of every
+call, so nothing of one request's state reaches the next; after an engine exception both models
+are reset again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specdec.backends import chat as prompting
+from specdec.core.config import SpecConfig, Warp
+from specdec.core.decode import SpecStream, stream
+from specdec.core.metrics import GenerationStats
+from specdec.core.model import SpecModel
+from specdec.serve.metrics import Metrics, RoundMark
+from specdec.serve.protocol import (
+    ApiError,
+    GenParams,
+    bad,
+    cancelled_error,
+    timeout_error,
+    unavailable_error,
+)
+from specdec.serve.text import TextAssembler
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE = 64
+RETRY_AFTER_RANGE_S = (1, 60)
+_SERVICE_EMA = 0.8  # smoothing of the mean generation time that Retry-After is estimated from
+
+
+# ------------------------------------------------------------------------------ events
+@dataclass(frozen=True)
+class Start:
+    """The job left the queue and its generation began."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str  # may be empty: text held back (a possible stop string, a partial character)
+    token_ids: tuple[int, ...]  # the round's committed tokens (empty for the final flush)
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str  # "stop" (a stop string or a stop id) or "length"
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: ApiError
+
+
+Event = Start | Delta | Done | Failed
+
+
+# ------------------------------------------------------------------------------ jobs
+@dataclass
+class Job:
+    """One request on its way through the engine."""
+
+    params: GenParams
+    loop: asyncio.AbstractEventLoop
+    arrived: float  # time.perf_counter() at arrival
+    deadline: float  # time.perf_counter() after which the request has timed out
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)  # worker -> event loop
+    reason: str | None = None  # why it was abandoned: "cancelled", "timeout" or "shutdown"
+    _abandoned: threading.Event = field(default_factory=threading.Event)  # event loop -> worker
+
+    def emit(self, event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def abandon(self, reason: str) -> None:
+        if not self._abandoned.is_set():
+            self.reason = reason  # the first reason is the one counted
+            self._abandoned.set()
+
+    def stopped(self) -> str | None:
+        """Why the worker should stop generating this job, or None to go on."""
+        if self._abandoned.is_set():
+            return self.reason
+        return "timeout" if time.perf_counter() > self.deadline else None
+
+
+def error_for(reason: str) -> ApiError:
+    """The error an abandoned job ends with."""
+    if reason == "timeout":
+        return timeout_error()
+    if reason == "shutdown":
+        return unavailable_error("the server is shutting down", "shutting_down")
+    return cancelled_error()
+
+
+class _JobQueue:
+    """A bounded FIFO from which a waiting job can be withdrawn (queue.Queue cannot)."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._jobs: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def put(self, job: Job) -> bool:
+        """False when full."""
+        with self._cond:
+            if len(self._jobs) >= self.maxsize:
+                return False
+            self._jobs.append(job)
+            self._cond.notify()
+            return True
+
+    def get(self) -> Job | None:
+        """The next job; None once closed and empty."""
+        with self._cond:
+            while not self._jobs and not self._closed:
+                self._cond.wait()
+            return self._jobs.popleft() if self._jobs else None
+
+    def remove(self, job: Job) -> bool:
+        with self._cond:
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                return False
+            return True
+
+    def take_all(self) -> list[Job]:
+        with self._cond:
+            jobs = list(self._jobs)
+            self._jobs.clear()
+            return jobs
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+
+# ------------------------------------------------------------------------------ the engine
+class Engine:
+    """The models, the worker thread, the queue; see the module docstring for the events.
+
+    `lock` is held for the whole of each generation: code outside the worker (tests, a warm-up)
+    takes it to use the models directly.
+    """
+
+    def __init__(
+        self,
+        target: SpecModel,
+        draft: SpecModel | None = None,
+        *,
+        model_id: str | None = None,
+        spec: SpecConfig = SpecConfig(),  # noqa: B008 - frozen
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.target = target
+        self.draft = draft
+        self.model_id = model_id or target.name
+        self.spec = spec
+        self.tokenizer = target.tokenizer or getattr(draft, "tokenizer", None)
+        self.stop_ids = prompting.stop_ids(self.tokenizer)
+        # Every model the prompt must fit, for max_tokens validation.
+        self.n_ctx = min(m.n_ctx for m in (target, draft) if m is not None)
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self.lock = threading.Lock()
+        # HF fast tokenizers are not safe to call from two threads at once ("Already borrowed"):
+        # request threads encode prompts while the worker decodes outputs.
+        self.tokenizer_lock = threading.Lock()
+        self.busy = False
+        self._jobs = _JobQueue(max_queue)
+        self._running: Job | None = None
+        self._service_s = 1.0  # EMA of generation wall time, for Retry-After
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+
+    # -------------------------------------------------------------------------- lifecycle
+    def warm_up(self) -> None:
+        """One 2-token generation: surfaces a bad model pair or option at startup rather than
+        in the first request, and pays one-time costs (k=auto calibration) there too."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        prompt = [bos if bos is not None else 0]
+        with self.lock:
+            s = stream(
+                self.target,
+                prompt,
+                draft=self.draft,
+                spec=self.spec,
+                warp=Warp(0.0),
+                max_new_tokens=2,
+                seed=0,
+            )
+            for _ in s:
+                pass
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Begin shutting down, without blocking: refuse new jobs, fail the waiting ones with
+        503, and abandon the running one (it ends within a round or a prefill chunk)."""
+        self._stopping = True
+        for job in self._jobs.take_all():
+            self._end_unstarted(job, "shutdown")
+        running = self._running
+        if running is not None:
+            running.abandon("shutdown")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """`drain`, then wait up to `timeout` seconds for the worker to exit."""
+        self.drain()
+        self._jobs.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._jobs)
+
+    # -------------------------------------------------------------------------- admission
+    def submit(self, job: Job) -> None:
+        """Queue `job` (FIFO); ApiError 503 when the engine is stopping or its worker is not
+        running (at once, not at the deadline), 429 when the queue is full."""
+        if self._stopping:
+            raise unavailable_error("the server is shutting down", "shutting_down")
+        if not self._thread.is_alive():
+            raise unavailable_error("the engine's worker is not running", "engine_stopped")
+        if not self._jobs.put(job):
+            lo, hi = RETRY_AFTER_RANGE_S
+            retry = min(hi, max(lo, math.ceil(self._service_s)))
+            raise ApiError(
+                429,
+                f"the request queue is full ({self.max_queue} waiting); retry after {retry} s",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(retry)},
+            )
+
+    def withdraw(self, job: Job, reason: str) -> None:
+        """Abandon `job` ("cancelled", "timeout"): a waiting job leaves the queue now, freeing
+        its slot; a running one stops at the worker's next check. A no-op for a finished job."""
+        job.abandon(reason)
+        if self._jobs.remove(job):
+            self.metrics.inc("specdec_generations_total", outcome=job.reason or reason)
+
+    # -------------------------------------------------------------------------- text helpers
+    def decode(self, ids: list[int]) -> str:
+        with self.tokenizer_lock:
+            return prompting.decode(self.tokenizer, ids)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template's rendering of `messages` (backends.chat.encode_messages)."""
+        with self.tokenizer_lock:
+            try:
+                return prompting.encode_messages(self.tokenizer, messages)
+            except prompting.NoChatTemplateError as e:
+                raise bad(
+                    f"{self.model_id} has no chat template (a mock or base model); use "
+                    "/v1/completions",
+                    param="messages",
+                    code="no_chat_template",
+                ) from e
+            except ValueError as e:
+                raise bad(str(e), "messages") from e
+
+    def encode_text(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad(f"{self.model_id} has no tokenizer; pass the prompt as token ids", "prompt")
+        with self.tokenizer_lock:
+            return prompting.encode(self.tokenizer, text, chat=False)
+
+    # -------------------------------------------------------------------------- the worker
+    def _run(self) -> None:
+        job = None
+        try:
+            while (job := self._jobs.get()) is not None:
+                try:
+                    self._serve(job)
+                except Exception:  # _serve reports its own errors; this is a last resort
+                    log.exception("engine worker: unexpected error")
+        finally:
+            # Stopped (job is None), or killed by a BaseException inside `job`: nobody will
+            # serve the queue any more, and submit() now refuses with 503.
+            self._stopping = True
+            if job is not None:
+                err = ApiError(500, "the engine stopped", type="server_error", code="engine_error")
+                job.emit(Failed(err))
+            for waiting in self._jobs.take_all():
+                self._end_unstarted(waiting, "shutdown")
+
+    def _end_unstarted(self, job: Job, reason: str) -> None:
+        self.metrics.inc("specdec_generations_total", outcome=reason)
+        job.emit(Failed(error_for(reason)))
+
+    def _serve(self, job: Job) -> None:
+        reason = job.stopped()
+        if reason is not None:  # abandoned while waiting, and not withdrawn in time
+            self._end_unstarted(job, reason)
+            return
+        p = job.params
+        with self.lock:
+            started = time.perf_counter()
+            try:  # stream() checks every argument before any model work
+                s = stream(
+                    self.target,
+                    p.prompt_ids,
+                    draft=self.draft,
+                    spec=self.spec,
+                    warp=p.warp,
+                    max_new_tokens=p.max_tokens,
+                    seed=p.seed,
+                    stop_ids=self.stop_ids,
+                    cancelled=lambda: job.stopped() is not None,  # polled between prefill chunks
+                )
+            except ValueError as e:
+                self.metrics.inc("specdec_generations_total", outcome="error")
+                job.emit(Failed(bad(str(e))))
+                return
+            job.emit(Start())
+            rounds: list[RoundMark] = []
+            self._running, self.busy = job, True
+            try:
+                outcome = self._rounds(job, s, rounds)
+            except Exception as e:
+                outcome = "error"
+                log.exception("generation failed")
+                err = f"generation failed: {type(e).__name__}: {e}"
+                job.emit(Failed(ApiError(500, err, type="server_error", code="engine_error")))
+                self._reset_models()
+            finally:
+                s.close()  # a no-op once exhausted; else stops the loop at its yield
+                self._running, self.busy = None, False
+            wall = time.perf_counter() - started
+            self._service_s = _SERVICE_EMA * self._service_s + (1 - _SERVICE_EMA) * wall
+            self.metrics.record_generation(s.stats, outcome, job.arrived, started, rounds)
+
+    def _rounds(self, job: Job, s: SpecStream, rounds: list[RoundMark]) -> str:
+        """Hand each round's text to the job until the end; return the outcome for metrics."""
+        text = TextAssembler(self.decode, job.params.stop)
+        drafted = 0
+        for ids in s:
+            rounds.append(RoundMark(time.perf_counter(), len(ids), s.stats.drafted - drafted))
+            drafted = s.stats.drafted
+            job.emit(Delta(text.push(ids), tuple(ids)))
+            if text.stopped:
+                break
+            reason = job.stopped()
+            if reason is not None:
+                job.emit(Failed(error_for(reason)))
+                return reason
+        if s.result is not None and s.result.stop_reason == "cancelled":  # during the prefill
+            reason = job.stopped() or "cancelled"
+            job.emit(Failed(error_for(reason)))
+            return reason
+        rest = text.flush()
+        if rest:
+            job.emit(Delta(rest, ()))
+        # A stop string, else decode.stream's reason: "stop" (a stop id) or "length".
+        finish = "stop" if text.stopped or s.result is None else s.result.stop_reason
+        job.emit(Done(finish, s.stats))
+        return "finished"
+
+    def _reset_models(self) -> None:
+        # Leave nothing half-written for the next request (stream() resets them too).
+        for m in (self.target, self.draft):
+            if m is not None:
+                with contextlib.suppress(Exception):
+                    m.reset()

@@ -1,0 +1,216 @@
+"""The serve package's parts without an app: request validation, JSON parsing, text assembly,
+metrics labels and the engine's admission. The HTTP behaviour is tests/test_server.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from specdec.backends.mock import MockModel
+from specdec.cli.serve import API_KEY_ENV, resolve_api_key
+from specdec.serve.engine import Engine, Job
+from specdec.serve.metrics import Metrics
+from specdec.serve.protocol import (
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    parse_json,
+    parse_request,
+    validate_request,
+)
+from specdec.serve.text import TextAssembler
+
+V = 48
+N_CTX = 64
+
+
+def _completion(**fields: object) -> CompletionRequest:
+    return parse_request(CompletionRequest, {"model": "m", "prompt": [1, 2, 3], **fields})
+
+
+def _refused(fields: dict, param: str | None, code: str | None = None) -> ApiError:
+    with pytest.raises(ApiError) as ei:
+        validate_request(
+            parse_request(CompletionRequest, {"model": "m", "prompt": [1], **fields}), N_CTX, V
+        )
+    e = ei.value
+    assert e.status == 400 and e.param == param, e.body()
+    if code is not None:
+        assert e.code == code, e.body()
+    return e
+
+
+# ---------------------------------------------------------------------------- validate_request
+def test_validate_request_resolves_defaults_without_an_app() -> None:
+    p = validate_request(_completion(temperature=0, seed=7, stop="x"), N_CTX, V)
+    assert p.prompt_ids == [1, 2, 3] and p.seed == 7 and p.stop == ("x",)
+    assert p.max_tokens == N_CTX - 3  # the room left, below DEFAULT_MAX_TOKENS
+    assert p.warp.greedy and p.warp.temperature == 0
+    assert validate_request(_completion(top_k=10_000), N_CTX, V).warp.top_k == V
+    chat = parse_request(
+        ChatRequest,
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5},
+    )
+    assert validate_request(chat, N_CTX, V, prompt_ids=[4, 5]).max_tokens == 5
+    with pytest.raises(TypeError):  # a text prompt must be tokenized by the caller
+        validate_request(_completion(prompt="text"), N_CTX, V)
+
+
+def test_tiny_temperature_is_greedy_and_temperature_is_bounded_to_openai_range() -> None:
+    """Issue 11, item 9: 1e-39 overflowed logits / T to NaN (500); now greedy, and T <= 2."""
+    p = validate_request(_completion(temperature=1e-39), N_CTX, V)
+    assert p.warp.greedy
+    assert validate_request(_completion(temperature=2.0), N_CTX, V).warp.temperature == 2.0
+    _refused({"temperature": 2.5}, "temperature")
+    _refused({"temperature": -0.5}, "temperature")  # Warp's own rule, its message
+    _refused({"temperature": math.nan}, "temperature")
+    _refused({"top_p": 0.0}, "top_p")
+    _refused({"top_k": 0}, "top_k")
+
+
+def test_stop_strings_are_capped() -> None:
+    """Issue 11, item 2: no limit on stop strings let one request pin the worker."""
+    ok = validate_request(_completion(stop=["a" * MAX_STOP_CHARS] * MAX_STOPS), N_CTX, V)
+    assert len(ok.stop) == MAX_STOPS
+    _refused({"stop": [str(i) for i in range(MAX_STOPS + 1)]}, "stop")
+    _refused({"stop": "x" * 1000}, "stop")
+    _refused({"stop": ["ok", ""]}, "stop")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"logprobs": True},
+        {"logprobs": 0},  # an int asks for logprobs on /v1/completions, even 0
+        {"top_logprobs": 2},
+        {"response_format": {"type": "json_object"}},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"logit_bias": {"1": 5}},
+        {"presence_penalty": 0.5},
+        {"echo": True},
+        {"best_of": 2},
+    ],
+    ids=lambda f: next(iter(f)),
+)
+def test_unsupported_openai_fields_are_refused(fields: dict) -> None:
+    """Issue 11 (Low): these were silently ignored, so a client got an answer it did not ask for."""
+    name = next(iter(fields))
+    with pytest.raises(ApiError) as ei:
+        _completion(**fields)
+    assert ei.value.status == 400 and ei.value.code == "unsupported_parameter"
+    assert ei.value.param == name
+
+
+def test_fields_that_ask_for_nothing_are_accepted_and_stream_null_is_false() -> None:
+    req = _completion(
+        logprobs=None,
+        echo=False,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        logit_bias={},
+        response_format={"type": "text"},
+        tools=[],
+        stream=None,
+        user="someone",
+    )
+    assert req.streaming is False and not req.include_usage
+
+
+# ---------------------------------------------------------------------------- the JSON body
+def test_parse_json_refuses_deep_nesting_and_lone_surrogates() -> None:
+    """Issue 11 (Low): RecursionError and lone surrogates were 500s."""
+    assert parse_json(b'{"a": [1, "\\u00e9"]}') == {"a": [1, "é"]}
+    for body in (b"[" * 100_000, b'{"prompt": "\\ud800"}', b'{"\\udfff": 1}', b'{"a": "\xff"}'):
+        with pytest.raises(ApiError) as ei:
+            parse_json(body)
+        assert ei.value.status == 400, body[:20]
+
+
+# ---------------------------------------------------------------------------- text assembly
+def test_text_assembler_decodes_incrementally() -> None:
+    """Issue 11, item 6: the whole output was re-decoded every round (O(T^2))."""
+    seen: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        seen.append(len(ids))
+        return "".join(f"<{i}>" for i in ids)
+
+    a = TextAssembler(decode, stop=("<999>",))
+    out = "".join(a.push([i % 50]) for i in range(2000)) + a.flush()
+    assert out == a.text == "".join(f"<{i % 50}>" for i in range(2000))
+    assert max(seen) <= 2  # a window: the new token and its context, never the whole output
+
+
+def test_text_assembler_does_not_assume_decode_of_a_prefix_is_a_prefix() -> None:
+    """Issue 11 (Low): with clean_up_tokenization_spaces, decode("Hello", " ") = "Hello " but
+    decode("Hello", " ", ".") = "Hello.": the old assembler then lost the "."."""
+    pieces = {1: "Hello", 2: " ", 3: ".", 4: " Bye"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(pieces[i] for i in ids).replace(" .", ".")
+
+    a = TextAssembler(decode)
+    deltas = [a.push([1, 2]), a.push([3]), a.push([4])]
+    deltas.append(a.flush())
+    assert "".join(deltas) == a.text
+    assert a.text.startswith("Hello") and "." in a.text and a.text.endswith(" Bye")
+
+
+def test_text_assembler_holds_a_split_character_until_it_completes() -> None:
+    raw = "naïve".encode()
+    pieces = {i: raw[i : i + 1] for i in range(len(raw))}  # one byte per token
+
+    def decode(ids: list[int]) -> str:
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    a = TextAssembler(decode, stop=("ve!",))
+    out = [a.push([i]) for i in range(len(raw))]
+    assert "\ufffd" not in "".join(out)
+    assert "".join(out) + a.flush() == "naïve"
+
+
+# ---------------------------------------------------------------------------- metrics, engine
+def test_request_metrics_are_labelled_by_route_not_by_path() -> None:
+    """Issue 11, item 1: every distinct /v1 path added a series, kept forever."""
+    m = Metrics()
+    for i in range(50):
+        m.count_request(f"/v1/nope/{i}", 404)
+    m.count_request("/v1/completions", 200)
+    m.count_request("/favicon.ico", 404)  # outside /v1: not counted at all
+    series = [x for x in m.render({}).splitlines() if x.startswith("specdec_requests_total{")]
+    assert series == [
+        'specdec_requests_total{code="200",endpoint="/v1/completions"} 1',
+        'specdec_requests_total{code="404",endpoint="other"} 50',
+    ]
+
+
+def test_submit_to_an_engine_whose_worker_is_not_running_is_503_at_once() -> None:
+    """Issue 11 (Low): the job sat in the queue until its deadline (504)."""
+    engine = Engine(MockModel(V), max_queue=2)  # never started
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(validate_request(_completion(), N_CTX, V), loop, 0.0, math.inf)
+        with pytest.raises(ApiError) as ei:
+            engine.submit(job)
+    finally:
+        loop.close()
+    assert ei.value.status == 503 and ei.value.code == "engine_stopped"
+    assert engine.queue_depth == 0
+
+
+# ---------------------------------------------------------------------------- CLI: the API key
+def test_api_key_from_flag_file_or_environment(tmp_path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\nignored\n")
+    env = {API_KEY_ENV: " from-env "}
+    assert resolve_api_key("from-flag", None, env) == "from-flag"
+    assert resolve_api_key(None, str(key_file), env) == "from-file"
+    assert resolve_api_key(None, None, env) == "from-env"
+    assert resolve_api_key(None, None, {}) is None
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        resolve_api_key(None, str(tmp_path / "empty"), {})
