@@ -276,6 +276,31 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 BAD_INPUTS = [
     # (id, path, body (bytes: sent as is), headers, status, param)
+    ("prediction-str", "/v1/completions", {**GOOD, "prediction": "abc"}, AUTH, 400, "prediction"),
+    (
+        "prediction-type",
+        "/v1/completions",
+        {**GOOD, "prediction": {"type": "diff", "content": "x"}},
+        AUTH,
+        400,
+        "prediction",
+    ),
+    (
+        "prediction-parts",
+        "/v1/completions",
+        {**GOOD, "prediction": {"type": "content", "content": [{"type": "image", "x": 1}]}},
+        AUTH,
+        400,
+        "prediction",
+    ),
+    (
+        "prediction-no-tokenizer",  # the mock model has none to read text with
+        "/v1/completions",
+        {**GOOD, "prediction": {"type": "content", "content": "def f(): pass"}},
+        AUTH,
+        400,
+        "prediction",
+    ),
     ("malformed-json", "/v1/completions", b'{"model": "x", ', AUTH, 400, None),
     ("not-an-object", "/v1/completions", b"[1, 2]", AUTH, 400, None),
     ("not-utf8", "/v1/completions", b'{"a": "\xff"}', AUTH, 400, None),
@@ -1080,3 +1105,50 @@ def test_concurrent_chat_clients_get_their_own_answers(smoke: Server) -> None:
             )
         )
     assert got == wants
+
+
+def test_prediction_is_drafted_from_exact_and_counted_in_usage(smoke: Server) -> None:
+    """OpenAI's Predicted Outputs on a real model: a prediction that the answer repeats is
+    drafted from (accepted prediction tokens in usage, streamed and not), and the answer is
+    exactly generate()'s without it; a prediction too long for the context is a 400."""
+    tok = smoke.engine.tokenizer
+    text = "Repeat exactly: the quick brown fox jumps over the lazy dog."
+    prompt_ids = prompting.encode(tok, text)
+    want = expected(smoke, prompt_ids, SMOKE_MAX_TOKENS)
+    answer = prompting.decode(tok, want.tokens)
+    kw = dict(max_tokens=SMOKE_MAX_TOKENS, temperature=0, seed=3)
+    pred = {"prediction": {"type": "content", "content": answer}, "return_token_ids": True}
+    r = _chat(smoke, text, extra_body=pred, **kw)
+    assert r.choices[0].token_ids == want.tokens
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0
+    assert details.rejected_prediction_tokens >= 0
+    parts = [{"type": "text", "text": answer[:5]}, {"type": "text", "text": answer[5:]}]
+    chunks = list(
+        _chat(
+            smoke,
+            text,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"prediction": {"type": "content", "content": parts}},
+            **kw,
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == r.choices[0].message.content
+    last = chunks[-1].usage.completion_tokens_details
+    assert last.accepted_prediction_tokens == details.accepted_prediction_tokens
+    status, _, body = smoke.request(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": SMOKE_TARGET,
+            "messages": [{"role": "user", "content": text}],
+            "prediction": {"type": "content", "content": "word " * 5000},
+        },
+    )
+    assert status == 400 and body["error"]["param"] == "prediction", body
+    assert body["error"]["code"] == "context_length_exceeded"
+    assert _chat(smoke, text, extra_body={"return_token_ids": True}, **kw).choices[0].token_ids == (
+        want.tokens
+    )

@@ -42,8 +42,9 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "(default: the engine's, 4)",
         k_max_default=None,
         k_max_help="largest K for -k auto|schedule (int >= 1; default: the engine's, 8)",
-        drafter_help="model (needs --draft), lookup (prompt lookup, no draft model) or "
-        "composite (default: model when --draft is given, else none)",
+        drafter_help="model (needs --draft), lookup (prompt lookup, no draft model), "
+        "composite or prediction (default: model when --draft is given, else none; a "
+        "request's `prediction` is drafted from first in any case)",
         p_min_help="stop drafting below this draft top probability, in [0, 1) (float; default off)",
     )
     cli_args.add_device_args(
@@ -51,6 +52,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         threads_help="CPU threads per model (int >= 1; default: all cores; on a shared "
         "machine fewer is much faster for llama.cpp)",
     )
+    cli_args.add_deterministic_arg(p)
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -126,6 +128,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             max_body_bytes=args.max_body_bytes,
             request_timeout=args.request_timeout,
+            deterministic=args.deterministic,
         )
     )
     return 0

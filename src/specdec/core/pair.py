@@ -10,6 +10,7 @@ so this needs no backend: a model's `tokenizer` attribute is the contract.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from specdec.core.model import SpecModel
@@ -82,7 +83,24 @@ def check_tokenizers(
     return width
 
 
+#: Pairs already checked: draft -> {target: width}, both held weakly. A loaded model's
+#: tokenizer never changes, and the vocabulary comparison costs ~0.1 s for 150k-token
+#: vocabularies, which a server would otherwise pay on every request.
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def check_pair(draft: SpecModel, target: SpecModel) -> int:
+    """`_check_pair`, once per (draft, target) pair of loaded models."""
+    try:
+        seen = _CHECKED.setdefault(draft, weakref.WeakKeyDictionary())
+        if target not in seen:
+            seen[target] = _check_pair(draft, target)
+        return seen[target]
+    except TypeError:  # not weak-referenceable (a stand-in object): check every time
+        return _check_pair(draft, target)
+
+
+def _check_pair(draft: SpecModel, target: SpecModel) -> int:
     """Refuse a pair that does not share a tokenizer; return the shared sampling width.
 
     HF tokenizers on both sides (any backend: llama.cpp models carry the HF tokenizer converted

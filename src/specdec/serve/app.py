@@ -124,6 +124,7 @@ class ServeConfig:
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
+    deterministic: bool = False  # batch-invariant llama.cpp numerics (backends.load_model)
 
     def spec_config(self) -> SpecConfig:
         """The speculation settings for the engine: SpecConfig's defaults where none was set."""
@@ -354,7 +355,9 @@ async def chat_completions(request: Request) -> Response:
     _check_model(ctx, req.model)
     # Templating and tokenizing up to --max-body-bytes of text takes a while: off the event loop.
     prompt_ids = await asyncio.to_thread(ctx.engine.encode_chat, messages)
-    params = validate_request(req, ctx.engine.n_ctx, ctx.engine.target.vocab_size, prompt_ids)
+    params = validate_request(
+        req, ctx.engine.n_ctx, ctx.engine.target.vocab_size, prompt_ids, await _prediction(ctx, req)
+    )
     return await _generate(request, ctx, req, params, arrived)
 
 
@@ -367,8 +370,17 @@ async def completions(request: Request) -> Response:
     _check_model(ctx, req.model)
     if isinstance(prompt, str):
         prompt = await asyncio.to_thread(ctx.engine.encode_text, prompt)
-    params = validate_request(req, ctx.engine.n_ctx, ctx.engine.target.vocab_size, prompt)
+    params = validate_request(
+        req, ctx.engine.n_ctx, ctx.engine.target.vocab_size, prompt, await _prediction(ctx, req)
+    )
     return await _generate(request, ctx, req, params, arrived)
+
+
+async def _prediction(ctx: Any, req: ChatRequest | CompletionRequest) -> list[int] | None:
+    """The request's prediction as token ids, tokenized off the event loop (None: it has none)."""
+    if req.prediction is None:
+        return None
+    return await asyncio.to_thread(ctx.engine.encode_prediction, req.prediction.text())
 
 
 async def models(request: Request) -> Any:
@@ -448,6 +460,7 @@ def build_engine(cfg: ServeConfig) -> Engine:
     from specdec.backends import load_model
 
     load_kw: dict[str, Any] = {"n_threads": cfg.threads} if cfg.threads else {}
+    load_kw["deterministic"] = cfg.deterministic
     target = load_model(cfg.target, device=cfg.device, **load_kw)
     draft = load_model(cfg.draft, device=cfg.device, **load_kw) if cfg.draft else None
     engine = Engine(

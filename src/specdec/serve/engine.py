@@ -300,6 +300,13 @@ class Engine:
             except ValueError as e:
                 raise bad(str(e), "messages") from e
 
+    def encode_prediction(self, text: str) -> list[int]:
+        """A request's prediction as token ids (backends.chat.encode_prediction)."""
+        if self.tokenizer is None:
+            raise bad(f"{self.model_id} has no tokenizer to read a prediction with", "prediction")
+        with self.tokenizer_lock:
+            return prompting.encode_prediction(self.tokenizer, text)
+
     def encode_text(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise bad(f"{self.model_id} has no tokenizer; pass the prompt as token ids", "prompt")
@@ -346,6 +353,7 @@ class Engine:
                     warp=p.warp,
                     max_new_tokens=p.max_tokens,
                     seed=p.seed,
+                    prediction=p.prediction,
                     stop_ids=self.stop_ids,
                     cancelled=lambda: job.stopped() is not None,  # polled between prefill chunks
                 )

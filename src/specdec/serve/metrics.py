@@ -86,6 +86,11 @@ _METRICS: dict[str, tuple[str, str]] = {
     ),
     "specdec_draft_tokens_total": ("counter", "Draft tokens proposed and sent to verification"),
     "specdec_accepted_tokens_total": ("counter", "Draft tokens kept by the accept rule"),
+    "specdec_prediction_tokens_total": (
+        "counter",
+        "Draft tokens taken from requests' predictions, by outcome (accepted: in the output; "
+        "rejected: verified and not kept, as OpenAI's usage fields)",
+    ),
     "specdec_drafted_per_position_total": (
         "counter",
         "Rounds that drafted a token at this position (1 = first draft token)",
@@ -171,6 +176,12 @@ class Metrics:
         self.inc("specdec_drafts_total", stats.drafting_rounds)
         self.inc("specdec_draft_tokens_total", stats.drafted)
         self.inc("specdec_accepted_tokens_total", stats.accepted)
+        self.inc(
+            "specdec_prediction_tokens_total", stats.accepted_prediction_tokens, outcome="accepted"
+        )
+        self.inc(
+            "specdec_prediction_tokens_total", stats.rejected_prediction_tokens, outcome="rejected"
+        )
         for i, (d, a) in enumerate(zip(stats.drafted_per_pos, stats.accepted_per_pos, strict=True)):
             self.inc("specdec_drafted_per_position_total", d, position=str(i + 1))
             self.inc("specdec_accepted_per_position_total", a, position=str(i + 1))

@@ -51,7 +51,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": ("none",),
     "audio": (),
     "modalities": (["text"],),
-    "prediction": (),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
@@ -167,6 +166,20 @@ class Message(_Strict):
         return c if isinstance(c, str) else "".join(p.text for p in c or ())
 
 
+class PredictionContent(_Strict):
+    """OpenAI's Predicted Outputs: text the answer is expected to mostly repeat (e.g. the file
+    an edit re-emits). It is drafted from (core.drafters.PredictionDrafter), so it changes the
+    speed and never the output; tokenized with the target's tokenizer, never run through a
+    model."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        c = self.content
+        return c if isinstance(c, str) else "".join(p.text for p in c)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -183,6 +196,7 @@ class _Request(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = None
     return_token_ids: bool | None = None
+    prediction: PredictionContent | None = None
 
     @property
     def streaming(self) -> bool:
@@ -260,6 +274,7 @@ class GenParams:
     warp: Warp
     seed: int
     stop: tuple[str, ...]
+    prediction: list[int] | None = None  # token ids of the request's prediction
 
 
 def validate_request(
@@ -267,11 +282,13 @@ def validate_request(
     n_ctx: int,
     vocab: int,
     prompt_ids: list[int] | None = None,
+    prediction_ids: list[int] | None = None,
 ) -> GenParams:
     """Check `req` against a context window of `n_ctx` tokens and a vocabulary of `vocab`.
 
     `prompt_ids` is the tokenized prompt; it may be left out for a completion whose prompt is
-    already token ids. Raises ApiError 400 naming the offending field.
+    already token ids. `prediction_ids`: the request's prediction, tokenized (required when it
+    has one). Raises ApiError 400 naming the offending field.
     """
     if prompt_ids is None:
         prompt = req.single_prompt() if isinstance(req, CompletionRequest) else None
@@ -287,9 +304,29 @@ def validate_request(
     stops = _stops(req.stop)
     _check_prompt(prompt_ids, vocab, prompt_param)
     max_tokens = _max_tokens(req, len(prompt_ids), n_ctx, prompt_param)
+    prediction = _prediction(req, prediction_ids, n_ctx - len(prompt_ids), vocab)
     # No seed: a fresh one per request (OpenAI's behaviour), never a fixed default.
     seed = req.seed if req.seed is not None else secrets.randbits(63)
-    return GenParams(list(prompt_ids), max_tokens, warp, seed, stops)
+    return GenParams(list(prompt_ids), max_tokens, warp, seed, stops, prediction)
+
+
+def _prediction(
+    req: ChatRequest | CompletionRequest, ids: list[int] | None, room: int, vocab: int
+) -> list[int] | None:
+    if req.prediction is None:
+        return None
+    if ids is None:
+        raise TypeError("a request's prediction must be tokenized first: pass prediction_ids")
+    if len(ids) > room:
+        raise bad(
+            f"the prediction ({len(ids)} tokens) is longer than the room left in the context "
+            f"window after the prompt ({room} tokens); shorten it or leave it out",
+            "prediction",
+            "context_length_exceeded",
+        )
+    if any(not 0 <= i < vocab for i in ids):
+        raise bad("the prediction holds token ids outside the vocabulary", "prediction")
+    return ids
 
 
 def _warp(req: ChatRequest | CompletionRequest, vocab: int) -> Warp:
@@ -371,11 +408,17 @@ def spec_record(st: GenerationStats) -> dict[str, Any]:
     }
 
 
-def usage(st: GenerationStats) -> dict[str, int]:
+def usage(st: GenerationStats) -> dict[str, Any]:
+    """OpenAI's usage object; the prediction counts are core.metrics' definitions (0 without
+    a prediction, as OpenAI reports them)."""
     return {
         "prompt_tokens": st.prompt_tokens,
         "completion_tokens": st.generated,
         "total_tokens": st.prompt_tokens + st.generated,
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": st.accepted_prediction_tokens,
+            "rejected_prediction_tokens": st.rejected_prediction_tokens,
+        },
     }
 
 
