@@ -62,8 +62,18 @@ study: venv
 	  --prompts 13 --warmup 1 --max-new-tokens 128 --out $(STUDY)
 	$(BIN)/specdec sweep --config all_gguf -t 0.8 -k 1,2,4,8 --prompts 6 --warmup 1 \
 	  --max-new-tokens 96 --out $(STUDY)/sweep
-	$(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b \
+	$(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b --max-batch 64 --repeats 3 \
 	  --draft llamacpp:qwen2.5-coder-0.5b --check $(STUDY)/sweep/bench_*.json --out $(STUDY)
+	$(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b --max-batch 32 --repeats 3 \
+	  --deterministic --tag deterministic --out $(STUDY)
+	$(BIN)/specdec bench --config all_gguf -t 0 --category rewrite --drafter prediction -k auto \
+	  --variants lookup:auto,wrong-prediction:auto --prompts 5 --warmup 1 --max-new-tokens 640 \
+	  --out $(STUDY) --tag rewrite
+	$(BIN)/python scripts/oneshot.py --target llamacpp:qwen2.5-coder-1.5b --out $(STUDY)/oneshot.json
+	$(BIN)/specdec invariance --target llamacpp:smollm2-135m llamacpp:qwen2.5-coder-0.5b \
+	  llamacpp:qwen2.5-coder-1.5b --contexts 40,600,1100 --batch 8 --threads 1 --out $(STUDY)
+	$(BIN)/specdec gate --config all_gguf --deterministic --prompts 30 --max-new-tokens 80 \
+	  --greedy-prompts 5 --greedy-tokens 200 --threads 1 --out $(STUDY)
 	$(BIN)/specdec bench --config all_hf -k 4 -t 0 --compare hf-assisted \
 	  --variants lookup:auto --prompts 5 --warmup 1 --max-new-tokens 32 --out $(STUDY)
 	$(BIN)/specdec gate --config all_gguf --prompts 40 --max-new-tokens 100 --out $(STUDY)

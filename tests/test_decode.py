@@ -142,33 +142,8 @@ def test_greedy_with_a_poor_draft_still_identical() -> None:
 
 def test_seeded_generation_is_reproducible(pair) -> None:
     target, draft = pair
-    a = generate(
-        target,
-        PROMPT,
-        draft=draft,
-        spec=SpecConfig(k=3),
-        warp=Warp(top_p=0.9),
-        max_new_tokens=30,
-        seed=11,
-    )
-    b = generate(
-        target,
-        PROMPT,
-        draft=draft,
-        spec=SpecConfig(k=3),
-        warp=Warp(top_p=0.9),
-        max_new_tokens=30,
-        seed=11,
-    )
-    c = generate(
-        target,
-        PROMPT,
-        draft=draft,
-        spec=SpecConfig(k=3),
-        warp=Warp(top_p=0.9),
-        max_new_tokens=30,
-        seed=12,
-    )
+    kw = dict(draft=draft, spec=SpecConfig(k=3), warp=Warp(top_p=0.9), max_new_tokens=30)
+    a, b, c = (generate(target, PROMPT, seed=s, **kw) for s in (11, 11, 12))
     assert a.tokens == b.tokens and a.tokens != c.tokens
 
 

@@ -199,6 +199,7 @@ def _cost_store(path: Path, model: LlamaCppModel) -> Path:
         f"k{c.type_k}",
         f"fa{int(c.flash_attn_type)}",
         "det" if model.deterministic else "def",
+        f"tiled{os.environ.get(TILED_MM_ENV, '0')}",
     ]
     return specdec_home() / "costs" / ("-".join(parts) + ".json")
 

@@ -188,8 +188,10 @@ class CostModelK:
         t_d = st.draft_s_per_token if st and st.draft_s_per_token is not None else 0.0
         p = p_at_least(alphas[:k_top])
         vs = [self.v(b) for b in range(1, k_top + 2)]  # [k_top + 1]: v(1) .. v(k_top + 1)
-        return [expected_tokens_per_round(p, k) / cost_in_target_steps(vs, t_d, k)
-                for k in range(k_top + 1)]  # fmt: skip
+        rates = []
+        for k in range(k_top + 1):
+            rates.append(expected_tokens_per_round(p, k) / cost_in_target_steps(vs, t_d, k))
+        return rates
 
     def expected_rate(self, source: str, k: int) -> float:
         """Expected tokens per second of a round drafting k tokens from `source`."""
