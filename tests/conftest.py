@@ -30,7 +30,6 @@ SMOL = "smollm2-135m"
 # idle box). Tests share their machine. No logits depend on the thread count here (llama.cpp: q8_0
 # K cache; HF: fp32, checked within the contract tolerance).
 TEST_THREADS = 1
-LLAMACPP_TEST_THREADS = TEST_THREADS  # the earlier name, referenced from other test files
 
 _QUESTION = "Explain what speculative decoding is and why its output is lossless."
 # An answer long enough to carry the contract tests past position 256, where llama.cpp's

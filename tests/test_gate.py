@@ -199,7 +199,7 @@ def test_gate_cli_rejects_unknown_config_and_bad_sizes(tmp_path, capsys) -> None
 
 @pytest.mark.slow
 def test_gate_quick_on_smoke_passes(tmp_path) -> None:
-    # one thread: the test box is shared (see conftest.LLAMACPP_TEST_THREADS)
+    # one thread: the test box is shared (see conftest.TEST_THREADS)
     rc = cli.main(
         [
             "gate",

@@ -252,7 +252,7 @@ def test_microbench_bad_acceptance_path_is_a_clean_error(tmp_path, capsys) -> No
 @pytest.mark.slow
 def test_microbench_real_tiny_run(tmp_path) -> None:
     out = tmp_path / "results"
-    # one thread: the test box is shared (see conftest.LLAMACPP_TEST_THREADS)
+    # one thread: the test box is shared (see conftest.TEST_THREADS)
     rc = cli.main(
         [
             "microbench",

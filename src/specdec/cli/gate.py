@@ -172,12 +172,13 @@ def _cmd_gate(args: argparse.Namespace) -> int:
 
 
 def _greedy_prompts(prompts: list, settings: GateSettings) -> list:
-    """The greedy leg's prompts: the first greedy_prompts - 1 of the set plus one whole-file
-    rewrite (the first "rewrite" prompt, 600+ tokens once templated), so the leg covers cache
-    lengths past 512 and 1,024 where attention and matmul kernels change path. A leg of one
-    prompt, or a set without rewrite tasks, takes the first prompts."""
+    """The greedy leg's prompts: the first greedy_prompts - 1 of the set plus the longest
+    whole-file rewrite (r028, 3.1k characters of YAML), so the leg covers long cache lengths,
+    where attention and matmul kernels change path. A leg of one prompt, or a set
+    without rewrite tasks, takes the first prompts."""
     n = settings.greedy_prompts
-    long = next((p for p in prompts if p.category == "rewrite"), None)
+    rewrites = [p for p in prompts if p.category == "rewrite"]
+    long = max(rewrites, key=lambda p: len(p.text), default=None)
     if n < 2 or long is None:
         return prompts[:n]
     return [*prompts[: n - 1], long]
