@@ -7,7 +7,8 @@ or tabulated number can name the file it came from.
 Files under DIR fall into four groups (the CLI's error contract):
     artifact    "schema": "specdec.<kind>/<n>" that validates and has the fields we read: used
     empty       a valid bench artifact interrupted before its first recorded prompt: noted
-    skipped     JSON that is not a specdec artifact (no "schema": "specdec.*"): noted, exit 0
+    skipped     JSON that is not a specdec artifact (no "schema": "specdec.*"), or one of a kind
+                figures and report do not draw (DRAWN_KINDS): noted, exit 0
     malformed   unreadable JSON, an unknown specdec schema version, or an artifact missing a field
                 we read: `warning: malformed artifact FILE: reason` on stderr, everything else is
                 still drawn and written, and the command exits with 1 so a CI step notices.
@@ -60,6 +61,10 @@ class Study:
     no_rows: list[str] = field(default_factory=list)  # "FILE: why" (valid bench, nothing recorded)
 
 
+#: The artifact kinds figures and report read; a newer version of one of these is malformed.
+DRAWN_KINDS = ("specdec.bench", "specdec.sweep", "specdec.microbench", "specdec.gate")
+
+
 def _read(data: dict[str, Any], src: str, path: Path) -> Any:
     art = artifacts.read(data, src, path)
     if isinstance(art, BenchArtifact):
@@ -91,6 +96,9 @@ def scan(root: Path) -> Study:
         sid = data.get("schema") if isinstance(data, dict) else None
         if not (isinstance(sid, str) and sid.startswith("specdec.")):
             study.skipped.append(f"{src}: not a specdec artifact (no 'schema': 'specdec.*')")
+            continue
+        if sid.split("/")[0] not in DRAWN_KINDS:  # e.g. specdec.invariance/1: a kind of its own
+            study.skipped.append(f"{src}: a {sid} artifact, which figures and report do not draw")
             continue
         try:
             art = _read(data, src, path)
