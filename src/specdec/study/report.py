@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from specdec.core.metrics import PREDICTION_SOURCE
 from specdec.study import fmt
 from specdec.study.artifacts import (
     PHASES,
@@ -562,9 +563,9 @@ def _section_predictions(s: Study, figures: Path, report: Path) -> list[str]:
             m
             for m in ("speculative", *b.variants)
             if any(
-                (r.run(m).get("drafted_by_source") or {}).keys()
-                & {"prediction", "prediction-start"}
+                s.startswith(PREDICTION_SOURCE)
                 for r in b.rows
+                for s in r.run(m).get("drafted_by_source") or {}
             )
         ]
         if not methods:
