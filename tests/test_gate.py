@@ -25,6 +25,7 @@ from specdec.study.gate import (
     build_artifact,
     first_mismatch,
     greedy_leg,
+    local_methods,
     run_gate,
 )
 from specdec.study.significance import (
@@ -157,7 +158,7 @@ def test_gate_catches_a_greedy_mismatch(pair, prompts, monkeypatch) -> None:
         return torch.cat([x, logits[-1:].argmax(-1)]), x.numel()
 
     monkeypatch.setattr(decode_mod, "greedy_verify", greedy_accept_all)
-    g = greedy_leg(target, draft, prompts[:3], SETTINGS, progress=False)
+    g = greedy_leg(local_methods(target, draft, SETTINGS.k), prompts[:3], SETTINGS, progress=False)
     assert not g.passed
     assert all(not r.match and r.first_mismatch is not None for r in g.rows)
 

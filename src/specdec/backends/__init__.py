@@ -26,7 +26,7 @@ BACKENDS = ("hf", "llamacpp", "mock")
 _MOCK_KEYS = {"vocab": "vocab_size", "vocab_size": "vocab_size", "seed": "seed", "scale": "scale"}
 _MOCK_KEYS |= {"n_ctx": "n_ctx", "name": "name"}
 
-__all__ = ["BACKENDS", "load_model", "parse_spec"]
+__all__ = ["BACKENDS", "load_model", "load_tokenizer_of", "parse_spec"]
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -127,3 +127,15 @@ def load_model(spec: str, device: str | torch.device | None = None, **kwargs: An
     kwargs.pop("dtype", None)  # llama.cpp computes in the file's own quantization
     kwargs.pop("allow_pickle", None)  # HF directories only
     return LlamaCppModel.load(path, device=device, name=name, deterministic=deterministic, **kwargs)
+
+
+def load_tokenizer_of(spec: str) -> Any:
+    """The tokenizer `load_model(spec)` would give, without loading the weights (None for mock
+    models): what a client of someone else's server tokenizes with."""
+    backend, rest = parse_spec(spec)
+    if backend == "mock":
+        return None
+    from specdec.backends.registry import resolve
+    from specdec.backends.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve(rest))

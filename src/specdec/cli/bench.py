@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from specdec.cli import args as cli_args
+from specdec.study import anchors, endpoint
 from specdec.study import prompts as prompt_set
 from specdec.study.bench import (
     CATEGORIES,
@@ -130,8 +131,46 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "--compare",
         choices=COMPARES,
         default=None,
-        help="also run transformers' assisted generation on the same prompts; needs hf models "
-        "on both sides (str; default off)",
+        help="also run, on the same prompts: hf-assisted (transformers' assisted generation; hf "
+        "models on both sides) or llama-server (llama.cpp's own server, built by `specdec "
+        "anchors build`, in the --llama-server-modes) (str; default off)",
+    )
+    p.add_argument(
+        "--llama-server-modes",
+        default=",".join(anchors.DEFAULT_MODES),
+        metavar="MODE,...",
+        help=f"with --compare llama-server: {', '.join(anchors.SERVER_MODES)} (comma-separated; "
+        f"default {','.join(anchors.DEFAULT_MODES)}; settings are llama.cpp's defaults)",
+    )
+    e = p.add_argument_group(
+        "endpoints",
+        "measure an OpenAI-compatible server (vLLM, SGLang, llama-server, specdec "
+        f"serve) instead of the in-process methods; API key from ${endpoint.API_KEY_ENV}",
+    )
+    e.add_argument(
+        "--endpoint",
+        metavar="URL",
+        default=None,
+        help="the speculative method is this server, e.g. http://127.0.0.1:8000 (str; default off)",
+    )
+    e.add_argument(
+        "--endpoint-baseline",
+        metavar="URL",
+        default=None,
+        help="the baseline is this server (default: target-only in-process on --target) (str)",
+    )
+    e.add_argument(
+        "--endpoint-model",
+        metavar="NAME",
+        default=None,
+        help="the requests' model field (str; default: the first of the server's /v1/models)",
+    )
+    e.add_argument(
+        "--endpoint-api",
+        choices=endpoint.APIS,
+        default="chat",
+        help="chat: /v1/chat/completions with the prompt as the user turn; completions: "
+        "/v1/completions with the raw prompt (str; default chat)",
     )
     p.set_defaults(func=_cmd_bench)
 
@@ -160,6 +199,15 @@ def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) ->
     if hasattr(args, "drafter"):  # bench only; the sweep is the draft model at fixed K
         variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
         extra.update(drafter=args.drafter, k_max=args.k_max, p_min=args.p_min, variants=variants)
+        extra.update(
+            endpoint=args.endpoint,
+            endpoint_baseline=args.endpoint_baseline,
+            endpoint_model=args.endpoint_model,
+            endpoint_api=args.endpoint_api,
+        )
+        if compare == "llama-server":
+            modes = tuple(m.strip() for m in args.llama_server_modes.split(",") if m.strip())
+            extra["llama_server"] = modes
     return bench_config(
         args.config,
         args.draft,

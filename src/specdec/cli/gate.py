@@ -10,12 +10,14 @@ from typing import Any
 
 from specdec.cli import args as cli_args
 from specdec.cli.args import EXIT_FAILED, EXIT_INTERRUPTED
+from specdec.study.endpoint import API_KEY_ENV, APIS
 from specdec.study.gate import (
     MIN_PROMPTS,
     QUICK,
     GateSettings,
     build_artifact,
     format_summary,
+    run_endpoint_gate,
     run_gate,
 )
 
@@ -27,9 +29,43 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--config",
-        required=True,
+        default=None,
         metavar="NAME",
-        help="named draft -> target configuration (str; e.g. smoke, all_gguf)",
+        help="named draft -> target configuration (str; e.g. smoke, all_gguf; required unless "
+        "--endpoint, where it names the tokenizer: its target's)",
+    )
+    e = p.add_argument_group(
+        "endpoints",
+        "gate an OpenAI-compatible server against another (e.g. the same engine without "
+        "speculation): answers are tokenized with the target's tokenizer; API key from "
+        f"${API_KEY_ENV}",
+    )
+    e.add_argument("--endpoint", metavar="URL", default=None, help="the server under test (str)")
+    e.add_argument(
+        "--endpoint-baseline", metavar="URL", default=None, help="the reference server (str)"
+    )
+    e.add_argument(
+        "--endpoint-model",
+        metavar="NAME",
+        default=None,
+        help="the requests' model field (str; default: each server's first /v1/models id)",
+    )
+    e.add_argument(
+        "--endpoint-api",
+        choices=APIS,
+        default="chat",
+        help="chat or completions (str; default chat)",
+    )
+    e.add_argument(
+        "--tokenizer",
+        metavar="SPEC",
+        default=None,
+        help="model spec whose tokenizer reads the answers (str; default the --config target)",
+    )
+    e.add_argument(
+        "--tag",
+        default=None,
+        help="artifact name gate_endpoint_<tag>.json, [A-Za-z0-9_.-] (str; default 'endpoint')",
     )
     cli_args.add_device_args(p)
     p.add_argument(
@@ -122,6 +158,10 @@ def _cmd_gate(args: argparse.Namespace) -> int:
     from specdec.study.artifacts import model_block, write_json
 
     settings = _settings(args)
+    if args.endpoint is not None or args.endpoint_baseline is not None:
+        return _cmd_endpoint_gate(args, settings)
+    if args.config is None:
+        raise ValueError("give --config NAME (or --endpoint URL --endpoint-baseline URL)")
     cfg = resolve_config(args.config)
     prompts = prompt_set.load_prompts()
     need = max(settings.prompts, settings.greedy_prompts)
@@ -182,3 +222,64 @@ def _greedy_prompts(prompts: list, settings: GateSettings) -> list:
     if n < 2 or long is None:
         return prompts[:n]
     return [*prompts[: n - 1], long]
+
+
+def _cmd_endpoint_gate(args: argparse.Namespace, settings: GateSettings) -> int:
+    """The gate between two servers: the same legs, prompts and test as the in-process gate."""
+    from specdec.backends import load_tokenizer_of
+    from specdec.backends.configs import resolve_config
+    from specdec.study import endpoint
+    from specdec.study import prompts as prompt_set
+    from specdec.study.artifacts import write_json
+    from specdec.study.bench import tag_suffix
+
+    if args.endpoint is None or args.endpoint_baseline is None:
+        raise ValueError("an endpoint gate needs both --endpoint and --endpoint-baseline")
+    tag_suffix(args.tag)
+    spec = args.tokenizer or (resolve_config(args.config).target if args.config else None)
+    if spec is None:
+        raise ValueError("give --tokenizer SPEC (or --config NAME) to read the answers with")
+    tok = load_tokenizer_of(spec)
+    if tok is None:
+        raise ValueError(f"{spec} has no tokenizer; give --tokenizer a llamacpp: or hf: model")
+    key = endpoint.api_key_from_env()
+    eps = [
+        endpoint.Endpoint(url, args.endpoint_model, args.endpoint_api, key)
+        for url in (args.endpoint, args.endpoint_baseline)
+    ]
+    prompts = prompt_set.load_prompts()
+    need = max(settings.prompts, settings.greedy_prompts)
+    if need > len(prompts):
+        raise ValueError(f"the gate needs {need} prompts; the vendored set has {len(prompts)}")
+    texts = [(p.id, p.text) for p in prompts[:need]]
+    greedy = [(p.id, p.text) for p in _greedy_prompts(prompts, settings)]
+    with endpoint.Client(eps[0]) as under_test, endpoint.Client(eps[1]) as reference:
+        try:
+            result = run_endpoint_gate(
+                under_test,
+                reference,
+                texts,
+                settings,
+                tokenizer=tok,
+                label=lambda t: _token_label(tok, t),
+                progress=not args.no_progress,
+                greedy_prompts=greedy,
+            )
+        except KeyboardInterrupt:
+            print("\ngate interrupted: no artifact written", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    config = {
+        "name": args.tag or "endpoint",
+        "endpoint": eps[0].describe(),
+        "endpoint_baseline": eps[1].describe(),
+        "tokenizer": spec,
+        "quick": args.quick,
+        "greedy_prompt_ids": [pid for pid, _ in greedy],
+        **asdict(settings),
+    }
+    art = build_artifact(config, {"draft": None, "target": None}, result)
+    out = Path(args.out) / f"gate_endpoint{tag_suffix(args.tag)}.json"
+    write_json(out, art)
+    print(format_summary(art))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0 if art.passed else EXIT_FAILED

@@ -27,6 +27,7 @@ COMMANDS = {
     "figures": "specdec.cli.figures",
     "report": "specdec.cli.figures",
     "serve": "specdec.cli.serve",
+    "anchors": "specdec.cli.anchors",
 }
 
 

@@ -512,6 +512,9 @@ class BenchArtifact(_Json):
     aggregates: Aggregates
     variants: tuple[str, ...] = ()  # the variant methods' names, in run order
     complete: bool  # false while running or after an interrupt (Ctrl-C keeps the finished rows)
+    # Prompts dropped because an endpoint failed on them: {index, prompt_id, method, kind, error}
+    # each (kind: study.endpoint.EndpointError's). Every row holds every method.
+    failed: tuple[Mapping[str, Any], ...] | None = field(default=None, metadata=OPTIONAL)
     src: str = field(default="", metadata=NOT_IN_FILE)  # the file, relative to the scanned DIR
     path: Path | None = field(default=None, metadata=NOT_IN_FILE)  # the file
     label: str = field(default="", metadata=NOT_IN_FILE)  # unique among a study's benches
@@ -582,6 +585,7 @@ class BenchArtifact(_Json):
             aggregates=_acceptance_lengths(Aggregates.from_json(d, src), rows),
             variants=tuple(d.get("variants") or ()),
             complete=bool(d["complete"]),
+            failed=tuple(d.get("failed") or ()) or None,
             src=src,
             path=path,
         )
@@ -612,7 +616,9 @@ def _acceptance_lengths(agg: Aggregates, rows: Sequence[BenchRow]) -> Aggregates
 def variant_method(name: str) -> str:
     """'lookup K=auto' for the variant name 'lookup-kauto' (bench.variant_name)."""
     drafter, sep, k = name.rpartition("-k")
-    return f"{drafter} K={k}" if sep and drafter else name
+    if sep and drafter and (k.isdigit() or k in ("auto", "schedule")):
+        return f"{drafter} K={k}"
+    return name  # an endpoint's method (e.g. llama-server-ngram-map-k)
 
 
 # ------------------------------------------------------------------------------ specdec.sweep/1
@@ -952,6 +958,9 @@ class SampledLeg(_Json):
     kl_definition: str | None = None
     bins: tuple[GateBin, ...] = ()  # as tested; the pooled bin last
     wall_s: float | None = None
+    # prompts left out because a method failed on them (an endpoint's error): {prompt_id, leg,
+    # error} each; n_prompts counts the others, and fewer than gate.MIN_PROMPTS cannot pass
+    failed: tuple[Mapping[str, Any], ...] | None = field(default=None, metadata=OPTIONAL)
 
     @property
     def pooled_bin(self) -> GateBin | None:
@@ -993,6 +1002,7 @@ class SampledLeg(_Json):
             passed=bool(s["passed"]),
             kl_definition=s.get("kl_definition"),
             bins=tuple(bins),
+            failed=tuple(s.get("failed") or ()) or None,
         )
 
 
@@ -1003,6 +1013,7 @@ class GreedyRow(_Json):
     n_baseline: int | None
     n_speculative: int | None
     first_mismatch: int | None  # None when match
+    error: str | None = field(default=None, metadata=OPTIONAL)  # a method failed on the prompt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1027,6 +1038,7 @@ class GreedyLeg(_Json):
                     n_baseline=_int(r, "n_baseline", at),
                     n_speculative=_int(r, "n_speculative", at),
                     first_mismatch=_int(r, "first_mismatch", at),
+                    error=r.get("error"),
                 )
             )
         passed = g.get("passed")

@@ -42,7 +42,7 @@ from specdec.core.config import DRAFTERS, SpecConfig, Warp, check_k
 from specdec.core.config import check_int as _check_int
 from specdec.core.decode import generate
 from specdec.core.model import SpecModel
-from specdec.study import fmt
+from specdec.study import anchors, endpoint, fmt
 from specdec.study import hf_assisted as hf
 from specdec.study import prompts as prompt_set
 from specdec.study.artifacts import (
@@ -67,7 +67,8 @@ from specdec.study.artifacts import (
 #: is the one definition (gate and microbench read it too).
 CONFIGS: dict[str, tuple[str, str]] = {n: (c.draft, c.target) for n, c in PAIRS.items()}
 CUSTOM = "custom"  # the config name of a --draft/--target pair
-COMPARES = ("hf-assisted",)
+#: --compare: transformers' assisted generation, or llama.cpp's own server (study/anchors.py)
+COMPARES = ("hf-assisted", "llama-server")
 #: The drafters a bench method may use: the core's, plus "wrong-prediction", the prediction
 #: drafter given another task's file (the leg that shows a wrong prediction costs nothing).
 WRONG_PREDICTION = "wrong-prediction"
@@ -102,6 +103,15 @@ class BenchConfig:
     # Prompt categories to run (prompts.jsonl's "category"); () = every prompt. Applied before
     # n_prompts: the run takes the first n_prompts prompts of these categories, in file order.
     categories: tuple[str, ...] = ()
+    # OpenAI-compatible servers (study/endpoint.py) that stand in for the in-process methods:
+    # `endpoint` runs "speculative", `endpoint_baseline` runs "baseline". With both, no model
+    # is loaded (the target's tokenizer only, to count tokens where `usage` is missing).
+    endpoint: str | None = None
+    endpoint_baseline: str | None = None
+    endpoint_model: str | None = None  # the requests' "model" (None: the server's first)
+    endpoint_api: str = "chat"  # chat or completions (endpoint.APIS)
+    # --compare llama-server: the llama-server methods run beside ours (anchors.SERVER_MODES)
+    llama_server: tuple[str, ...] = ()
 
     @property
     def spec(self) -> SpecConfig:
@@ -135,10 +145,17 @@ class BenchConfig:
                 "prompt has to be recorded"
             )
         _check_int("max_new_tokens", self.max_new_tokens, 1)
+        for url in (self.endpoint, self.endpoint_baseline):
+            if url is not None:
+                endpoint.Endpoint(url, api=self.endpoint_api)  # checks the URL and the api
+        if self.llama_server:
+            anchors.check_modes(self.llama_server, self.target, self.draft)
         if self.compare is not None:
             if self.compare not in COMPARES:
                 raise ValueError(f"unknown --compare {self.compare!r}; choose from {COMPARES}")
-            if backends != ("hf", "hf"):
+            if self.compare == "llama-server" and not self.llama_server:
+                raise ValueError("--compare llama-server needs at least one llama-server mode")
+            if self.compare == "hf-assisted" and backends != ("hf", "hf"):
                 raise ValueError(
                     "--compare hf-assisted runs transformers' generate(assistant_model=...), so "
                     f"both models must use the hf backend; config {self.name!r} pairs draft "
@@ -254,6 +271,8 @@ class Task:
     seed: int
     prediction: list[int] | None  # the prompt's own prediction, tokenized (None: it has none)
     other_prediction: list[int] | None  # another task's, for the wrong-prediction leg
+    text: str = ""  # the prompt as an endpoint receives it (the user turn)
+    prediction_text: str | None = None  # the prediction as text, for endpoints
 
 
 Runner = Callable[[Task], Mapping[str, Any]]  # -> RUN record
@@ -275,39 +294,106 @@ def run_bench(
     """
     path = Path(out_dir) / artifact_name(cfg, tag)
     if models is None:
-        with loaded_pair(cfg) as (draft, target):
-            return _run(cfg, draft, target, path, progress)
+        with loaded_pair(cfg) as (draft, target), _engines(cfg, progress) as engines:
+            return _run(cfg, draft, target, path, progress, engines)
     draft, target = models
     if cfg.compare == "hf-assisted" and not all(hf.is_hf(m) for m in models):
         raise ValueError(
             "--compare hf-assisted needs transformers models (hf backend) on both sides"
         )
-    return _run(cfg, draft, target, path, progress)
+    with _engines(cfg, progress) as engines:
+        return _run(cfg, draft, target, path, progress, engines)
+
+
+def _needs(cfg: BenchConfig) -> tuple[bool, bool]:
+    """(draft, target): which models the in-process methods run on."""
+    local = [(cfg.drafter, cfg.k)] if cfg.endpoint is None else []
+    local += [parse_variant(v) for v in cfg.variants]
+    draft = cfg.compare == "hf-assisted" or any(d in ("model", "composite") for d, _ in local)
+    target = bool(local) or cfg.endpoint_baseline is None or cfg.compare == "hf-assisted"
+    return draft, target
+
+
+@dataclass
+class Engines:
+    """The out-of-process methods of a run: method name -> (endpoint client)."""
+
+    clients: dict[str, endpoint.Client]
+    settings: dict[str, Any]  # what the artifact records of them
 
 
 @contextmanager
-def loaded_pair(cfg: BenchConfig) -> Iterator[tuple[SpecModel, SpecModel]]:
-    """(draft, target) loaded from `cfg`, closed on exit."""
+def _engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
+    """Endpoint clients for cfg.endpoint / endpoint_baseline and the llama-server anchors
+    (started one at a time before the first prompt, stopped after the last)."""
+    from contextlib import ExitStack
+
+    from specdec.backends.registry import resolve
+
+    key = endpoint.api_key_from_env()
+    given = {"speculative": cfg.endpoint, "baseline": cfg.endpoint_baseline}
+    eps = {
+        m: endpoint.Endpoint(url, cfg.endpoint_model, cfg.endpoint_api, key, label=url)
+        for m, url in given.items()
+        if url is not None
+    }
+    settings: dict[str, Any] = {m: ep.describe() for m, ep in eps.items()}
+    with ExitStack() as stack:
+        if cfg.llama_server:
+            target = resolve(parse_spec(cfg.target)[1])
+            draft = resolve(parse_spec(cfg.draft)[1]) if "draft" in cfg.llama_server else None
+            for mode in cfg.llama_server:
+                srv = anchors.server_for(mode, target, draft)
+                if progress:
+                    print(f"starting {anchors.method_name(mode)}: {srv.args}", file=sys.stderr)
+                stack.enter_context(srv)
+                name = anchors.method_name(mode)
+                # the file's own chat template (--jinja) on the chat API, as our bench templates
+                eps[name] = endpoint.Endpoint(
+                    srv.url, "target", "chat", label=name, extra=anchors.NEUTRAL_SAMPLING
+                )
+                settings[name] = {
+                    **eps[name].describe(),
+                    "command": [Path(srv.command()[0]).name, *srv.command()[1:]],
+                    "build": anchors.manifest(),
+                }
+        clients = {m: stack.enter_context(endpoint.Client(ep)) for m, ep in eps.items()}
+        yield Engines(clients, settings)
+
+
+@contextmanager
+def loaded_pair(cfg: BenchConfig) -> Iterator[tuple[SpecModel | None, SpecModel | None]]:
+    """(draft, target) loaded from `cfg`, closed on exit; None for a model no in-process
+    method of the run needs (lookup alone needs no draft; two endpoints need neither)."""
     if cfg.device is not None:
         from specdec.core.device import get_device
 
         get_device(cfg.device)  # an unavailable device fails before minutes of loading
     kw = {"device": cfg.device, "deterministic": cfg.deterministic}
-    draft = load_model(cfg.draft, **kw)
+    need_draft, need_target = _needs(cfg)
+    draft = load_model(cfg.draft, **kw) if need_draft else None
     try:
-        target = load_model(cfg.target, **kw)
+        target = load_model(cfg.target, **kw) if need_target else None
         try:
             yield draft, target
         finally:
-            target.close()
+            if target is not None:
+                target.close()
     finally:
-        draft.close()
+        if draft is not None:
+            draft.close()
 
 
 def _runners(
-    cfg: BenchConfig, draft: SpecModel, target: SpecModel, stops: list[int]
+    cfg: BenchConfig,
+    draft: SpecModel | None,
+    target: SpecModel | None,
+    stops: list[int],
+    engines: Engines,
+    tokenizer: Any,
 ) -> dict[str, Runner]:
-    """Every method of the run, in run order: baseline, speculative, hf_assisted?, variants."""
+    """Every method of the run, in run order (`_order`); an endpoint's client replaces the
+    in-process baseline or speculative method it stands for."""
     sampling = dict(max_new_tokens=cfg.max_new_tokens, warp=cfg.warp, stop_ids=stops)
 
     def speculative(drafter: str, k: int | str) -> Runner:
@@ -331,6 +417,8 @@ def _runners(
         "baseline": lambda t: _record(generate(target, t.ids, seed=t.seed, **sampling)),
         "speculative": speculative(cfg.drafter, cfg.k),
     }
+    for name, client in engines.clients.items():
+        runners[name] = _endpoint_runner(cfg, client, tokenizer, with_prediction=name in METHODS)
     if cfg.compare == "hf-assisted":
         runners["hf_assisted"] = lambda t: hf.run(
             draft,
@@ -344,23 +432,58 @@ def _runners(
         )
     for v in cfg.variants:
         runners[variant_name(*parse_variant(v))] = speculative(*parse_variant(v))
-    return runners
+    return {m: runners[m] for m in _order(runners)}
+
+
+def _order(runners: Mapping[str, Runner]) -> list[str]:
+    """Run order: baseline, speculative, hf_assisted, the variants, the llama-server anchors."""
+    main = [m for m in METHODS if m in runners]
+    return main + [m for m in runners if m not in METHODS]
+
+
+def _endpoint_runner(
+    cfg: BenchConfig, client: endpoint.Client, tokenizer: Any, with_prediction: bool
+) -> Runner:
+    """A method sent to an endpoint. `with_prediction`: the prompt's prediction goes in the
+    request (OpenAI's field) — for --endpoint, which may implement it; llama-server does not."""
+
+    def run(t: Task) -> Mapping[str, Any]:
+        req = endpoint.Request(
+            t.text,
+            cfg.max_new_tokens,
+            cfg.temperature,
+            t.seed,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            prediction=t.prediction_text if with_prediction else None,
+        )
+        return endpoint.run_record(client.stream(req), client.endpoint, tokenizer)
+
+    return run
 
 
 def _run(
-    cfg: BenchConfig, draft: SpecModel, target: SpecModel, path: Path, progress: bool
+    cfg: BenchConfig,
+    draft: SpecModel | None,
+    target: SpecModel | None,
+    path: Path,
+    progress: bool,
+    engines: Engines,
 ) -> BenchArtifact:
     from tqdm import tqdm
 
-    tokenizer = target.tokenizer if target.tokenizer is not None else draft.tokenizer
-    runners = _runners(cfg, draft, target, prompting.stop_ids(tokenizer))
+    tokenizer = _tokenizer(cfg, draft, target)
+    vocab = target.vocab_size if target is not None else len(tokenizer)
+    stops = prompting.stop_ids(tokenizer)
+    runners = _runners(cfg, draft, target, stops, engines, tokenizer)
     methods = list(runners)
     variants = tuple(m for m in methods if m not in METHODS)
     reset_peak_vram()
+    blocks = {"draft": (cfg.draft, draft), "target": (cfg.target, target)}
     art = BenchArtifact(
         meta=meta_block(),
-        config=asdict(cfg),
-        models={"draft": model_block(cfg.draft, draft), "target": model_block(cfg.target, target)},
+        config={**asdict(cfg), "engines": engines.settings},
+        models={r: model_block(s, m) if m is not None else None for r, (s, m) in blocks.items()},
         rows=(),
         aggregates=aggregate([], methods),
         variants=variants,
@@ -368,6 +491,7 @@ def _run(
         path=path,
     )
     rows: list[BenchRow] = []
+    failed: list[dict[str, Any]] = []
     prompts = select_prompts(cfg.categories, cfg.n_prompts)
     predictions = [_prediction_ids(tokenizer, p.prediction) for p in prompts]
     bar = tqdm(
@@ -376,27 +500,74 @@ def _run(
         unit="prompt",
         disable=not progress,
     )
+
+    def snapshot(**kw: Any) -> BenchArtifact:
+        return replace(
+            art,
+            rows=tuple(rows),
+            aggregates=aggregate(rows, methods),
+            failed=tuple(failed) or None,
+            **kw,
+        )
+
     try:
         for i, prompt in enumerate(bar):
-            ids = _prompt_ids(tokenizer, prompt.text, target.vocab_size)
-            task = Task(ids, i, predictions[i], _another(predictions, i))
+            ids = _prompt_ids(tokenizer, prompt.text, vocab)
+            task = Task(
+                ids, i, predictions[i], _another(predictions, i), prompt.text, prompt.prediction
+            )
             sequence = methods if i % 2 == 0 else methods[::-1]
-            runs = {m: runners[m](task) for m in sequence}
-            if i >= cfg.warmup:
+            runs = _run_methods(runners, sequence, task, i, prompt.id, failed)
+            if runs is not None and i >= cfg.warmup:
                 rows.append(_row(i, prompt, ids, sequence, runs, variants))
-            art = replace(art, rows=tuple(rows), aggregates=aggregate(rows, methods))
+            art = snapshot()
             write_json(path, art)
             bar.set_postfix_str(_postfix(art.aggregates) if rows else "warm-up")
     except KeyboardInterrupt:
-        art = replace(art, rows=tuple(rows), aggregates=aggregate(rows, methods))
+        art = snapshot()
         write_json(path, art)
         print(f"\ninterrupted: {len(rows)} finished rows kept in {path}", file=sys.stderr)
         raise
     finally:
         bar.close()
-    art = replace(art, complete=True)
+    art = snapshot(complete=True)
     write_json(path, art)
     return art
+
+
+def _run_methods(
+    runners: Mapping[str, Runner],
+    sequence: Sequence[str],
+    task: Task,
+    i: int,
+    prompt_id: str,
+    failed: list[dict[str, Any]],
+) -> dict[str, Mapping[str, Any]] | None:
+    """Every method on one task; None when an endpoint failed (the failure goes to `failed`
+    and stderr, and the prompt's other runs are dropped: every row holds every method)."""
+    runs = {}
+    for m in sequence:
+        try:
+            runs[m] = runners[m](task)
+        except endpoint.EndpointError as e:
+            failed.append(
+                {"index": i, "prompt_id": prompt_id, "method": m, "kind": e.kind, "error": str(e)}
+            )
+            print(f"\nprompt {prompt_id}: {m} failed ({e.kind}): {e}", file=sys.stderr)
+            return None
+    return runs
+
+
+def _tokenizer(cfg: BenchConfig, draft: SpecModel | None, target: SpecModel | None) -> Any:
+    """The target's tokenizer: the loaded model's, else (two endpoints) loaded on its own."""
+    for m in (target, draft):
+        if m is not None and m.tokenizer is not None:
+            return m.tokenizer
+    if target is None and draft is None:
+        from specdec.backends import load_tokenizer_of
+
+        return load_tokenizer_of(cfg.target)
+    return None
 
 
 def _row(

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -98,43 +98,138 @@ class PairedSamples:
     seeds_speculative: list[int]
     drafted: int = 0
     accepted: int = 0
+    # prompts left out because a method failed on them (an endpoint's error), as
+    # {prompt_id, method, leg, error}
+    failed: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sample:
+    tokens: list[int]
+    drafted: int = 0
+    accepted: int = 0
+
+
+#: The two methods a gate compares, behind one call: (method "baseline" | "speculative",
+#: prompt, seed, temperature, max_new_tokens) -> Sample. A prompt is (prompt id, whatever the
+#: methods take: token ids in-process, the text for an endpoint). `local_methods` runs the
+#: in-process pair; study/endpoint_gate.py sends to two servers.
+Methods = Callable[[str, tuple[str, Any], int, float, int], Sample]
+#: What a method may raise to say "this prompt failed" (recorded, the gate goes on).
+PromptFailure: tuple[type[Exception], ...] = ()
+
+
+def local_methods(
+    target: SpecModel, draft: SpecModel, k: int, stop_ids: Sequence[int] = ()
+) -> Methods:
+    """Target-only vs the speculative pair at fixed K, in-process."""
+
+    def run(method: str, prompt: tuple[str, Any], seed: int, t: float, n: int) -> Sample:
+        kw = {"max_new_tokens": n, "warp": Warp(t), "stop_ids": stop_ids, "seed": seed}
+        if method == "baseline":
+            r = decode.generate(target, prompt[1], **kw)
+        else:
+            r = decode.generate(target, prompt[1], draft=draft, spec=SpecConfig(k=k), **kw)
+        return Sample(r.tokens, r.stats.drafted, r.stats.accepted)
+
+    return run
+
+
+def endpoint_methods(speculative: Any, baseline: Any, tokenizer: Any) -> Methods:
+    """The same two methods sent to two OpenAI-compatible servers (study.endpoint.Client each);
+    a prompt is (id, text) and the answer's text is tokenized with the target's `tokenizer`.
+    Drafted/accepted come from llama-server's `timings` where the server sends them."""
+    from specdec.study import endpoint
+
+    def run(method: str, prompt: tuple[str, Any], seed: int, t: float, n: int) -> Sample:
+        client = speculative if method == "speculative" else baseline
+        reply = client.stream(endpoint.Request(prompt[1], n, t, seed))
+        timings = reply.timings or {}
+        return Sample(
+            list(tokenizer(reply.text, add_special_tokens=False)["input_ids"]),
+            int(timings.get("draft_n") or 0),
+            int(timings.get("draft_n_accepted") or 0),
+        )
+
+    return run
+
+
+def run_endpoint_gate(
+    speculative: Any,
+    baseline: Any,
+    prompts: Sequence[tuple[str, str]],
+    settings: GateSettings,
+    *,
+    tokenizer: Any,
+    label: Callable[[int], str] = str,
+    progress: bool = True,
+    greedy_prompts: Sequence[tuple[str, str]] | None = None,
+) -> GateResult:
+    """Both legs against two endpoints (study.endpoint.Client each): `speculative` is the
+    server under test, `baseline` the reference (e.g. the same engine without speculation).
+    An endpoint error on a prompt is recorded and the gate goes on (see sample_pairs)."""
+    from specdec.study.endpoint import EndpointError
+
+    methods = endpoint_methods(speculative, baseline, tokenizer)
+    failures = (EndpointError,)
+    sampled_prompts = prompts[: settings.prompts]
+    samples_width = _width(tokenizer)
+    sampled = sampled_leg(
+        methods,
+        sampled_prompts,
+        settings,
+        width=samples_width,
+        label=label,
+        progress=progress,
+        failures=failures,
+    )
+    greedy = greedy_leg(
+        methods,
+        prompts[: settings.greedy_prompts] if greedy_prompts is None else greedy_prompts,
+        settings,
+        progress=progress,
+        failures=failures,
+    )
+    return GateResult(sampled, greedy, bool(sampled.passed and greedy.passed))
+
+
+def _width(tokenizer: Any) -> int:
+    """Token ids lie in [0, width): the tokenizer's size with its added tokens."""
+    try:
+        return len(tokenizer)
+    except TypeError:  # a tokenizer-like object without __len__: its vocabulary
+        return max(tokenizer.get_vocab().values()) + 1
 
 
 def sample_pairs(
-    target: SpecModel,
-    draft: SpecModel,
-    prompts: Sequence[PromptIds],
+    methods: Methods,
+    prompts: Sequence[tuple[str, Any]],
     settings: GateSettings,
     *,
-    stop_ids: Sequence[int] = (),
     progress: bool = True,
+    failures: tuple[type[Exception], ...] = PromptFailure,
 ) -> PairedSamples:
-    """Generate with the target alone and with the pair on every prompt, seeds kept apart."""
+    """Generate with both methods on every prompt, seeds kept apart. A prompt on which a
+    method raises one of `failures` is left out of both samples and recorded."""
     from tqdm import tqdm
 
     out = PairedSamples([], [], [], [])
-    kw = {
-        "max_new_tokens": settings.max_new_tokens,
-        "warp": Warp(settings.temperature),
-        "stop_ids": stop_ids,
-    }
+    t, n = settings.temperature, settings.max_new_tokens
     bar = tqdm(prompts, desc="gate: sampled", unit="prompt", disable=not progress)
-    for i, (_, ids) in enumerate(bar):
-        out.seeds_baseline.append(SEED_BASE + i)
-        out.seeds_speculative.append(SEED_BASE + i + SPEC_SEED_OFFSET)
-        base = decode.generate(target, ids, seed=out.seeds_baseline[-1], **kw)
-        spec = decode.generate(
-            target,
-            ids,
-            draft=draft,
-            spec=SpecConfig(k=settings.k),
-            seed=out.seeds_speculative[-1],
-            **kw,
-        )
+    for i, prompt in enumerate(bar):
+        seeds = SEED_BASE + i, SEED_BASE + i + SPEC_SEED_OFFSET
+        try:
+            base = methods("baseline", prompt, seeds[0], t, n)
+            spec = methods("speculative", prompt, seeds[1], t, n)
+        except failures as e:
+            out.failed.append({"prompt_id": prompt[0], "leg": "sampled", "error": str(e)})
+            continue
+        out.seeds_baseline.append(seeds[0])
+        out.seeds_speculative.append(seeds[1])
         out.baseline.append(base.tokens)
         out.speculative.append(spec.tokens)
-        out.drafted += spec.stats.drafted
-        out.accepted += spec.stats.accepted
+        out.drafted += spec.drafted
+        out.accepted += spec.accepted
     return out
 
 
@@ -147,6 +242,8 @@ def compare(
     width  the sampling width V: token ids are in [0, width)
     label  token id -> human-readable bin label (e.g. the decoded text)
     """
+    seqs = [*samples.speculative, *samples.baseline]
+    width = max(width, 1 + max((max(q) for q in seqs if q), default=-1))
     counts_s = np.zeros(width, dtype=np.int64)  # [V] speculative token counts
     counts_b = np.zeros(width, dtype=np.int64)  # [V] baseline token counts
     for seq in samples.speculative:
@@ -188,22 +285,29 @@ def compare(
 
 
 def sampled_leg(
-    target: SpecModel,
-    draft: SpecModel,
-    prompts: Sequence[PromptIds],
+    methods: Methods,
+    prompts: Sequence[tuple[str, Any]],
     settings: GateSettings,
     *,
     width: int,
-    stop_ids: Sequence[int] = (),
     label: Callable[[int], str] = str,
     progress: bool = True,
+    failures: tuple[type[Exception], ...] = PromptFailure,
 ) -> SampledLeg:
-    """T > 0: sample both methods on every prompt, then compare the pooled token frequencies."""
+    """T > 0: sample both methods on every prompt, then compare the pooled token frequencies.
+    Fewer than MIN_PROMPTS answered prompts (failures) cannot pass: the test could not fail."""
     t0 = time.perf_counter()
-    samples = sample_pairs(target, draft, prompts, settings, stop_ids=stop_ids, progress=progress)
+    samples = sample_pairs(methods, prompts, settings, progress=progress, failures=failures)
     n = samples.drafted
+    if any(samples.baseline) and any(samples.speculative):
+        tested = compare(samples, width, label)
+    else:  # every prompt failed (or answered nothing): nothing to compare, which is no pass
+        tested = {"chi2": 0.0, "dof": 0, "p_value": 1.0, "p_value_permutation": 1.0}
+        tested.update(p_min=P_MIN, decided_by="p_value_permutation", n_bins=0)
+    if len(samples.baseline) < MIN_PROMPTS:
+        tested["passed"] = False
     return SampledLeg(
-        n_prompts=len(prompts),
+        n_prompts=len(samples.baseline),
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
         k=settings.k,
@@ -214,8 +318,9 @@ def sampled_leg(
             "speculative": samples.seeds_speculative,
         },
         acceptance_rate=samples.accepted / n if n else 0.0,
-        **compare(samples, width, label),
+        **tested,
         wall_s=time.perf_counter() - t0,
+        failed=tuple(samples.failed) or None,
     )
 
 
@@ -228,26 +333,39 @@ def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def greedy_leg(
-    target: SpecModel,
-    draft: SpecModel,
-    prompts: Sequence[PromptIds],
+    methods: Methods,
+    prompts: Sequence[tuple[str, Any]],
     settings: GateSettings,
     *,
-    stop_ids: Sequence[int] = (),
     progress: bool = True,
+    failures: tuple[type[Exception], ...] = PromptFailure,
 ) -> GreedyLeg:
-    """T = 0: speculative tokens must equal target-only tokens exactly, prompt by prompt."""
+    """T = 0: speculative tokens must equal target-only tokens exactly, prompt by prompt. A
+    failed prompt is a row that does not match (with its error): the leg cannot pass on it."""
     from tqdm import tqdm
 
     rows = []
-    kw = {"max_new_tokens": settings.greedy_tokens, "warp": Warp(0.0), "stop_ids": stop_ids}
-    for pid, ids in tqdm(prompts, desc="gate: greedy", unit="prompt", disable=not progress):
-        base = decode.generate(target, ids, **kw).tokens
-        spec = decode.generate(target, ids, draft=draft, spec=SpecConfig(k=settings.k), **kw).tokens
+    n = settings.greedy_tokens
+    for prompt in tqdm(prompts, desc="gate: greedy", unit="prompt", disable=not progress):
+        try:
+            base = methods("baseline", prompt, 0, 0.0, n).tokens
+            spec = methods("speculative", prompt, 0, 0.0, n).tokens
+        except failures as e:
+            rows.append(
+                GreedyRow(
+                    prompt_id=prompt[0],
+                    match=False,
+                    n_baseline=None,
+                    n_speculative=None,
+                    first_mismatch=None,
+                    error=str(e),
+                )
+            )
+            continue
         mismatch = first_mismatch(spec, base)
         rows.append(
             GreedyRow(
-                prompt_id=pid,
+                prompt_id=prompt[0],
                 match=mismatch is None,
                 n_baseline=len(base),
                 n_speculative=len(spec),
@@ -256,10 +374,10 @@ def greedy_leg(
         )
     return GreedyLeg(
         n_prompts=len(prompts),
-        max_new_tokens=settings.greedy_tokens,
+        max_new_tokens=n,
         k=settings.k,
         rows=tuple(rows),
-        passed=all(r.match for r in rows),
+        passed=bool(rows) and all(r.match for r in rows),
     )
 
 
@@ -294,22 +412,19 @@ def run_gate(
     if settings.prompts < MIN_PROMPTS:
         raise ValueError(f"the sampled leg needs >= {MIN_PROMPTS} prompts to be able to fail")
     width = check_pair(draft, target)
+    methods = local_methods(target, draft, settings.k, stop_ids)
     sampled = sampled_leg(
-        target,
-        draft,
+        methods,
         prompts[: settings.prompts],
         settings,
         width=width,
-        stop_ids=stop_ids,
         label=label,
         progress=progress,
     )
     greedy = greedy_leg(
-        target,
-        draft,
+        methods,
         prompts[: settings.greedy_prompts] if greedy_prompts is None else greedy_prompts,
         settings,
-        stop_ids=stop_ids,
         progress=progress,
     )
     return GateResult(sampled, greedy, bool(sampled.passed and greedy.passed))
@@ -331,6 +446,8 @@ def build_artifact(
 
 
 def _greedy_cell(row: GreedyRow) -> str:
+    if row.error is not None:
+        return f"{row.prompt_id} failed: {row.error}"
     same = "identical" if row.match else f"differs at {row.first_mismatch}"
     return f"{row.prompt_id} {same} ({row.n_baseline} tok)"
 

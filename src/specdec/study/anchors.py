@@ -1,0 +1,363 @@
+"""llama.cpp's own tools as outside anchors, built from the llama.cpp our backend runs.
+
+llama-cpp-python's sdist vendors the llama.cpp it compiles, so building `llama-server` from the
+sdist of the *installed* llama-cpp-python gives the same kernels, the same commit and the same
+CMake flags as specdec's llama.cpp backend: a comparison then measures the decoding method, not
+two builds of the engine. `build` does it once and caches the binaries under
+$SPECDEC_HOME/anchors/llama-cpp-python-<version>/ (`manifest.json` says how they were built);
+`LlamaServer` starts one on a loopback port, waits for /health and stops it.
+
+The CMake flags are the Makefile's CMAKE_ARGS for the Python wheel (portable AVX2 kernels, not
+-march=native), with the server and tools switched on: `CMAKE_FLAGS`; tests/test_anchors.py
+checks that the two agree on every flag that changes ggml's kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.backends.registry import specdec_home
+
+PACKAGE = "llama-cpp-python"
+#: The llama.cpp tools built (cmake targets); binaries land in <anchor dir>/bin/.
+TARGETS = ("llama-server", "llama-lookup")
+#: Flags that change ggml's kernels must match the Makefile's CMAKE_ARGS (the wheel's build).
+KERNEL_FLAGS = ("-DGGML_NATIVE=OFF",)
+CMAKE_FLAGS = (
+    *KERNEL_FLAGS,
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=ON",  # llama-lookup lives under examples/
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries: the cache dir can move
+)
+_PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
+
+
+class AnchorError(RuntimeError):
+    """An anchor could not be built or started; the message says how to fix it."""
+
+
+def installed_version() -> str:
+    """The installed llama-cpp-python's version: the llama.cpp to build."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:
+        raise AnchorError(
+            f"{PACKAGE} is not installed, so there is no llama.cpp to match; run `make venv` "
+            "(or pip install -e '.[llamacpp]') first"
+        ) from None
+
+
+def anchor_dir(version: str | None = None) -> Path:
+    return specdec_home() / "anchors" / f"{PACKAGE}-{version or installed_version()}"
+
+
+def binary(name: str = "llama-server", version: str | None = None) -> Path:
+    """The built tool; AnchorError with the build command when it is not there."""
+    path = anchor_dir(version) / "bin" / name
+    if not path.is_file():
+        raise AnchorError(
+            f"{name} is not built for {PACKAGE} {version or installed_version()} (looked for "
+            f"{path}); run `specdec anchors build` once (~20 min on 2 cores)"
+        )
+    return path
+
+
+def manifest(version: str | None = None) -> dict | None:
+    """What `build` recorded (version, llama.cpp commit, flags, seconds), or None."""
+    path = anchor_dir(version) / "manifest.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _need_tools() -> None:
+    missing = [t for t in ("cmake",) if shutil.which(t) is None]
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        missing.append("a C++ compiler (g++ or clang++)")
+    if missing:
+        raise AnchorError(
+            f"building llama.cpp needs {' and '.join(missing)}; install them (Debian: "
+            "apt-get install cmake g++) and run `specdec anchors build` again"
+        )
+
+
+def _fetch_sdist(version: str, dest: Path, timeout: float) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
+    cmd += ["--quiet", "-d", str(dest), f"{PACKAGE}=={version}"]
+    try:
+        subprocess.run(cmd, check=True, timeout=timeout, capture_output=True, text=True)
+    except subprocess.CalledProcessError as e:
+        tail = "\n".join(e.stderr.strip().splitlines()[-6:])
+        raise AnchorError(f"pip could not download the {PACKAGE} {version} sdist:\n{tail}") from e
+    except subprocess.TimeoutExpired:
+        raise AnchorError(f"pip download of the {PACKAGE} sdist ran past {timeout:.0f} s") from None
+    found = sorted(dest.glob("*.tar.gz"))
+    if not found:
+        raise AnchorError(f"pip download left no sdist in {dest}")
+    return found[0]
+
+
+def _extract_llama_cpp(sdist: Path, dest: Path) -> Path:
+    """Extract the sdist's vendor/llama.cpp into dest; return that directory."""
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+    roots = list(dest.glob("*/vendor/llama.cpp"))
+    if len(roots) != 1 or not (roots[0] / "CMakeLists.txt").is_file():
+        raise AnchorError(f"{sdist.name} has no vendor/llama.cpp with a CMakeLists.txt")
+    return roots[0]
+
+
+def _run_logged(cmd: Sequence[str], log: Path, progress: Callable[[int], None] | None) -> None:
+    with (
+        log.open("a") as f,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
+    ):
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            f.write(line)
+            m = _PROGRESS.match(line)
+            if m and progress is not None:
+                progress(int(m.group(1)))
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise AnchorError(
+            f"`{' '.join(cmd[:3])} ...` failed ({proc.returncode}); see {log}:\n{tail}"
+        )
+
+
+def build(
+    *,
+    version: str | None = None,
+    sdist: Path | None = None,
+    jobs: int | None = None,
+    force: bool = False,
+    progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+    timeout: float = 900.0,
+) -> Path:
+    """Build TARGETS from the sdist of `version` (default: the installed llama-cpp-python) into
+    anchor_dir(version)/bin; return that directory. Cached: a second call with the binaries and
+    manifest in place does nothing (unless `force`). `sdist` skips the download."""
+    version = version or installed_version()
+    out = anchor_dir(version)
+    if not force and manifest(version) and all((out / "bin" / t).is_file() for t in TARGETS):
+        progress(f"{', '.join(TARGETS)} already built in {out / 'bin'}")
+        return out / "bin"
+    _need_tools()
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = jobs or os.cpu_count() or 1
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp:
+        work = Path(tmp)
+        if sdist is None:
+            progress(f"downloading the {PACKAGE} {version} sdist ...")
+            sdist = _fetch_sdist(version, work, timeout)
+        src = _extract_llama_cpp(Path(sdist), work / "src")
+        log = out / "build.log"
+        log.write_text("")
+        progress(f"configuring llama.cpp from {Path(sdist).name} (log: {log})")
+        build_dir = work / "build"
+        _run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS], log, None)
+        progress(f"building {', '.join(TARGETS)} with {jobs} jobs (~20 min on 2 cores)")
+        last = [-10]
+
+        def report(pct: int) -> None:
+            if pct >= last[0] + 10:
+                last[0] = pct
+                progress(f"  {pct}% ({time.monotonic() - t0:.0f} s)")
+
+        cmd = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TARGETS]
+        _run_logged(cmd, log, report)
+        (out / "bin").mkdir(exist_ok=True)
+        for t in TARGETS:
+            shutil.copy2(build_dir / "bin" / t, out / "bin" / t)
+        info = {
+            "package": PACKAGE,
+            "version": version,
+            # the sdist carries no git metadata: its hash names the exact source
+            "sdist": Path(sdist).name,
+            "sdist_sha256": _sha256(Path(sdist)),
+            "cmake_flags": list(CMAKE_FLAGS),
+            "targets": list(TARGETS),
+            "jobs": jobs,
+            "build_s": round(time.monotonic() - t0, 1),
+            "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (out / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")
+    progress(f"built {', '.join(TARGETS)} in {info['build_s']:.0f} s -> {out / 'bin'}")
+    return out / "bin"
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------ modes
+#: llama-server's decoding modes as bench methods: mode -> flags. Every setting is llama.cpp's
+#: own default (common/common.h of the vendored build): draft n_max 3, n_min 0, p_min 0;
+#: ngram-mod n_match 24, n_min 48, n_max 64; ngram-map-k / ngram-simple size_n 12, size_m 48,
+#: min_hits 1. "draft" adds the config's draft model ({draft} below).
+SERVER_MODES: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "draft": ("--model-draft", "{draft}"),
+    "ngram-mod": ("--spec-type", "ngram-mod"),
+    "ngram-map-k": ("--spec-type", "ngram-map-k"),
+    "ngram-simple": ("--spec-type", "ngram-simple"),
+    "ngram-cache": ("--spec-type", "ngram-cache"),
+}
+DEFAULT_MODES = ("none", "draft", "ngram-mod", "ngram-map-k")
+#: The numerics specdec's llama.cpp backend runs with (flash attention, a q8_0 K cache,
+#: backends/llamacpp.py), so that both engines do the same arithmetic; llama-server's prompt
+#: cache is off, as specdec's bench recomputes every prompt.
+SAME_NUMERICS = ("-fa", "on", "-ctk", "q8_0")
+#: Request fields that make llama-server sample as specdec does (temperature alone): its
+#: default chain adds top_k 40, top_p 0.95 and min_p 0.05.
+NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "cache_prompt": False}
+
+
+def method_name(mode: str) -> str:
+    """The bench method of a llama-server mode: 'llama-server' or 'llama-server-<mode>'."""
+    return "llama-server" if mode == "none" else f"llama-server-{mode}"
+
+
+def check_modes(modes: Sequence[str], target: str, draft: str) -> None:
+    """ValueError naming the fix for an unknown mode or a pair llama-server cannot load."""
+    unknown = [m for m in modes if m not in SERVER_MODES]
+    if unknown:
+        raise ValueError(
+            f"unknown llama-server mode(s) {', '.join(unknown)}; choose from "
+            f"{', '.join(SERVER_MODES)}"
+        )
+    need = [("target", target)] + ([("draft", draft)] if "draft" in modes else [])
+    for role, spec in need:
+        if not spec.startswith("llamacpp:"):
+            raise ValueError(
+                f"llama-server loads GGUF files: the {role} must be a llamacpp: model, got {spec}"
+            )
+
+
+def server_for(mode: str, target: Path, draft: Path | None) -> LlamaServer:
+    """The LlamaServer that runs `mode` on these GGUF files (all cores, as specdec's backend)."""
+    flags = tuple(a.replace("{draft}", str(draft)) for a in SERVER_MODES[mode])
+    return LlamaServer(target, (*SAME_NUMERICS, *flags))
+
+
+# ------------------------------------------------------------------------------ running
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LlamaServer:
+    """One llama-server on 127.0.0.1, as a context manager: started, healthy, then stopped.
+
+    `args` are llama-server flags after the model (e.g. ("--spec-type", "ngram-mod")).
+    """
+
+    model: Path
+    args: tuple[str, ...] = ()
+    threads: int | None = None
+    ctx: int = 4096
+    startup_s: float = 180.0
+    exe: Path | None = None
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        threads = self.threads or os.cpu_count() or 1
+        return [
+            str(self.exe or binary("llama-server")),
+            *("-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)),
+            *("-t", str(threads), "-tb", str(threads), "-c", str(self.ctx), "-np", "1"),
+            "--jinja",  # the GGUF's own chat template, rendered as transformers renders it
+            "--no-webui",
+            *self.args,
+        ]
+
+    def __enter__(self) -> LlamaServer:
+        self.port = self.port or free_port()
+        fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+        self.log = Path(name)
+        logf = os.fdopen(fd, "w")
+        self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT)
+        logf.close()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AnchorError(
+                    f"llama-server exited ({self.proc.returncode}) while starting:\n{self.tail()}"
+                )
+            with contextlib.suppress(urllib.error.URLError, OSError):
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            time.sleep(0.25)
+        raise AnchorError(f"llama-server not healthy after {self.startup_s:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 15) -> str:
+        if self.log is None or not self.log.is_file():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log is not None:
+            with contextlib.suppress(OSError):
+                self.log.unlink()
+
+
+@contextlib.contextmanager
+def servers(specs: Sequence[LlamaServer]) -> Iterator[list[LlamaServer]]:
+    """Start every server (one at a time, so they do not compete while loading); stop all."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(s) for s in specs]

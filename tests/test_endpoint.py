@@ -1,0 +1,273 @@
+"""The endpoint client, bench and gate (study/endpoint.py, issue 12) against real HTTP servers:
+specdec's own server on mock models, and a misbehaving stub for every failure an engine can show.
+
+The gate's power is shown here: between specdec's speculative server and a target-only server it
+passes; when the server under test samples from the draft instead of the target it fails.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_server import MOCK_SPEC, FakeTokenizer, SlowMock, V, serve_models
+
+from specdec.study import artifacts as schema
+from specdec.study import endpoint
+from specdec.study.bench import BenchConfig, run_bench
+from specdec.study.gate import MIN_PROMPTS, GateSettings, run_endpoint_gate
+
+N_PROMPTS = 32
+N_TOK = 24
+SETTINGS = GateSettings(prompts=N_PROMPTS, max_new_tokens=N_TOK, greedy_prompts=3, greedy_tokens=20)
+
+
+def _models() -> tuple[SlowMock, SlowMock]:
+    target = SlowMock(V, seed=0, name=MOCK_SPEC)
+    # a loose draft (acceptance ~15%): sampling from it instead of the target is a gross error
+    draft = SlowMock.near(target, noise=2.0, seed=1)
+    return target, draft
+
+
+def _serve(target: SlowMock, draft: SlowMock | None = None) -> Any:
+    """A server reading text with FakeTokenizer (given to the engine, not the models, so the
+    pair check still sees two mock vocabularies)."""
+    srv = serve_models(target, draft)
+    srv.engine.tokenizer = FakeTokenizer()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, Any]]:
+    target, draft = _models()
+    spec = _serve(target, draft)
+    base = _serve(SlowMock(V, seed=0, name=MOCK_SPEC))
+    wrong = _serve(_models()[1])  # a "speculative" server that samples from the draft
+    try:
+        yield {"spec": spec, "base": base, "wrong": wrong}
+    finally:
+        for s in (spec, base, wrong):
+            s.close()
+
+
+def _client(srv: Any, api: str = "completions", **kw: Any) -> endpoint.Client:
+    return endpoint.Client(endpoint.Endpoint(f"http://127.0.0.1:{srv.port}", api=api, **kw))
+
+
+def _prompts(n: int) -> list[tuple[str, str]]:
+    g = torch.Generator().manual_seed(0)
+    dec = FakeTokenizer().decode
+    return [(f"e{i:02d}", dec(torch.randint(0, V, (3,), generator=g).tolist())) for i in range(n)]
+
+
+# ------------------------------------------------------------------------------ the client
+def test_base_url_normalizes_and_refuses_non_urls() -> None:
+    assert endpoint.base_url("http://h:8000/v1/") == "http://h:8000"
+    assert endpoint.base_url("https://h/prefix/v1") == "https://h/prefix"
+    for bad in ("localhost:8000", "ftp://h", "not a url", ""):
+        with pytest.raises(ValueError, match="http"):
+            endpoint.Endpoint(bad)
+
+
+def test_stream_reads_text_usage_and_timing_and_matches_the_non_streamed_answer(servers) -> None:
+    srv = servers["spec"]
+    with _client(srv) as c:
+        reply = c.stream(endpoint.Request("abc", 12, 0.0, seed=0))
+    assert reply.model == MOCK_SPEC  # found through /v1/models
+    assert reply.usage["completion_tokens"] == len(FakeTokenizer()(reply.text)["input_ids"])
+    assert reply.finish_reason in ("length", "stop")
+    assert 0 < reply.ttft_s <= reply.wall_s
+    body = {"model": MOCK_SPEC, "prompt": "abc", "max_tokens": 12, "temperature": 0}
+    status, _, whole = srv.request("POST", "/v1/completions", body)
+    assert status == 200 and whole["choices"][0]["text"] == reply.text
+    rec = endpoint.run_record(reply, c.endpoint, FakeTokenizer())
+    assert rec["usage_source"] == "usage" and rec["generated"] == 12 == len(rec["tokens"])
+
+
+# ------------------------------------------------------------------------------ the gate
+def test_endpoint_gate_passes_specdec_speculative_server_against_target_only(servers) -> None:
+    with _client(servers["spec"]) as a, _client(servers["base"]) as b:
+        res = run_endpoint_gate(
+            a, b, _prompts(N_PROMPTS), SETTINGS, tokenizer=FakeTokenizer(), progress=False
+        )
+    s = res.sampled
+    assert s.n_prompts == N_PROMPTS and s.failed is None
+    assert s.tokens_speculative == s.tokens_baseline == N_PROMPTS * N_TOK
+    assert s.dof >= 20, "too few bins for the test to mean anything"
+    assert s.passed and s.p_value_permutation > 0.01
+    assert res.greedy.passed and res.passed
+
+
+def test_endpoint_gate_fails_a_server_that_samples_from_the_draft(servers) -> None:
+    with _client(servers["wrong"]) as a, _client(servers["base"]) as b:
+        res = run_endpoint_gate(
+            a, b, _prompts(N_PROMPTS), SETTINGS, tokenizer=FakeTokenizer(), progress=False
+        )
+    assert not res.sampled.passed and res.sampled.p_value_permutation < 0.01
+    assert not res.greedy.passed and not res.passed
+
+
+def test_endpoint_gate_records_a_dead_endpoint_and_cannot_pass_on_it(servers) -> None:
+    dead = endpoint.Client(endpoint.Endpoint(f"http://127.0.0.1:{_closed_port()}", retries=0))
+    with dead, _client(servers["base"]) as b:
+        res = run_endpoint_gate(
+            dead,
+            b,
+            _prompts(MIN_PROMPTS),
+            GateSettings(prompts=MIN_PROMPTS, greedy_prompts=1),
+            tokenizer=FakeTokenizer(),
+            progress=False,
+        )
+    assert res.sampled.n_prompts == 0 and len(res.sampled.failed) == MIN_PROMPTS
+    assert "cannot connect" in res.sampled.failed[0]["error"]
+    assert not res.sampled.passed and not res.greedy.passed
+    assert res.greedy.rows[0].error is not None
+
+
+# ------------------------------------------------------------------------------ the bench
+def _bench_cfg(**kw: Any) -> BenchConfig:
+    base = dict(
+        name="custom",
+        draft=MOCK_SPEC,
+        target=MOCK_SPEC,
+        k=4,
+        temperature=0.0,
+        n_prompts=4,
+        warmup=1,
+        max_new_tokens=10,
+        endpoint_api="completions",
+    )
+    return BenchConfig(**{**base, **kw})
+
+
+def test_bench_between_two_endpoints_writes_the_usual_artifact(servers, tmp_path) -> None:
+    target = _tokenized_target()
+    cfg = _bench_cfg(
+        endpoint=f"http://127.0.0.1:{servers['spec'].port}/v1",
+        endpoint_baseline=f"http://127.0.0.1:{servers['base'].port}",
+    )
+    art = run_bench(cfg, tmp_path, progress=False, models=(None, target))
+    assert art.complete and art.failed is None and len(art.rows) == 3
+    for row in art.rows:
+        for m in ("baseline", "speculative"):
+            run = row.run(m)
+            assert run["generated"] == 10 and run["usage_source"] == "usage"
+        # greedy on both servers: the same text (the bench is interleaved, nothing crossed)
+        assert row.baseline["text"] == row.speculative["text"]
+    assert art.config["engines"]["speculative"]["url"].endswith(str(servers["spec"].port))
+    assert art.aggregates.speedup is not None
+    again = schema.BenchArtifact.from_json(json.loads(art.path.read_text()))
+    assert again.rows[0].speculative["tokens"] == art.rows[0].speculative["tokens"]
+
+
+def test_bench_endpoint_against_in_process_baseline_keeps_going_past_failures(
+    tmp_path,
+) -> None:
+    """Every failure an endpoint can show is a per-prompt error; the run finishes."""
+    target = _tokenized_target()
+    with _Stub() as stub:
+        cfg = _bench_cfg(endpoint=stub.url, n_prompts=_Stub.PROMPTS, warmup=0)
+        art = run_bench(cfg, tmp_path, progress=False, models=(None, target))
+        assert stub.requests == len(_Stub.PLAN)
+    kinds = [f["kind"] for f in art.failed]
+    assert kinds == ["bad_body", "cut", "stream_error", "http", "http"], art.failed
+    assert "not JSON" in art.failed[0]["error"] and "without [DONE]" in art.failed[1]["error"]
+    assert "the engine died" in art.failed[2]["error"]
+    assert "answered 404" in art.failed[3]["error"] and "boom" in art.failed[4]["error"]
+    assert [f["index"] for f in art.failed] == [1, 2, 3, 4, 5]
+    assert art.complete and [r.index for r in art.rows] == [0, 6]
+    assert [r.speculative["attempts"] for r in art.rows] == [2, 1]
+    assert all(r.speculative["text"] == "012" for r in art.rows)
+    assert all(r.speculative["usage_source"] == "retokenized" for r in art.rows)  # no usage
+
+
+def test_bench_with_a_refused_connection_records_every_prompt(tmp_path) -> None:
+    target = _tokenized_target()
+    url = f"http://127.0.0.1:{_closed_port()}"
+    cfg = _bench_cfg(endpoint=url, n_prompts=3, warmup=0)
+    art = run_bench(cfg, tmp_path, progress=False, models=(None, target))
+    assert art.complete and not art.rows and len(art.failed) == 3
+    assert all(f["kind"] == "connect" and url in f["error"] for f in art.failed)
+
+
+# ------------------------------------------------------------------------------ helpers
+def _tokenized_target() -> SlowMock:
+    """The in-process target of a bench (its tokenizer counts an endpoint's tokens)."""
+    target = SlowMock(V, seed=0, name=MOCK_SPEC)
+    target.tokenizer = FakeTokenizer()
+    return target
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens here once the socket is closed
+
+
+def _sse(*events: Any, done: bool = True) -> bytes:
+    out = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    return out + (b"data: [DONE]\n\n" if done else b"")
+
+
+_GOOD = _sse(
+    {"choices": [{"text": "01", "finish_reason": None}]},
+    {"choices": [{"text": "2", "finish_reason": "length"}]},
+)
+
+
+class _Stub:
+    """A loopback HTTP server whose n-th completion request gets PLAN[n]: (status, body)."""
+
+    BOOM = (500, b'{"error": {"message": "boom"}}')
+    PLAN: tuple[tuple[int, bytes], ...] = (
+        (503, b"busy"),  # prompt 0: retried ...
+        (200, _GOOD),  # ... and answered
+        (200, b"data: {not json\n\n"),  # 1
+        (200, _sse({"choices": [{"text": "0"}]}, done=False)),  # 2: cut mid-stream
+        (200, _sse({"error": {"message": "the engine died"}})),  # 3
+        (404, b"no such route"),  # 4: not retried
+        BOOM,  # 5: three attempts (retries=2), all 500
+        BOOM,
+        BOOM,
+        (200, _GOOD),  # 6
+    )
+    PROMPTS = 7
+
+    def __enter__(self) -> _Stub:
+        plan = iter(self.PLAN)
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:  # /v1/models
+                self._send(200, json.dumps({"data": [{"id": "stub"}]}).encode())
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                stub.requests += 1
+                self._send(*next(plan))
+
+            def _send(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.requests = 0
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
