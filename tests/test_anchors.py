@@ -43,7 +43,7 @@ def test_build_without_a_compiler_says_what_to_install(tmp_path, monkeypatch) ->
 
 def test_modes_are_checked_before_anything_starts() -> None:
     anchors.check_modes(anchors.DEFAULT_MODES, "llamacpp:a", "llamacpp:b")
-    with pytest.raises(ValueError, match="unknown llama-server mode.*ngram-moo"):
+    with pytest.raises(ValueError, match=r"unknown llama-server mode.*ngram-moo"):
         anchors.check_modes(["ngram-moo"], "llamacpp:a", "llamacpp:b")
     with pytest.raises(ValueError, match="the draft must be a llamacpp: model"):
         anchors.check_modes(["draft"], "llamacpp:a", "hf:b")
@@ -69,6 +69,6 @@ def test_a_server_that_exits_while_starting_is_a_clear_error(tmp_path) -> None:
     fake = tmp_path / "llama-server"
     fake.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 1\n")
     fake.chmod(0o755)
-    with pytest.raises(anchors.AnchorError, match="(?s)exited \\(1\\).*failed to load model"):
+    with pytest.raises(anchors.AnchorError, match=r"(?s)exited \(1\).*failed to load model"):
         with anchors.LlamaServer(tmp_path / "m.gguf", exe=fake, startup_s=10):
             pass

@@ -66,14 +66,14 @@ def test_insertion_realigns_after_the_inserted_tokens() -> None:
     out = [*out, 0, 1, 2, 3]  # inserted text, then the copy goes on
     assert _next(d, out)[0] is None  # nothing in the prediction ends with ...0 1 2 3
     out = [*out, *PRED[3:6]]  # 13 14 15: a 3-gram found right after the last aligned position
-    assert _next(d, out) == ("prediction", PRED[6:10])
+    assert _next(d, out) == ("prediction-realigned", PRED[6:10])
 
 
 def test_deletion_skips_ahead() -> None:
     d = PredictionDrafter(PRED, len(PROMPT))
     _accept(d, [], 2, 2)
     out = [*PRED[:2], *PRED[10:13]]  # 10 11 | 4 5 6: the middle was deleted
-    assert _next(d, out) == ("prediction", PRED[13:16])
+    assert _next(d, out) == ("prediction-realigned", PRED[13:16])
 
 
 def test_repeated_line_prefers_the_occurrence_after_the_aligned_position() -> None:
@@ -81,7 +81,26 @@ def test_repeated_line_prefers_the_occurrence_after_the_aligned_position() -> No
     d = PredictionDrafter(PRED, len(PROMPT))
     _accept(d, [], 6, 6)
     out = [*PRED[:6], 99, 10, 11, 12]  # an edit (99), then the repeated run
-    assert _next(d, out, 3) == ("prediction", [13, 4, 5])
+    assert _next(d, out, 3) == ("prediction-realigned", [13, 4, 5])
+
+
+def test_a_fresh_realignment_is_its_own_source_until_the_copy_is_under_way() -> None:
+    """After an edit the next tokens are often still the edit: the K policy learns that regime
+    ("prediction-realigned") apart from a copy under way ("prediction", after COPY_RUN tokens
+    that followed the prediction since the re-alignment)."""
+    pred = list(range(20, 60))
+    d = PredictionDrafter(pred, len(PROMPT))
+    _accept(d, [], 8, 8)
+    out = [*pred[:8], 99, *pred[10:13]]  # an edit replaced 28 29 with 99; realigned on 3 tokens
+    assert _next(d, out)[0] == "prediction-realigned"
+    n = PredictionDrafter.COPY_RUN
+    _accept(d, out, n - 1, n - 1)  # n - 1 followed: not yet
+    out = [*out, *pred[13 : 13 + n - 1]]
+    assert d.source(PROMPT + out) == "prediction-realigned"
+    out = [*out, pred[13 + n - 1]]  # the n-th
+    assert _next(d, out) == ("prediction", pred[14 + n - 1 : 18 + n - 1])
+    out = [*out, 98]  # another edit: a rejection
+    assert d.source(PROMPT + out) is None or d.source(PROMPT + out) == "prediction-realigned"
 
 
 def test_prediction_shorter_and_longer_than_the_output() -> None:

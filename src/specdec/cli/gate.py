@@ -63,6 +63,20 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help="model spec whose tokenizer reads the answers (str; default the --config target)",
     )
     e.add_argument(
+        "--llama-server",
+        metavar="MODE",
+        default=None,
+        help="gate llama.cpp's own server: llama-server in MODE (ngram-mod, draft, ...: "
+        "study.anchors.SERVER_MODES) against llama-server without speculation, both started "
+        "here on the --config pair (built by `specdec anchors build`) (str; default off)",
+    )
+    e.add_argument(
+        "--category",
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="draw the prompts from these categories only, e.g. code_editing (str; default all)",
+    )
+    e.add_argument(
         "--tag",
         default=None,
         help="artifact name gate_endpoint_<tag>.json, [A-Za-z0-9_.-] (str; default 'endpoint')",
@@ -158,8 +172,12 @@ def _cmd_gate(args: argparse.Namespace) -> int:
     from specdec.study.artifacts import model_block, write_json
 
     settings = _settings(args)
+    if args.llama_server is not None:
+        return _cmd_llama_server_gate(args, settings)
     if args.endpoint is not None or args.endpoint_baseline is not None:
         return _cmd_endpoint_gate(args, settings)
+    if args.category is not None:
+        raise ValueError("--category applies to endpoint gates (--endpoint, --llama-server)")
     if args.config is None:
         raise ValueError("give --config NAME (or --endpoint URL --endpoint-baseline URL)")
     cfg = resolve_config(args.config)
@@ -224,33 +242,82 @@ def _greedy_prompts(prompts: list, settings: GateSettings) -> list:
     return [*prompts[: n - 1], long]
 
 
+def _cmd_llama_server_gate(args: argparse.Namespace, settings: GateSettings) -> int:
+    """llama-server in a speculative mode against llama-server alone, on the --config pair."""
+    from specdec.backends import parse_spec
+    from specdec.backends.configs import resolve_config
+    from specdec.backends.registry import resolve
+    from specdec.study import anchors, endpoint
+
+    if args.endpoint is not None or args.endpoint_baseline is not None:
+        raise ValueError("--llama-server starts both servers itself: drop --endpoint*")
+    if args.config is None:
+        raise ValueError("--llama-server needs --config NAME (the pair llama-server runs)")
+    cfg = resolve_config(args.config)
+    mode = args.llama_server
+    anchors.check_modes([mode], cfg.target, cfg.draft)
+    target = resolve(parse_spec(cfg.target)[1])
+    draft = resolve(parse_spec(cfg.draft)[1]) if mode == "draft" else None
+    servers = [anchors.server_for(m, target, draft) for m in (mode, "none")]
+    with anchors.servers(servers):
+        eps = [
+            endpoint.Endpoint(
+                s.url,
+                "target",
+                "chat",
+                label=anchors.method_name(m),
+                extra=anchors.NEUTRAL_SAMPLING,
+            )
+            for s, m in zip(servers, (mode, "none"), strict=True)
+        ]
+        extra = {"llama_server": mode, "commands": [s.command()[1:] for s in servers]}
+        extra["build"] = anchors.manifest()
+        return _endpoint_gate(args, settings, eps, cfg.target, tag=args.tag or mode, extra=extra)
+
+
 def _cmd_endpoint_gate(args: argparse.Namespace, settings: GateSettings) -> int:
     """The gate between two servers: the same legs, prompts and test as the in-process gate."""
-    from specdec.backends import load_tokenizer_of
     from specdec.backends.configs import resolve_config
     from specdec.study import endpoint
-    from specdec.study import prompts as prompt_set
-    from specdec.study.artifacts import write_json
-    from specdec.study.bench import tag_suffix
 
     if args.endpoint is None or args.endpoint_baseline is None:
         raise ValueError("an endpoint gate needs both --endpoint and --endpoint-baseline")
-    tag_suffix(args.tag)
     spec = args.tokenizer or (resolve_config(args.config).target if args.config else None)
     if spec is None:
         raise ValueError("give --tokenizer SPEC (or --config NAME) to read the answers with")
-    tok = load_tokenizer_of(spec)
-    if tok is None:
-        raise ValueError(f"{spec} has no tokenizer; give --tokenizer a llamacpp: or hf: model")
     key = endpoint.api_key_from_env()
     eps = [
         endpoint.Endpoint(url, args.endpoint_model, args.endpoint_api, key)
         for url in (args.endpoint, args.endpoint_baseline)
     ]
-    prompts = prompt_set.load_prompts()
+    return _endpoint_gate(args, settings, eps, spec, tag=args.tag or "endpoint")
+
+
+def _endpoint_gate(
+    args: argparse.Namespace,
+    settings: GateSettings,
+    eps: list[Any],
+    tokenizer_spec: str,
+    *,
+    tag: str,
+    extra: dict[str, Any] | None = None,
+) -> int:
+    """Run both legs between eps[0] (under test) and eps[1] (reference); write the artifact."""
+    from specdec.backends import load_tokenizer_of
+    from specdec.study import endpoint
+    from specdec.study.artifacts import write_json
+    from specdec.study.bench import parse_categories, select_prompts, tag_suffix
+
+    tag_suffix(tag)  # a name safe in a file name, before any work
+    tok = load_tokenizer_of(tokenizer_spec)
+    if tok is None:
+        raise ValueError(
+            f"{tokenizer_spec} has no tokenizer; give --tokenizer a llamacpp: or hf: model"
+        )
+    prompts = select_prompts(parse_categories(args.category))
     need = max(settings.prompts, settings.greedy_prompts)
     if need > len(prompts):
-        raise ValueError(f"the gate needs {need} prompts; the vendored set has {len(prompts)}")
+        raise ValueError(f"the gate needs {need} prompts; the selection has {len(prompts)}")
     texts = [(p.id, p.text) for p in prompts[:need]]
     greedy = [(p.id, p.text) for p in _greedy_prompts(prompts, settings)]
     with endpoint.Client(eps[0]) as under_test, endpoint.Client(eps[1]) as reference:
@@ -269,16 +336,18 @@ def _cmd_endpoint_gate(args: argparse.Namespace, settings: GateSettings) -> int:
             print("\ngate interrupted: no artifact written", file=sys.stderr)
             return EXIT_INTERRUPTED
     config = {
-        "name": args.tag or "endpoint",
+        "name": tag,
         "endpoint": eps[0].describe(),
         "endpoint_baseline": eps[1].describe(),
-        "tokenizer": spec,
+        "tokenizer": tokenizer_spec,
+        "category": args.category,
         "quick": args.quick,
         "greedy_prompt_ids": [pid for pid, _ in greedy],
+        **(extra or {}),
         **asdict(settings),
     }
     art = build_artifact(config, {"draft": None, "target": None}, result)
-    out = Path(args.out) / f"gate_endpoint{tag_suffix(args.tag)}.json"
+    out = Path(args.out) / f"gate_endpoint{tag_suffix(tag)}.json"
     write_json(out, art)
     print(format_summary(art))
     print(f"wrote {out}", file=sys.stderr)

@@ -54,6 +54,13 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     )
     cli_args.add_deterministic_arg(p)
     p.add_argument(
+        "--no-prompt-cache",
+        action="store_true",
+        help="prefill every prompt from scratch instead of keeping the KV of the prefix shared "
+        "with the previous request (flag; default: kept, as llama-server's cache_prompt; bit-"
+        "exact with --deterministic, see the README)",
+    )
+    p.add_argument(
         "--host",
         default="127.0.0.1",
         help="address to bind (str; default 127.0.0.1, loopback only)",
@@ -129,6 +136,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             request_timeout=args.request_timeout,
             deterministic=args.deterministic,
+            prompt_cache=not args.no_prompt_cache,
         )
     )
     return 0

@@ -30,6 +30,7 @@ from specdec.core.drafters import (
     LookupDrafter,
     ModelDrafter,
     PredictionDrafter,
+    common_prefix,
 )
 from specdec.core.metrics import GenerationResult, GenerationStats, Round
 from specdec.core.model import SpecModel, as_token_list
@@ -81,6 +82,7 @@ class _Run:
     debug: bool
     cancelled: Callable[[], bool] | None
     stats: GenerationStats
+    reuse_prefix: bool = False
     tokens: list[int] = field(default_factory=list)  # generated ids
     stop_reason: str = "length"
 
@@ -123,6 +125,7 @@ def stream(
     prediction: Sequence[int] | torch.Tensor | None = None,
     cancelled: Callable[[], bool] | None = None,
     debug: bool = False,
+    reuse_prefix: bool = False,
 ) -> SpecStream:
     """Like `generate`, but yields each round's committed tokens as they are accepted.
 
@@ -131,6 +134,11 @@ def stream(
     (core.drafters.PredictionDrafter); it changes the speed, never the output distribution.
     `cancelled`, if given, is asked between prefill chunks; when it returns True the stream
     ends with stop_reason "cancelled" (between rounds, close the stream instead).
+    `reuse_prefix`: keep the target's cached KV for the longest common prefix of the prompt and
+    what the cache holds (the previous request's prompt and answer) and prefill only the rest,
+    as llama-server's cache_prompt does. Exact where the backend is batch-invariant (mock,
+    llama.cpp deterministic); elsewhere the reused rows were computed in another batch shape,
+    which can flip a greedy near-tie against a fresh prefill.
     """
     prompt = as_token_list(prompt_ids)
     kind = spec.drafter_for(draft is not None)
@@ -159,6 +167,7 @@ def stream(
         debug,
         cancelled,
         GenerationStats(prompt_tokens=len(prompt)),
+        reuse_prefix,
     )
     return SpecStream(run)
 
@@ -194,11 +203,12 @@ def _loop(run: _Run) -> Iterator[list[int]]:
     t_start = clock.now()
     seq = list(run.prompt)
     with clock.phase("verify_s"):  # prefill: the target holds seq[:-1] between rounds
-        cancelled = _prefill(target, seq[:-1], run.cancelled)
+        reused = _prefill(target, seq[:-1], run.cancelled, run.reuse_prefix)
     stats.prefill_s = clock.last["verify_s"]
-    if cancelled:
+    if reused is None:
         run.stop_reason = "cancelled"
         return
+    stats.cached_prompt_tokens = reused
     if _has_model(drafter):
         # Fresh caches per call, so a seeded run never depends on what ran before it (reusing a
         # shared prefix would change draft numerics slightly, and with them the sampled drafts).
@@ -270,14 +280,22 @@ def _commit(run: _Run, emitted: list[int]) -> list[int]:
     return new
 
 
-def _prefill(target: SpecModel, ids: list[int], cancelled: Callable[[], bool] | None) -> bool:
-    """Reset the target and prefill `ids` in PREFILL_CHUNK pieces; True if cancelled midway."""
-    target.reset()
-    for i in range(0, len(ids), PREFILL_CHUNK):
+def _prefill(
+    target: SpecModel, ids: list[int], cancelled: Callable[[], bool] | None, reuse: bool
+) -> int | None:
+    """Make the target cache hold `ids`: reset it (or, `reuse`, keep its longest common prefix
+    with `ids`) and prefill the rest in PREFILL_CHUNK pieces. Returns the tokens reused from
+    the cache, or None if cancelled midway."""
+    keep = common_prefix(target.cached_tokens, ids) if reuse else 0
+    if keep:
+        target.truncate(keep)
+    else:
+        target.reset()
+    for i in range(keep, len(ids), PREFILL_CHUNK):
         if cancelled is not None and cancelled():
-            return True
+            return None
         target.prefill(ids[i : i + PREFILL_CHUNK])
-    return False
+    return keep
 
 
 def _has_model(drafter: Drafter | None) -> bool:

@@ -81,7 +81,7 @@ class ModelDrafter:
 
     def propose(self, context: list[int], k: int) -> Proposal:
         m = self.model
-        n = _common_prefix(m.cached_tokens, context)
+        n = common_prefix(m.cached_tokens, context)
         if n == len(context):  # the model must see at least the last context token
             n -= 1
         m.truncate(n)
@@ -215,6 +215,7 @@ class PredictionDrafter:
     MIN_BACKWARD = 3  # shortest n-gram trusted to re-align backwards or far ahead
     NEAR = 64  # "nearby" for short n-grams, in tokens
     START_WINDOW = 32  # output tokens during which the prediction's start is proposed
+    COPY_RUN = 4  # tokens followed since the last re-alignment that make a copy "under way"
 
     model = None
 
@@ -230,18 +231,22 @@ class PredictionDrafter:
         self._pos: int | None = None  # next expected prediction index; None: not aligned
         self._last = 0  # the last aligned position, for "prefer forward"
         self._aligned_once = False
+        self._run = 0  # output tokens that followed the prediction since the last re-alignment
         self._proposed: tuple[int, int] | None = None  # (prediction index, output length)
 
     def _align(self, out: list[int]) -> None:
         """Advance or re-establish the alignment for the output tokens seen since last call."""
         if len(out) < self._seen:  # a different, shorter sequence: start over
             self._seen, self._pos, self._last, self._aligned_once = 0, None, 0, False
+            self._run = 0
         new = out[self._seen :]
         pred = self.prediction
         if self._pos is not None and pred[self._pos : self._pos + len(new)] == new:
             self._pos += len(new)
+            self._run += len(new)
         elif new:
             self._pos = self._realign(out)
+            self._run = 0
         self._seen = len(out)
         if self._pos is not None:
             self._last, self._aligned_once = self._pos, True
@@ -265,7 +270,14 @@ class PredictionDrafter:
         out = context[self.start :]
         self._align(out)
         if self._pos is not None:
-            return ("prediction", self._pos) if self._pos < len(self.prediction) else None
+            if self._pos >= len(self.prediction):
+                return None
+            # Two regimes, judged apart by the K policy: a copy under way (the output has
+            # followed the prediction for COPY_RUN tokens: drafts run to the next edit) and a
+            # fresh re-alignment after an edit, where the next tokens are often still the edit.
+            return ("prediction" if self._run >= self.COPY_RUN else "prediction-realigned"), (
+                self._pos
+            )
         if not self._aligned_once and len(out) < self.START_WINDOW and self.prediction:
             return "prediction-start", 0
         return None
@@ -287,6 +299,7 @@ class PredictionDrafter:
             at, n_out = self._proposed
             self._pos, self._seen = at + n_accepted, n_out + n_accepted
             self._last, self._aligned_once = self._pos, True
+            self._run += n_accepted
         self._proposed = None
 
 
@@ -325,7 +338,8 @@ class CompositeDrafter:
             self._last.observe(n_accepted)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two id lists."""
     if len(a) <= len(b) and a == b[: len(a)]:  # the usual case after observe(): one C compare
         return len(a)
     n = min(len(a), len(b))

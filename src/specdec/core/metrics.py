@@ -65,6 +65,9 @@ class GenerationStats:
     wall_s            start of the call to the last committed token
     draft_s           time inside the drafter (draft forward passes and draft-side sampling)
     verify_s          time inside target forward passes, the prefill included
+    cached_prompt_tokens  prompt tokens whose KV was kept from the previous generation
+                      (stream(reuse_prefix=True); OpenAI's usage.prompt_tokens_details.
+                      cached_tokens), not prefilled again
     prefill_s         the part of verify_s spent on the prompt prefill (paid once per request
                       whatever the method; wall_s - prefill_s - catchup_s is the decode phase
                       that the microbench's cost model predicts)
@@ -86,6 +89,7 @@ class GenerationStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     generated: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     ttft_s: float = 0.0
     wall_s: float = 0.0
     draft_s: float = 0.0

@@ -125,6 +125,7 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     deterministic: bool = False  # batch-invariant llama.cpp numerics (backends.load_model)
+    prompt_cache: bool = True  # keep the KV of the prefix shared with the previous request
 
     def spec_config(self) -> SpecConfig:
         """The speculation settings for the engine: SpecConfig's defaults where none was set."""
@@ -469,6 +470,7 @@ def build_engine(cfg: ServeConfig) -> Engine:
         model_id=cfg.target,
         spec=cfg.spec_config(),
         max_queue=cfg.max_queue,
+        prompt_cache=cfg.prompt_cache,
     )
     engine.warm_up()
     return engine

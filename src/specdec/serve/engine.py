@@ -183,6 +183,7 @@ class Engine:
         spec: SpecConfig = SpecConfig(),  # noqa: B008 - frozen
         max_queue: int = DEFAULT_MAX_QUEUE,
         metrics: Metrics | None = None,
+        prompt_cache: bool = True,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -190,6 +191,9 @@ class Engine:
         self.draft = draft
         self.model_id = model_id or target.name
         self.spec = spec
+        # Keep the target's KV of the longest prefix shared with the previous request (an editor
+        # re-sends the file, a chat the conversation): decode.stream(reuse_prefix=...).
+        self.prompt_cache = prompt_cache
         self.tokenizer = target.tokenizer or getattr(draft, "tokenizer", None)
         self.stop_ids = prompting.stop_ids(self.tokenizer)
         # Every model the prompt must fit, for max_tokens validation.
@@ -356,6 +360,7 @@ class Engine:
                     prediction=p.prediction,
                     stop_ids=self.stop_ids,
                     cancelled=lambda: job.stopped() is not None,  # polled between prefill chunks
+                    reuse_prefix=self.prompt_cache,
                 )
             except ValueError as e:
                 self.metrics.inc("specdec_generations_total", outcome="error")

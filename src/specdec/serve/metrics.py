@@ -71,6 +71,10 @@ _METRICS: dict[str, tuple[str, str]] = {
     "specdec_queue_capacity": ("gauge", "--max-queue: waiting requests beyond it get HTTP 429"),
     "specdec_busy": ("gauge", "1 while the engine is generating, else 0"),
     "specdec_prompt_tokens_total": ("counter", "Prompt tokens of generations started"),
+    "specdec_cached_prompt_tokens_total": (
+        "counter",
+        "Prompt tokens whose KV was kept from the previous request (not prefilled again)",
+    ),
     "specdec_generated_tokens_total": (
         "counter",
         "Tokens committed (accepted + one recovered or bonus token per round)",
@@ -171,6 +175,7 @@ class Metrics:
     ) -> None:
         self.inc("specdec_generations_total", outcome=outcome)
         self.inc("specdec_prompt_tokens_total", stats.prompt_tokens)
+        self.inc("specdec_cached_prompt_tokens_total", stats.cached_prompt_tokens)
         self.inc("specdec_generated_tokens_total", stats.generated)
         self.inc("specdec_rounds_total", stats.rounds)
         self.inc("specdec_drafts_total", stats.drafting_rounds)

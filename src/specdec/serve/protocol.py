@@ -415,6 +415,8 @@ def usage(st: GenerationStats) -> dict[str, Any]:
         "prompt_tokens": st.prompt_tokens,
         "completion_tokens": st.generated,
         "total_tokens": st.prompt_tokens + st.generated,
+        # prompt tokens whose KV came from the previous request (the engine's prompt cache)
+        "prompt_tokens_details": {"cached_tokens": st.cached_prompt_tokens},
         "completion_tokens_details": {
             "accepted_prediction_tokens": st.accepted_prediction_tokens,
             "rejected_prediction_tokens": st.rejected_prediction_tokens,

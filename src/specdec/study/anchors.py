@@ -221,10 +221,14 @@ def _sha256(path: Path) -> str:
 #: llama-server's decoding modes as bench methods: mode -> flags. Every setting is llama.cpp's
 #: own default (common/common.h of the vendored build): draft n_max 3, n_min 0, p_min 0;
 #: ngram-mod n_match 24, n_min 48, n_max 64; ngram-map-k / ngram-simple size_n 12, size_m 48,
-#: min_hits 1. "draft" adds the config's draft model ({draft} below).
+#: min_hits 1. "draft" adds the config's draft model ({draft} below) and must name its type:
+#: with --model-draft alone this build infers a type only for MTP/DFlash GGUFs, keeps "none",
+#: and common_speculative_init returns no implementation — llama-server then decodes without
+#: speculation (a draft loaded for nothing), and llama-speculative-simple exits with "failed to
+#: initialize speculative decoding" (common/arg.cpp, common/speculative.cpp).
 SERVER_MODES: dict[str, tuple[str, ...]] = {
     "none": (),
-    "draft": ("--model-draft", "{draft}"),
+    "draft": ("--spec-type", "draft-simple", "--model-draft", "{draft}"),
     "ngram-mod": ("--spec-type", "ngram-mod"),
     "ngram-map-k": ("--spec-type", "ngram-map-k"),
     "ngram-simple": ("--spec-type", "ngram-simple"),
@@ -311,7 +315,9 @@ class LlamaServer:
         fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         self.log = Path(name)
         logf = os.fdopen(fd, "w")
-        self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
         logf.close()
         try:
             self._wait_healthy()
@@ -354,6 +360,17 @@ class LlamaServer:
         if self.log is not None:
             with contextlib.suppress(OSError):
                 self.log.unlink()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, ask for SIGTERM when the parent dies, so a bench
+    killed without cleanup (SIGKILL, an unhandled SIGTERM) leaves no server behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @contextlib.contextmanager

@@ -455,10 +455,13 @@ def _greedy_cell(row: GreedyRow) -> str:
 def format_summary(art: GateArtifact) -> str:
     s, g = art.sampled, art.greedy
     verdict = "PASS" if s.passed else "FAIL"
+    ep, ref = art.config.get("endpoint"), art.config.get("endpoint_baseline")
+    how = f"K={s.k}" if ep is None else f"{ep['label']} vs {ref['label']}"
     lines = [
         f"sampled ({s.n_prompts} prompts x {s.max_new_tokens} tokens, T={s.temperature},"
-        f" K={s.k}): {s.tokens_speculative} speculative vs {s.tokens_baseline} baseline"
+        f" {how}): {s.tokens_speculative} speculative vs {s.tokens_baseline} baseline"
         f" tokens, acceptance {s.acceptance_rate:.1%}",
+        *(f"  prompt {f['prompt_id']} left out: {f['error']}" for f in s.failed or ()),
         f"  chi2 = {s.chi2:.1f}, dof = {s.dof}, p = {s.p_value:.3f} (chi2 reference), "
         f"p = {s.p_value_permutation:.3f} (permutation; pass at > {s.p_min}) -> {verdict}",
         f"  smoothed symmetric KL {s.smoothed_kl:.3f} (reference only)",

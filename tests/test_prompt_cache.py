@@ -1,0 +1,81 @@
+"""Prompt-prefix reuse (decode.stream(reuse_prefix=True), the server's prompt cache): only the
+part of a prompt the target's cache does not already hold is prefilled, and the output is the
+output of a fresh prefill (mock models are batch-invariant, so exactly)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from test_server import MOCK_SPEC, SlowMock, V, metric, serve_models
+
+from specdec.backends.mock import MockModel
+from specdec.core.config import SpecConfig, Warp
+from specdec.core.decode import generate
+from specdec.core.drafters import common_prefix
+
+
+class CountingMock(MockModel):
+    """Counts the prompt tokens it is asked to prefill."""
+
+    prefilled = 0
+
+    def _prefill(self, ids: list[int]) -> None:
+        self.prefilled += len(ids)
+        super()._prefill(ids)
+
+
+def _run(target: MockModel, prompt: list[int], **kw: Any) -> Any:
+    kw.setdefault("warp", Warp(1.0))
+    return generate(target, prompt, max_new_tokens=12, seed=3, debug=True, **kw)
+
+
+def test_a_second_request_prefills_only_what_the_cache_lacks_and_samples_the_same() -> None:
+    target = CountingMock(V, seed=0)
+    draft = MockModel.near(target, seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, V, (40,), generator=g).tolist()
+    first = _run(target, prompt, draft=draft, spec=SpecConfig(k=3), reuse_prefix=True)
+    assert first.stats.cached_prompt_tokens == 0 and target.prefilled == len(prompt) - 1
+    # a chat's next turn: the previous prompt and answer, then more
+    follow = [*prompt, *first.tokens, 5, 6, 7]
+    target.prefilled = 0
+    again = _run(target, follow, draft=draft, spec=SpecConfig(k=3), reuse_prefix=True)
+    kept = len(prompt) + len(first.tokens) - 1  # the cache held seq[:-1]
+    assert again.stats.cached_prompt_tokens == kept
+    assert target.prefilled == len(follow) - 1 - kept
+    fresh = _run(CountingMock(V, seed=0), follow, draft=draft, spec=SpecConfig(k=3))
+    assert again.tokens == fresh.tokens and fresh.stats.cached_prompt_tokens == 0
+
+
+def test_a_different_prompt_keeps_only_the_shared_prefix_and_reuse_is_off_by_default() -> None:
+    target = CountingMock(V, seed=0)
+    _run(target, [1, 2, 3, 4, 5, 6], reuse_prefix=True)
+    target.prefilled = 0
+    r = _run(target, [1, 2, 3, 9, 9, 9, 9], reuse_prefix=True)
+    assert r.stats.cached_prompt_tokens == 3 and target.prefilled == 3  # 9 9 9 (the last 9 is fed)
+    assert r.tokens == _run(MockModel(V, seed=0), [1, 2, 3, 9, 9, 9, 9]).tokens
+    target.prefilled = 0
+    r = _run(target, [1, 2, 3, 9, 9, 9, 9])
+    assert r.stats.cached_prompt_tokens == 0 and target.prefilled == 6
+
+
+def test_the_server_reports_cached_prompt_tokens_and_answers_as_a_fresh_prefill() -> None:
+    srv = serve_models(SlowMock(V, seed=0, name=MOCK_SPEC))
+    try:
+        body = {"model": MOCK_SPEC, "prompt": list(range(30)), "max_tokens": 6}
+        body.update(temperature=0, return_token_ids=True)
+        held = list(srv.engine.target.cached_tokens)  # what the warm-up generation left
+        status, _, first = srv.request("POST", "/v1/completions", body)
+        assert status == 200
+        shared = common_prefix(held, list(range(29)))
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == shared
+        follow = [*range(30), 40, 41]
+        status, _, second = srv.request("POST", "/v1/completions", {**body, "prompt": follow})
+        assert status == 200
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 30
+        fresh = generate(MockModel(V, seed=0), follow, max_new_tokens=6, warp=Warp(0.0))
+        assert second["choices"][0]["token_ids"] == fresh.tokens
+        assert metric(srv.metrics(), "specdec_cached_prompt_tokens_total") == 30 + shared
+    finally:
+        srv.close()
