@@ -2,6 +2,7 @@
 #   make test    the test suite (what CI runs)
 #   make demo    the main job: fetch the default models, a short bench on all_gguf, figures
 #   make study   regenerate the committed results/ (takes a while; run on an idle machine)
+#   make study-anchors  llama.cpp's own server beside specdec (builds llama-server once, ~7 min)
 #   make lint    ruff check + format check
 PYTHON ?= python3
 VENV   := .venv
@@ -17,7 +18,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 TARGET ?= llamacpp:qwen2.5-coder-1.5b
 DRAFT  ?= llamacpp:qwen2.5-coder-0.5b
 
-.PHONY: venv test lint demo study clean
+.PHONY: venv test lint demo study anchors study-anchors clean
 
 venv: $(STAMP)
 
@@ -80,6 +81,30 @@ study: venv
 	$(BIN)/specdec gate --config smoke --prompts 40 --max-new-tokens 60 --out $(STUDY)
 	$(BIN)/specdec figures $(STUDY)
 	$(BIN)/specdec report $(STUDY)
+
+# llama.cpp's own speculative decoding beside specdec's, on the same build, weights and prompts
+# (results/cpu/anchors/; the README's side-by-side table).
+ANCHORS := results/cpu/anchors
+ANCHOR_BENCH := --category rewrite --drafter prediction -k auto \
+  --variants lookup:auto,wrong-prediction:auto --max-new-tokens 512 --compare llama-server \
+  --llama-server-modes none,draft,ngram-mod,ngram-map-k --out $(ANCHORS) --tag anchors
+anchors: venv
+	$(BIN)/specdec anchors build
+
+study-anchors: anchors
+	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 5 --warmup 1 $(ANCHOR_BENCH)
+	for mode in ngram-mod ngram-map-k draft; do \
+	  $(BIN)/specdec gate --config all_gguf --llama-server $$mode --category code_editing,summarization \
+	    --prompts 20 --max-new-tokens 64 --greedy-prompts 4 --greedy-tokens 160 --out $(ANCHORS) \
+	    || echo "gate $$mode failed: its verdict is in its artifact"; \
+	done
+	for mode in ngram-mod ngram-map-k; do \
+	  $(BIN)/specdec gate --config all_gguf --llama-server $$mode --category rewrite --prompts 8 \
+	    --max-new-tokens 128 --greedy-prompts 2 --greedy-tokens 160 --tag $${mode}_rewrite \
+	    --out $(ANCHORS) || echo "gate $$mode failed: its verdict is in its artifact"; \
+	done
+	$(BIN)/specdec bench --config all_gguf -t 0.8 --prompts 4 --warmup 1 $(ANCHOR_BENCH)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

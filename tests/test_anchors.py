@@ -72,3 +72,20 @@ def test_a_server_that_exits_while_starting_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(anchors.AnchorError, match=r"(?s)exited \(1\).*failed to load model"):
         with anchors.LlamaServer(tmp_path / "m.gguf", exe=fake, startup_s=10):
             pass
+
+
+def test_bench_and_gate_refuse_bad_llama_server_settings_before_loading_anything(capsys) -> None:
+    from specdec.cli import main as cli
+    from specdec.study.bench import BenchConfig
+
+    with pytest.raises(ValueError, match="the target must be a llamacpp: model"):
+        BenchConfig("custom", "hf:a", "hf:b", compare="llama-server", llama_server=("none",))
+    with pytest.raises(ValueError, match="at least one llama-server mode"):
+        BenchConfig("custom", "llamacpp:a", "llamacpp:b", compare="llama-server")
+    assert cli.main(["gate", "--config", "all_gguf", "--llama-server", "ngram-moo"]) == 2
+    assert "unknown llama-server mode" in capsys.readouterr().err
+    assert cli.main(["gate", "--endpoint", "http://127.0.0.1:1"]) == 2
+    assert "needs both --endpoint and --endpoint-baseline" in capsys.readouterr().err
+    bad_url = ["gate", "--config", "all_gguf", "--endpoint", "localhost:1"]
+    assert cli.main([*bad_url, "--endpoint-baseline", "http://127.0.0.1:1"]) == 2
+    assert "is not an http(s) URL" in capsys.readouterr().err

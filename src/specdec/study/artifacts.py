@@ -938,7 +938,9 @@ class SampledLeg(_Json):
     temperature: float | None = None
     k: int | None = None
     seeds: Mapping[str, Any] = field(default_factory=dict)  # {rule, baseline [n], speculative [n]}
-    acceptance_rate: float | None = None
+    acceptance_rate: float | None = None  # accepted / drafted (0.0 when nothing was drafted)
+    drafted: int | None = field(default=None, metadata=OPTIONAL)  # by the speculative method
+    accepted: int | None = field(default=None, metadata=OPTIONAL)
     tokens_speculative: int | None = None
     tokens_baseline: int | None = None
     distinct_tokens: int | None = None
@@ -988,7 +990,7 @@ class SampledLeg(_Json):
             )
         at = f"{src}: sampled"
         counts = ("n_prompts", "max_new_tokens", "k", "tokens_speculative", "tokens_baseline")
-        counts += ("distinct_tokens", "n_bins", "n_permutations")
+        counts += ("distinct_tokens", "n_bins", "n_permutations", "drafted", "accepted")
         rates = ("temperature", "acceptance_rate", "min_expected", "p_value_permutation")
         rates += ("p_min", "smoothed_kl", "wall_s")
         return cls(

@@ -418,7 +418,10 @@ def _runners(
         "speculative": speculative(cfg.drafter, cfg.k),
     }
     for name, client in engines.clients.items():
-        runners[name] = _endpoint_runner(cfg, client, tokenizer, with_prediction=name in METHODS)
+        # OpenAI's `prediction` field goes to --endpoint only, and only for --drafter prediction
+        # (llama-server, like most engines, has no such field)
+        pred = name == "speculative" and cfg.drafter == "prediction"
+        runners[name] = _endpoint_runner(cfg, client, tokenizer, with_prediction=pred)
     if cfg.compare == "hf-assisted":
         runners["hf_assisted"] = lambda t: hf.run(
             draft,
@@ -444,8 +447,8 @@ def _order(runners: Mapping[str, Runner]) -> list[str]:
 def _endpoint_runner(
     cfg: BenchConfig, client: endpoint.Client, tokenizer: Any, with_prediction: bool
 ) -> Runner:
-    """A method sent to an endpoint. `with_prediction`: the prompt's prediction goes in the
-    request (OpenAI's field) — for --endpoint, which may implement it; llama-server does not."""
+    """A method sent to an endpoint; `with_prediction`: the prompt's prediction goes in the
+    request as OpenAI's `prediction` field."""
 
     def run(t: Task) -> Mapping[str, Any]:
         req = endpoint.Request(

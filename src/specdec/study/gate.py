@@ -171,26 +171,16 @@ def run_endpoint_gate(
     from specdec.study.endpoint import EndpointError
 
     methods = endpoint_methods(speculative, baseline, tokenizer)
-    failures = (EndpointError,)
-    sampled_prompts = prompts[: settings.prompts]
-    samples_width = _width(tokenizer)
-    sampled = sampled_leg(
+    return both_legs(
         methods,
-        sampled_prompts,
+        prompts,
         settings,
-        width=samples_width,
+        width=_width(tokenizer),
         label=label,
         progress=progress,
-        failures=failures,
+        greedy_prompts=greedy_prompts,
+        failures=(EndpointError,),
     )
-    greedy = greedy_leg(
-        methods,
-        prompts[: settings.greedy_prompts] if greedy_prompts is None else greedy_prompts,
-        settings,
-        progress=progress,
-        failures=failures,
-    )
-    return GateResult(sampled, greedy, bool(sampled.passed and greedy.passed))
 
 
 def _width(tokenizer: Any) -> int:
@@ -318,6 +308,8 @@ def sampled_leg(
             "speculative": samples.seeds_speculative,
         },
         acceptance_rate=samples.accepted / n if n else 0.0,
+        drafted=samples.drafted,
+        accepted=samples.accepted,
         **tested,
         wall_s=time.perf_counter() - t0,
         failed=tuple(samples.failed) or None,
@@ -413,6 +405,30 @@ def run_gate(
         raise ValueError(f"the sampled leg needs >= {MIN_PROMPTS} prompts to be able to fail")
     width = check_pair(draft, target)
     methods = local_methods(target, draft, settings.k, stop_ids)
+    return both_legs(
+        methods,
+        prompts,
+        settings,
+        width=width,
+        label=label,
+        progress=progress,
+        greedy_prompts=greedy_prompts,
+    )
+
+
+def both_legs(
+    methods: Methods,
+    prompts: Sequence[tuple[str, Any]],
+    settings: GateSettings,
+    *,
+    width: int,
+    label: Callable[[int], str] = str,
+    progress: bool = True,
+    greedy_prompts: Sequence[tuple[str, Any]] | None = None,
+    failures: tuple[type[Exception], ...] = PromptFailure,
+) -> GateResult:
+    """The sampled leg on the first settings.prompts prompts, the greedy leg on greedy_prompts
+    (default: the first settings.greedy_prompts), one verdict."""
     sampled = sampled_leg(
         methods,
         prompts[: settings.prompts],
@@ -420,12 +436,14 @@ def run_gate(
         width=width,
         label=label,
         progress=progress,
+        failures=failures,
     )
     greedy = greedy_leg(
         methods,
         prompts[: settings.greedy_prompts] if greedy_prompts is None else greedy_prompts,
         settings,
         progress=progress,
+        failures=failures,
     )
     return GateResult(sampled, greedy, bool(sampled.passed and greedy.passed))
 
@@ -460,7 +478,8 @@ def format_summary(art: GateArtifact) -> str:
     lines = [
         f"sampled ({s.n_prompts} prompts x {s.max_new_tokens} tokens, T={s.temperature},"
         f" {how}): {s.tokens_speculative} speculative vs {s.tokens_baseline} baseline"
-        f" tokens, acceptance {s.acceptance_rate:.1%}",
+        f" tokens, acceptance {s.acceptance_rate:.1%}"
+        + ("" if s.drafted is None else f" ({s.accepted}/{s.drafted} drafted)"),
         *(f"  prompt {f['prompt_id']} left out: {f['error']}" for f in s.failed or ()),
         f"  chi2 = {s.chi2:.1f}, dof = {s.dof}, p = {s.p_value:.3f} (chi2 reference), "
         f"p = {s.p_value_permutation:.3f} (permutation; pass at > {s.p_min}) -> {verdict}",

@@ -468,6 +468,9 @@ def _section_gate(s: Study, figures: Path, report: Path) -> list[str]:
         return [*out, "No artifact: no `specdec gate` run under this directory.", ""]
     for g in s.gates:
         pair = f"{g.draft.short} → {g.target.short}" if g.draft and g.target else "?"
+        ep, ref = g.config.get("endpoint"), g.config.get("endpoint_baseline")
+        if isinstance(ep, dict) and isinstance(ref, dict):  # a gate between two servers
+            pair = f"endpoint {ep.get('label')} against {ref.get('label')}"
         verdict = "PASS" if g.passed else "FAIL"
         quick = " (`--quick`: CI-sized, low power)" if g.quick else ""
         out += [f"### {g.name}: {pair}", "", f"From {_cite(g.src)}: **{verdict}**{quick}.", ""]
@@ -494,7 +497,8 @@ def _sampled_line(g: GateArtifact) -> str:
         f"{gate_p_text(g)} → {'pass' if sm.passed else 'FAIL'}{rule}; {binning}."
     )
     if sm.acceptance_rate is not None:
-        line += f"\n- Acceptance rate during the sampled leg: {fmt.pct(sm.acceptance_rate)}."
+        line += f"\n- Acceptance rate during the sampled leg: {fmt.pct(sm.acceptance_rate)}"
+        line += "." if sm.drafted is None else f" ({sm.accepted} of {sm.drafted} drafted tokens)."
     if sm.smoothed_kl is not None:
         line += f"\n- Smoothed symmetric KL (reference only, not the test): {sm.smoothed_kl:.4f}."
     return line
