@@ -67,6 +67,10 @@ study: venv
 	  --draft llamacpp:qwen2.5-coder-0.5b --check $(STUDY)/sweep/bench_*.json --out $(STUDY)
 	$(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b --max-batch 32 --repeats 3 \
 	  --deterministic --tag deterministic --out $(STUDY)
+	for ctx in 512 1024 2048; do \
+	  $(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b --max-batch 64 --repeats 1 \
+	    --prefix $$ctx --tag ctx$$ctx --out $(STUDY) || exit 1; \
+	done
 	$(BIN)/specdec bench --config all_gguf -t 0 --category rewrite --drafter prediction -k auto \
 	  --variants lookup:auto,wrong-prediction:auto --prompts 5 --warmup 1 --max-new-tokens 640 \
 	  --out $(STUDY) --tag rewrite

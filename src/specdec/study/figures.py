@@ -448,6 +448,13 @@ def fig_verify_scaling(study: Study, path: Path) -> Path | None:
     ax.plot(bs, [1] * len(bs), color="#999999", ls="--", label="ideal parallel, v(b) = 1")
     for i, m in enumerate(micros):
         step = f"target step {m.target_step_ms:.1f} ms"
+        if m.prefix_tokens is not None:
+            step = f"context {m.prefix_tokens}, {step}"
+        tag = Path(m.src).stem.rpartition("_")[2] if "_" in Path(m.src).stem else ""
+        if m.deterministic:
+            step = f"deterministic, {step}"
+        elif tag and not tag.startswith(("ctx", "llamacpp-", "hf-", "mock")):
+            step = f"{tag}, {step}"  # the artifact's --tag: e.g. tiled-on
         if m.draft_step_ms is not None:
             step += f", draft step {m.draft_step_ms:.1f} ms"
         c = f"c = {m.c:.3f}" if m.c is not None else "no draft: c not measured"
@@ -458,7 +465,7 @@ def fig_verify_scaling(study: Study, path: Path) -> Path | None:
             color=f"C{i % 10}",
             label=f"{m.label}\n{step}; {c}",
         )
-    ax.set_xticks(bs)
+    ax.set_xticks([b for b in bs if b == 1 or b % (8 if bmax > 32 else 1) == 0])
     ax.set_xlabel("b (tokens in one verify pass)")
     ax.set_ylabel("v(b) = median ms(b) / median ms(1)")
     ax.set_ylim(0, max(bmax, *(v.ratio for m in micros for v in m.verify)) * 1.05)
