@@ -271,3 +271,10 @@ class _Stub:
     def __exit__(self, *exc: object) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def test_two_endpoints_without_a_tokenizer_is_a_clear_error(tmp_path) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}"
+    cfg = _bench_cfg(endpoint=url, endpoint_baseline=url)  # mock target: no tokenizer
+    with pytest.raises(ValueError, match="need a target with a tokenizer"):
+        run_bench(cfg, tmp_path, progress=False)

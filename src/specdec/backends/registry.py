@@ -148,7 +148,7 @@ def is_fetched(name: str) -> bool:
     return cached_path(name).is_file()
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
@@ -176,7 +176,7 @@ def _verified(path: Path, sha: str) -> bool:
                 return f.read(4) == b"GGUF"
     except (OSError, ValueError):
         pass
-    if _sha256_file(path) != sha:
+    if sha256_file(path) != sha:
         return False
     try:
         _write_sidecar(path, sha)
@@ -513,7 +513,7 @@ def verify(name: str) -> VerifyResult:
     with _model_lock(name):
         if not path.is_file():
             return "missing"
-        if _sha256_file(path) == entry.sha256:
+        if sha256_file(path) == entry.sha256:
             _write_sidecar(path, entry.sha256)
             return "ok"
         _sidecar(path).unlink(missing_ok=True)

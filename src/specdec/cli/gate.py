@@ -244,10 +244,8 @@ def _greedy_prompts(prompts: list, settings: GateSettings) -> list:
 
 def _cmd_llama_server_gate(args: argparse.Namespace, settings: GateSettings) -> int:
     """llama-server in a speculative mode against llama-server alone, on the --config pair."""
-    from specdec.backends import parse_spec
     from specdec.backends.configs import resolve_config
-    from specdec.backends.registry import resolve
-    from specdec.study import anchors, endpoint
+    from specdec.study import anchors
 
     if args.endpoint is not None or args.endpoint_baseline is not None:
         raise ValueError("--llama-server starts both servers itself: drop --endpoint*")
@@ -255,23 +253,10 @@ def _cmd_llama_server_gate(args: argparse.Namespace, settings: GateSettings) -> 
         raise ValueError("--llama-server needs --config NAME (the pair llama-server runs)")
     cfg = resolve_config(args.config)
     mode = args.llama_server
-    anchors.check_modes([mode], cfg.target, cfg.draft)
-    target = resolve(parse_spec(cfg.target)[1])
-    draft = resolve(parse_spec(cfg.draft)[1]) if mode == "draft" else None
-    servers = [anchors.server_for(m, target, draft) for m in (mode, "none")]
+    servers = anchors.servers_for([mode, "none"], cfg.target, cfg.draft)
     with anchors.servers(servers):
-        eps = [
-            endpoint.Endpoint(
-                s.url,
-                "target",
-                "chat",
-                label=anchors.method_name(m),
-                extra=anchors.NEUTRAL_SAMPLING,
-            )
-            for s, m in zip(servers, (mode, "none"), strict=True)
-        ]
-        extra = {"llama_server": mode, "commands": [s.command()[1:] for s in servers]}
-        extra["build"] = anchors.manifest()
+        eps = [s.endpoint() for s in servers]
+        extra = {"llama_server": mode, "servers": [s.describe() for s in servers]}
         return _endpoint_gate(args, settings, eps, cfg.target, tag=args.tag or mode, extra=extra)
 
 

@@ -31,7 +31,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.backends.registry import specdec_home
+from specdec.backends import parse_spec
+from specdec.backends.registry import resolve, sha256_file, specdec_home
+from specdec.study.endpoint import Endpoint
 
 PACKAGE = "llama-cpp-python"
 #: The llama.cpp tools built (cmake targets); binaries land in <anchor dir>/bin/.
@@ -79,13 +81,13 @@ def binary(name: str = "llama-server", version: str | None = None) -> Path:
     if not path.is_file():
         raise AnchorError(
             f"{name} is not built for {PACKAGE} {version or installed_version()} (looked for "
-            f"{path}); run `specdec anchors build` once (~20 min on 2 cores)"
+            f"{path}); run `specdec anchors build` once (~7 min on 2 cores)"
         )
     return path
 
 
 def manifest(version: str | None = None) -> dict | None:
-    """What `build` recorded (version, llama.cpp commit, flags, seconds), or None."""
+    """What `build` recorded (version, sdist and its sha256, flags, seconds), or None."""
     path = anchor_dir(version) / "manifest.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -177,7 +179,7 @@ def build(
         progress(f"configuring llama.cpp from {Path(sdist).name} (log: {log})")
         build_dir = work / "build"
         _run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS], log, None)
-        progress(f"building {', '.join(TARGETS)} with {jobs} jobs (~20 min on 2 cores)")
+        progress(f"building {', '.join(TARGETS)} with {jobs} jobs (~7 min on 2 cores)")
         last = [-10]
 
         def report(pct: int) -> None:
@@ -195,7 +197,7 @@ def build(
             "version": version,
             # the sdist carries no git metadata: its hash names the exact source
             "sdist": Path(sdist).name,
-            "sdist_sha256": _sha256(Path(sdist)),
+            "sdist_sha256": sha256_file(Path(sdist)),
             "cmake_flags": list(CMAKE_FLAGS),
             "targets": list(TARGETS),
             "jobs": jobs,
@@ -205,16 +207,6 @@ def build(
         (out / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")
     progress(f"built {', '.join(TARGETS)} in {info['build_s']:.0f} s -> {out / 'bin'}")
     return out / "bin"
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------ modes
@@ -236,11 +228,11 @@ SERVER_MODES: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_MODES = ("none", "draft", "ngram-mod", "ngram-map-k")
 #: The numerics specdec's llama.cpp backend runs with (flash attention, a q8_0 K cache,
-#: backends/llamacpp.py), so that both engines do the same arithmetic; llama-server's prompt
-#: cache is off, as specdec's bench recomputes every prompt.
+#: backends/llamacpp.py), so that both engines do the same arithmetic.
 SAME_NUMERICS = ("-fa", "on", "-ctk", "q8_0")
 #: Request fields that make llama-server sample as specdec does (temperature alone): its
-#: default chain adds top_k 40, top_p 0.95 and min_p 0.05.
+#: default chain adds top_k 40, top_p 0.95 and min_p 0.05. Its prompt cache is off, as
+#: specdec's bench prefills every prompt.
 NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "cache_prompt": False}
 
 
@@ -268,7 +260,18 @@ def check_modes(modes: Sequence[str], target: str, draft: str) -> None:
 def server_for(mode: str, target: Path, draft: Path | None) -> LlamaServer:
     """The LlamaServer that runs `mode` on these GGUF files (all cores, as specdec's backend)."""
     flags = tuple(a.replace("{draft}", str(draft)) for a in SERVER_MODES[mode])
-    return LlamaServer(target, (*SAME_NUMERICS, *flags))
+    return LlamaServer(target, (*SAME_NUMERICS, *flags), mode=mode)
+
+
+def servers_for(modes: Sequence[str], target: str, draft: str) -> list[LlamaServer]:
+    """One LlamaServer per mode on the GGUF files of the `target` and `draft` specs (fetched
+    if missing; the draft only when a mode needs it), after check_modes; [] for no modes."""
+    if not modes:
+        return []
+    check_modes(modes, target, draft)
+    target_path = resolve(parse_spec(target)[1])
+    draft_path = resolve(parse_spec(draft)[1]) if "draft" in modes else None
+    return [server_for(m, target_path, draft_path) for m in modes]
 
 
 # ------------------------------------------------------------------------------ running
@@ -287,6 +290,7 @@ class LlamaServer:
 
     model: Path
     args: tuple[str, ...] = ()
+    mode: str = "none"  # the SERVER_MODES entry `args` came from, for labels
     threads: int | None = None
     ctx: int = 4096
     startup_s: float = 180.0
@@ -298,6 +302,18 @@ class LlamaServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def endpoint(self) -> Endpoint:
+        """How the harness addresses this server: the chat API (the file's own template,
+        --jinja, as our bench templates prompts), sampling as specdec does."""
+        return Endpoint(
+            self.url, "target", "chat", label=method_name(self.mode), extra=NEUTRAL_SAMPLING
+        )
+
+    def describe(self) -> dict:
+        """What an artifact records of it: the command (the binary by name) and the build."""
+        cmd = self.command()
+        return {"command": [Path(cmd[0]).name, *cmd[1:]], "build": manifest()}
 
     def command(self) -> list[str]:
         threads = self.threads or os.cpu_count() or 1

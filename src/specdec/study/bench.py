@@ -328,8 +328,6 @@ def _engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
     (started one at a time before the first prompt, stopped after the last)."""
     from contextlib import ExitStack
 
-    from specdec.backends.registry import resolve
-
     key = endpoint.api_key_from_env()
     given = {"speculative": cfg.endpoint, "baseline": cfg.endpoint_baseline}
     eps = {
@@ -339,24 +337,13 @@ def _engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
     }
     settings: dict[str, Any] = {m: ep.describe() for m, ep in eps.items()}
     with ExitStack() as stack:
-        if cfg.llama_server:
-            target = resolve(parse_spec(cfg.target)[1])
-            draft = resolve(parse_spec(cfg.draft)[1]) if "draft" in cfg.llama_server else None
-            for mode in cfg.llama_server:
-                srv = anchors.server_for(mode, target, draft)
-                if progress:
-                    print(f"starting {anchors.method_name(mode)}: {srv.args}", file=sys.stderr)
-                stack.enter_context(srv)
-                name = anchors.method_name(mode)
-                # the file's own chat template (--jinja) on the chat API, as our bench templates
-                eps[name] = endpoint.Endpoint(
-                    srv.url, "target", "chat", label=name, extra=anchors.NEUTRAL_SAMPLING
-                )
-                settings[name] = {
-                    **eps[name].describe(),
-                    "command": [Path(srv.command()[0]).name, *srv.command()[1:]],
-                    "build": anchors.manifest(),
-                }
+        for srv in anchors.servers_for(cfg.llama_server, cfg.target, cfg.draft):
+            if progress:
+                print(f"starting {anchors.method_name(srv.mode)}: {srv.args}", file=sys.stderr)
+            stack.enter_context(srv)
+            ep = srv.endpoint()
+            eps[ep.name] = ep
+            settings[ep.name] = {**ep.describe(), **srv.describe()}
         clients = {m: stack.enter_context(endpoint.Client(ep)) for m, ep in eps.items()}
         yield Engines(clients, settings)
 
@@ -392,8 +379,9 @@ def _runners(
     engines: Engines,
     tokenizer: Any,
 ) -> dict[str, Runner]:
-    """Every method of the run, in run order (`_order`); an endpoint's client replaces the
-    in-process baseline or speculative method it stands for."""
+    """Every method of the run, in run order: baseline, speculative, then hf_assisted or the
+    llama-server methods (one --compare at a time), then the variants. An endpoint's client
+    replaces the in-process baseline or speculative method it stands for."""
     sampling = dict(max_new_tokens=cfg.max_new_tokens, warp=cfg.warp, stop_ids=stops)
 
     def speculative(drafter: str, k: int | str) -> Runner:
@@ -435,13 +423,7 @@ def _runners(
         )
     for v in cfg.variants:
         runners[variant_name(*parse_variant(v))] = speculative(*parse_variant(v))
-    return {m: runners[m] for m in _order(runners)}
-
-
-def _order(runners: Mapping[str, Runner]) -> list[str]:
-    """Run order: baseline, speculative, hf_assisted, the variants, the llama-server anchors."""
-    main = [m for m in METHODS if m in runners]
-    return main + [m for m in runners if m not in METHODS]
+    return runners
 
 
 def _endpoint_runner(
@@ -569,7 +551,13 @@ def _tokenizer(cfg: BenchConfig, draft: SpecModel | None, target: SpecModel | No
     if target is None and draft is None:
         from specdec.backends import load_tokenizer_of
 
-        return load_tokenizer_of(cfg.target)
+        tokenizer = load_tokenizer_of(cfg.target)
+        if tokenizer is None:  # nothing would turn prompts into ids or count tokens
+            raise ValueError(
+                f"two endpoints need a target with a tokenizer to read their answers with; "
+                f"{cfg.target} has none (give a llamacpp: or hf: --target)"
+            )
+        return tokenizer
     return None
 
 

@@ -328,7 +328,7 @@ def _error_text(raw: str) -> str:
 def run_record(reply: Reply, endpoint: Endpoint, tokenizer: Any) -> dict[str, Any]:
     """The bench's RUN record for one reply (the keys `bench.aggregate_runs` reads, plus the
     endpoint's own). Drafted/accepted come from llama-server's `timings` when it sends them."""
-    ids = _tokenize(tokenizer, reply.text)
+    ids = tokenize(tokenizer, reply.text)
     usage_n = (reply.usage or {}).get("completion_tokens")
     n = int(usage_n) if isinstance(usage_n, int) else len(ids)
     ttft = reply.ttft_s if reply.ttft_s is not None else reply.wall_s
@@ -358,7 +358,9 @@ def run_record(reply: Reply, endpoint: Endpoint, tokenizer: Any) -> dict[str, An
     return rec
 
 
-def _tokenize(tokenizer: Any, text: str) -> list[int]:
+def tokenize(tokenizer: Any, text: str) -> list[int]:
+    """Ids of an answer's text as the target would have produced them: no special tokens
+    ([] without a tokenizer)."""
     if tokenizer is None:
         return []
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

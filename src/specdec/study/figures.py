@@ -450,11 +450,8 @@ def fig_verify_scaling(study: Study, path: Path) -> Path | None:
         step = f"target step {m.target_step_ms:.1f} ms"
         if m.prefix_tokens is not None:
             step = f"context {m.prefix_tokens}, {step}"
-        tag = Path(m.src).stem.rpartition("_")[2] if "_" in Path(m.src).stem else ""
-        if m.deterministic:
-            step = f"deterministic, {step}"
-        elif tag and not tag.startswith(("ctx", "llamacpp-", "hf-", "mock")):
-            step = f"{tag}, {step}"  # the artifact's --tag: e.g. tiled-on
+        # the file names the target and the run's --tag (e.g. _deterministic, _tiled-on)
+        step = f"{Path(m.src).stem.removeprefix('microbench_')}: {step}"
         if m.draft_step_ms is not None:
             step += f", draft step {m.draft_step_ms:.1f} ms"
         c = f"c = {m.c:.3f}" if m.c is not None else "no draft: c not measured"

@@ -146,7 +146,7 @@ def endpoint_methods(speculative: Any, baseline: Any, tokenizer: Any) -> Methods
         reply = client.stream(endpoint.Request(prompt[1], n, t, seed))
         timings = reply.timings or {}
         return Sample(
-            list(tokenizer(reply.text, add_special_tokens=False)["input_ids"]),
+            endpoint.tokenize(tokenizer, reply.text),
             int(timings.get("draft_n") or 0),
             int(timings.get("draft_n_accepted") or 0),
         )
