@@ -67,10 +67,14 @@ study: venv
 	  --draft llamacpp:qwen2.5-coder-0.5b --check $(STUDY)/sweep/bench_*.json --out $(STUDY)
 	$(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b --max-batch 32 --repeats 3 \
 	  --deterministic --tag deterministic --out $(STUDY)
-	for ctx in 512 1024 2048; do \
-	  $(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b --max-batch 64 --repeats 1 \
+	for ctx in 128 512 1024 2048; do \
+	  $(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b --max-batch 128 --repeats 2 \
 	    --prefix $$ctx --tag ctx$$ctx --out $(STUDY) || exit 1; \
 	done
+	$(BIN)/specdec profile --target llamacpp:qwen2.5-coder-1.5b --contexts 128,1024 \
+	  --batch 1,16,64 --out $(STUDY)
+	$(BIN)/specdec profile --target llamacpp:qwen2.5-coder-1.5b --contexts 128,1024 \
+	  --batch 1,16,64 --type-k f16 --tag f16 --out $(STUDY)
 	$(BIN)/specdec bench --config all_gguf -t 0 --category rewrite --drafter prediction -k auto \
 	  --variants lookup:auto,wrong-prediction:auto --prompts 5 --warmup 1 --max-new-tokens 640 \
 	  --out $(STUDY) --tag rewrite
@@ -91,7 +95,7 @@ study: venv
 ANCHORS := results/cpu/anchors
 ANCHOR_BENCH := --category rewrite --drafter prediction -k auto \
   --variants lookup:auto,wrong-prediction:auto --max-new-tokens 512 --compare llama-server \
-  --llama-server-modes none,draft,ngram-mod,ngram-map-k --out $(ANCHORS) --tag anchors
+  --llama-server-modes none,draft,ngram-mod,ngram-map-k,lookup --out $(ANCHORS) --tag anchors
 anchors: venv
 	$(BIN)/specdec anchors build
 

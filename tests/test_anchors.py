@@ -89,3 +89,94 @@ def test_bench_and_gate_refuse_bad_llama_server_settings_before_loading_anything
     bad_url = ["gate", "--config", "all_gguf", "--endpoint", "localhost:1"]
     assert cli.main([*bad_url, "--endpoint-baseline", "http://127.0.0.1:1"]) == 2
     assert "is not an http(s) URL" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ llama-lookup
+_REPORT = """
+encoded  512 tokens in    9.250 seconds, speed:   55.351 t/s
+decoded  301 tokens in   10.500 seconds, speed:   28.667 t/s
+
+n_draft      = 16
+n_predict    = 301
+n_drafted    = 640
+t_draft_flat = 0.40 ms
+t_draft      = 12.00 ms, 18.75 us per token, 53333.33 tokens per second
+n_accept     = 250
+accept       = 39.062%
+"""
+
+
+def _fake_lookup(tmp_path: Path, answer: str, rc: int = 0) -> Path:
+    """A stand-in for llama-lookup: echoes the prompt (its file less the newline -f drops) and
+    an answer on stdout, the closing report on stderr, and records its arguments."""
+    exe = tmp_path / "llama-lookup"
+    (tmp_path / "report.txt").write_text(_REPORT)
+    (tmp_path / "answer.txt").write_text(answer)
+    exe.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" > {tmp_path}/args.txt\n'
+        'while [ "$1" != "-f" ]; do shift; done\n'
+        f'printf "\\n\\n"; head -c -1 "$2"; cat {tmp_path}/answer.txt; printf "\\n\\n"\n'
+        f"cat {tmp_path}/report.txt >&2\n"
+        f"exit {rc}\n"
+    )
+    exe.chmod(0o755)
+    return exe
+
+
+def test_llama_lookup_runs_once_per_prompt_and_reads_its_report(tmp_path) -> None:
+    exe = _fake_lookup(tmp_path, "def f():\n    return 1\n")
+    with anchors.LlamaLookup(tmp_path / "t.gguf", exe=exe) as tool:
+        r = tool.run("<|im_start|>user\nhi<|im_end|>\n", max_tokens=300, temperature=0.0, seed=7)
+    assert r["text"] == "def f():\n    return 1\n"  # the echoed prompt and blank lines removed
+    assert (r["prompt_tokens"], r["generated"], r["drafted"], r["accepted"]) == (512, 301, 640, 250)
+    assert r["prefill_s"] == 9.25 and r["decode_s"] == 10.5
+    args = (tmp_path / "args.txt").read_text().split()
+    assert args[args.index("-n") + 1] == "299"  # it samples one more than -n
+    assert args[args.index("--seed") + 1] == "7" and args[args.index("--top-k") + 1] == "0"
+    assert args[args.index("-ctk") + 1] == "q8_0"  # the numerics of the servers and our backend
+    assert anchors.method_name("lookup") == "llama-lookup"
+
+
+def test_llama_lookup_failures_are_clear(tmp_path, monkeypatch) -> None:
+    with pytest.raises(anchors.AnchorError, match=r"(?s)exited \(3\).*n_accept"):
+        anchors.LlamaLookup(tmp_path / "t.gguf", exe=_fake_lookup(tmp_path, "x", rc=3)).run(
+            "p", 8, 0.0, 0
+        )
+    with pytest.raises(anchors.AnchorError, match="printed no drafted, accepted line"):
+        anchors.parse_lookup_report(_REPORT.replace("n_drafted", "x").replace("n_accept", "y"))
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "empty"))
+    with pytest.raises(anchors.AnchorError, match="specdec anchors build"):
+        with anchors.LlamaLookup(tmp_path / "t.gguf"):
+            pass
+    # a tool mode is for the bench: the gate, which needs a server, refuses it by name
+    anchors.check_modes(["ngram-mod", "lookup"], "llamacpp:a", "llamacpp:b", tools=True)
+    with pytest.raises(ValueError, match=r"lookup: `specdec bench` only"):
+        anchors.check_modes(["lookup"], "llamacpp:a", "llamacpp:b")
+
+
+def test_bench_runs_llama_lookup_on_the_templated_prompt(tmp_path) -> None:
+    """The bench's runner gives llama-lookup the task's chat-templated prompt as text and turns
+    its report into a RUN record; a prompt that tokenizes differently is a recorded failure."""
+    from specdec.study import bench, endpoint
+
+    class Tok:  # ids are characters: the round trip is exact
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    prompt = "<|im_start|>user\nhi<|im_end|>\n"
+    exe = _fake_lookup(tmp_path, "ok")
+    (tmp_path / "report.txt").write_text(_REPORT.replace(" 512 tokens", f" {len(prompt)} tokens"))
+    cfg = bench.BenchConfig("custom", "mock:vocab=300", "mock:vocab=300", max_new_tokens=300)
+    tool = anchors.LlamaLookup(tmp_path / "t.gguf", exe=exe)
+    run = bench._tool_runner(cfg, "llama-lookup", tool, Tok())
+    task = bench.Task([ord(c) for c in prompt], 0, None, None, text="hi")
+    rec = run(task)
+    assert rec["generated"] == 301 and rec["tokens"] == [ord("o"), ord("k")]
+    assert rec["wall_s"] == pytest.approx(19.75) and rec["prefill_s"] == 9.25
+    assert rec["tokens_per_s"] == pytest.approx(301 / 19.75)
+    with pytest.raises(endpoint.EndpointError, match=rf"read {len(prompt)} .* bench has 5"):
+        run(bench.Task([ord(c) for c in "hello"], 0, None, None, text="hi"))

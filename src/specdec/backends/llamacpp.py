@@ -39,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,42 @@ class OpCapture:
         return True  # go on computing
 
 
+class OpTimer:
+    """Wall time of every node llama.cpp computes while `recording` is True, through the same
+    eval callback as OpCapture: asking for every node makes the scheduler compute the graph one
+    node per call, so the time from one node's callback to the next is that node's compute plus
+    a fixed launch cost (measured on the graph's no-op nodes, views and reshapes: see
+    study.profile). Call `begin()` just before the pass; `nodes` then lists, in graph order,
+    (node name, op, weight name, weight type, seconds); the first node's time includes the
+    graph's build and input upload. Diagnostics only.
+    """
+
+    def __init__(self) -> None:
+        llama = _llama()
+        self.recording = False
+        self.nodes: list[tuple[str, str, str | None, str | None, float]] = []
+        self._ggml = _ggml_base(llama)
+        self._t = 0.0
+        self.callback = llama.ggml_backend_sched_eval_callback(self._on_eval)
+
+    def begin(self) -> None:
+        self.nodes, self._t = [], time.perf_counter()
+
+    def _on_eval(self, t: int, ask: bool, _user: Any) -> bool:
+        if ask:
+            return self.recording
+        now = time.perf_counter()
+        g, head = self._ggml, _TensorHead.from_address(t)
+        weight = weight_type = None
+        if g.ggml_op_desc(t) == b"MUL_MAT" and head.src[0]:
+            weight = g.ggml_get_name(head.src[0]).decode()
+            weight_type = g.ggml_type_name(_TensorHead.from_address(head.src[0]).type).decode()
+        name, op = g.ggml_get_name(t).decode(), g.ggml_op_desc(t).decode()
+        self.nodes.append((name, op, weight, weight_type, now - self._t))
+        self._t = time.perf_counter()  # the bookkeeping above is not the next node's time
+        return True
+
+
 _GGML_TYPE_F32 = 0
 
 
@@ -184,7 +221,11 @@ def _ggml_base(llama: Any) -> Any:
 
 def _cost_store(path: Path, model: LlamaCppModel) -> Path:
     """Where k="auto" keeps this model's verify-cost curve: one file per GGUF content, build,
-    thread count and numerics setting (each changes v(b)), under $SPECDEC_HOME/costs/."""
+    thread count and numerics setting (each changes v(b)), under $SPECDEC_HOME/costs/. The
+    build is the llama-cpp-python version and the CPU kernels compiled in (a -march=native
+    build of the same version runs batched passes 15-25% faster on an AVX-512 host)."""
+    import zlib
+
     import llama_cpp
 
     from specdec.backends.registry import specdec_home
@@ -194,6 +235,7 @@ def _cost_store(path: Path, model: LlamaCppModel) -> Path:
     parts = [
         gguf_cache_key(path),
         f"lcp{llama_cpp.__version__}",
+        f"cpu{zlib.crc32(llama_cpp.llama_print_system_info()) & 0xFFFF:04x}",
         f"t{c.n_threads}",
         f"b{model.n_batch}",
         f"k{c.type_k}",
@@ -254,7 +296,7 @@ class LlamaCppModel(SpecModel):
         type_k: int = DEFAULT_TYPE_K,
         deterministic: bool = False,
         repack: bool | None = None,
-        op_capture: OpCapture | None = None,
+        op_capture: OpCapture | OpTimer | None = None,
     ) -> None:
         super().__init__()
         llama = self._llama = _llama()
@@ -314,7 +356,7 @@ class LlamaCppModel(SpecModel):
         )
         cparams.type_k = type_k
         cparams.no_perf = True
-        if op_capture is not None:  # diagnostics only (study.invariance)
+        if op_capture is not None:  # diagnostics only (study.invariance, study.profile)
             cparams.cb_eval = op_capture.callback
             cparams.cb_eval_user_data = None
         self._op_capture = op_capture  # keeps the callback alive with the context
@@ -342,7 +384,7 @@ class LlamaCppModel(SpecModel):
         kwargs: n_ctx, n_batch, n_threads, n_gpu_layers, flash_attn, type_k, deterministic (see
         the module docstring for why flash attention and a q8_0 K cache are the defaults, and
         what deterministic mode changes); for diagnostics, repack (None: off exactly when
-        deterministic) and op_capture (an OpCapture).
+        deterministic) and op_capture (an OpCapture or OpTimer).
         """
         from specdec.backends.registry import check_gguf_file
         from specdec.backends.tokenizer import load_tokenizer

@@ -139,8 +139,9 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "--llama-server-modes",
         default=",".join(anchors.DEFAULT_MODES),
         metavar="MODE,...",
-        help=f"with --compare llama-server: {', '.join(anchors.SERVER_MODES)} (comma-separated; "
-        f"default {','.join(anchors.DEFAULT_MODES)}; settings are llama.cpp's defaults)",
+        help=f"with --compare llama-server: {', '.join(anchors.SERVER_MODES)}, or lookup "
+        f"(llama-lookup, one process per prompt) (comma-separated; default "
+        f"{','.join(anchors.DEFAULT_MODES)}; settings are llama.cpp's defaults)",
     )
     e = p.add_argument_group(
         "endpoints",

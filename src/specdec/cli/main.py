@@ -24,6 +24,7 @@ COMMANDS = {
     "microbench": "specdec.cli.microbench",
     "gate": "specdec.cli.gate",
     "invariance": "specdec.cli.invariance",
+    "profile": "specdec.cli.profile",
     "figures": "specdec.cli.figures",
     "report": "specdec.cli.figures",
     "serve": "specdec.cli.serve",

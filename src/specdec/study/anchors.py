@@ -236,18 +236,29 @@ SAME_NUMERICS = ("-fa", "on", "-ctk", "q8_0")
 NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "cache_prompt": False}
 
 
+#: llama.cpp tools run once per prompt beside the servers (bench only): mode -> binary.
+#: "lookup" is examples/lookup: n-gram-cache drafting (common_ngram_cache, n-grams of 1-4,
+#: draft n_max 16 by default), verified by greedy/sampled equality like llama-server's modes.
+TOOL_MODES: dict[str, str] = {"lookup": "llama-lookup"}
+
+
 def method_name(mode: str) -> str:
-    """The bench method of a llama-server mode: 'llama-server' or 'llama-server-<mode>'."""
+    """The bench method of a mode: 'llama-server', 'llama-server-<mode>' or the tool's name."""
+    if mode in TOOL_MODES:
+        return TOOL_MODES[mode]
     return "llama-server" if mode == "none" else f"llama-server-{mode}"
 
 
-def check_modes(modes: Sequence[str], target: str, draft: str) -> None:
-    """ValueError naming the fix for an unknown mode or a pair llama-server cannot load."""
-    unknown = [m for m in modes if m not in SERVER_MODES]
+def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = False) -> None:
+    """ValueError naming the fix for an unknown mode or a pair llama-server cannot load;
+    `tools`: TOOL_MODES are allowed too (the bench runs them, the gate does not)."""
+    known = {**SERVER_MODES, **(TOOL_MODES if tools else {})}
+    unknown = [m for m in modes if m not in known]
     if unknown:
+        where = "" if tools else f" ({', '.join(TOOL_MODES)}: `specdec bench` only)"
         raise ValueError(
             f"unknown llama-server mode(s) {', '.join(unknown)}; choose from "
-            f"{', '.join(SERVER_MODES)}"
+            f"{', '.join(known)}{where}"
         )
     need = [("target", target)] + ([("draft", draft)] if "draft" in modes else [])
     for role, spec in need:
@@ -263,15 +274,21 @@ def server_for(mode: str, target: Path, draft: Path | None) -> LlamaServer:
     return LlamaServer(target, (*SAME_NUMERICS, *flags), mode=mode)
 
 
-def servers_for(modes: Sequence[str], target: str, draft: str) -> list[LlamaServer]:
-    """One LlamaServer per mode on the GGUF files of the `target` and `draft` specs (fetched
-    if missing; the draft only when a mode needs it), after check_modes; [] for no modes."""
+def servers_for(
+    modes: Sequence[str], target: str, draft: str, tools: bool = False
+) -> list[LlamaServer | LlamaLookup]:
+    """One LlamaServer per mode (a LlamaLookup per tool mode, with `tools`) on the GGUF files
+    of the `target` and `draft` specs (fetched if missing; the draft only when a mode needs
+    it), after check_modes; [] for no modes."""
     if not modes:
         return []
-    check_modes(modes, target, draft)
+    check_modes(modes, target, draft, tools)
     target_path = resolve(parse_spec(target)[1])
     draft_path = resolve(parse_spec(draft)[1]) if "draft" in modes else None
-    return [server_for(m, target_path, draft_path) for m in modes]
+    return [
+        LlamaLookup(target_path) if m in TOOL_MODES else server_for(m, target_path, draft_path)
+        for m in modes
+    ]
 
 
 # ------------------------------------------------------------------------------ running
@@ -376,6 +393,116 @@ class LlamaServer:
         if self.log is not None:
             with contextlib.suppress(OSError):
                 self.log.unlink()
+
+
+#: llama-lookup's closing report (examples/lookup/lookup.cpp, on stderr)
+_LOOKUP_STATS = {
+    "prompt_tokens": re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+    "generated": re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+    "drafted": re.compile(r"n_drafted\s*=\s*(\d+)"),
+    "accepted": re.compile(r"n_accept\s*=\s*(\d+)"),
+}
+
+
+@dataclass
+class LlamaLookup:
+    """llama.cpp's `llama-lookup` example, one process per prompt (it has no server): the
+    prompt, already rendered with the chat template, goes in a file; its own timers give the
+    prefill ("encoded") and decode ("decoded") seconds, so model loading is left out as it is
+    for every other method. Same numerics as the servers (SAME_NUMERICS), all cores.
+
+    It stops once it has sampled more than -n tokens (accepted drafts run past the limit), so
+    it is asked for max_tokens - 1; rates, not lengths, are compared.
+    """
+
+    model: Path
+    args: tuple[str, ...] = ()
+    mode: str = "lookup"
+    threads: int | None = None
+    ctx: int = 4096
+    timeout_s: float = 1800.0
+    exe: Path | None = None
+
+    def __enter__(self) -> LlamaLookup:
+        self.exe = self.exe or binary(TOOL_MODES["lookup"])  # AnchorError names the build
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def describe(self) -> dict:
+        """The command with placeholders for what changes per prompt, and the build."""
+        cmd = self.command("PROMPT_FILE", "MAX_TOKENS-1", "TEMPERATURE", "SEED")
+        return {"command": [Path(cmd[0]).name, *cmd[1:]], "build": manifest()}
+
+    def command(self, prompt_file: object, n: object, temperature: object, seed: object) -> list:
+        """The tool's command line; `n` is its -n (it samples one token more)."""
+        threads = self.threads or os.cpu_count() or 1
+        return [
+            str(self.exe or binary(TOOL_MODES["lookup"])),
+            *("-m", str(self.model), "-f", str(prompt_file), "-c", str(self.ctx)),
+            *("-t", str(threads), "-tb", str(threads), "-n", str(n)),
+            *("--temp", str(temperature), "--seed", str(seed)),
+            *("--top-k", "0", "--top-p", "1", "--min-p", "0"),  # temperature alone, as specdec
+            *SAME_NUMERICS,
+            *self.args,
+        ]
+
+    def run(self, prompt: str, max_tokens: int, temperature: float, seed: int) -> dict:
+        """One generation: {text, prompt_tokens, generated, prefill_s, decode_s, drafted,
+        accepted, process_s}; AnchorError with the tool's last lines if it fails."""
+        with tempfile.TemporaryDirectory(prefix="llama-lookup-") as tmp:
+            pf = Path(tmp) / "prompt.txt"
+            # -f drops one trailing newline (common/arg.cpp); the templated prompt ends in one
+            pf.write_text(prompt + "\n", encoding="utf-8")
+            t0 = time.perf_counter()
+            try:
+                res = subprocess.run(
+                    self.command(pf, max(1, max_tokens - 1), temperature, seed),
+                    capture_output=True,
+                    timeout=self.timeout_s,
+                    cwd=tmp,  # it saves an (empty) n-gram cache file where it runs
+                    preexec_fn=_die_with_parent,
+                )
+            except subprocess.TimeoutExpired:
+                raise AnchorError(f"llama-lookup ran past {self.timeout_s:.0f} s") from None
+            process_s = time.perf_counter() - t0
+        out = res.stdout.decode("utf-8", "replace")
+        err = res.stderr.decode("utf-8", "replace")
+        if res.returncode != 0:
+            tail = "\n".join(err.splitlines()[-15:])
+            raise AnchorError(f"llama-lookup exited ({res.returncode}):\n{tail}")
+        return {
+            **parse_lookup_report(err),
+            "text": _after_prompt(out, prompt),
+            "process_s": process_s,
+        }
+
+
+def parse_lookup_report(stderr: str) -> dict:
+    """The counts and seconds of llama-lookup's closing report; AnchorError if it is missing."""
+    found = {k: rx.search(stderr) for k, rx in _LOOKUP_STATS.items()}
+    missing = [k for k, m in found.items() if m is None]
+    if missing:
+        tail = "\n".join(stderr.splitlines()[-15:])
+        raise AnchorError(f"llama-lookup printed no {', '.join(missing)} line:\n{tail}")
+    enc, dec = found["prompt_tokens"], found["generated"]
+    return {
+        "prompt_tokens": int(enc[1]),
+        "prefill_s": float(enc[2]),
+        "generated": int(dec[1]),
+        "decode_s": float(dec[2]),
+        "drafted": int(found["drafted"][1]),
+        "accepted": int(found["accepted"][1]),
+    }
+
+
+def _after_prompt(stdout: str, prompt: str) -> str:
+    """The generated text: llama-lookup echoes the prompt (special tokens as text), then the
+    answer, between blank lines."""
+    at = stdout.find(prompt)
+    text = stdout[at + len(prompt) :] if at >= 0 else stdout.lstrip("\n")
+    return text[:-2] if text.endswith("\n\n") else text
 
 
 def _die_with_parent() -> None:

@@ -31,7 +31,7 @@ import statistics
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +149,7 @@ class BenchConfig:
             if url is not None:
                 endpoint.Endpoint(url, api=self.endpoint_api)  # checks the URL and the api
         if self.llama_server:
-            anchors.check_modes(self.llama_server, self.target, self.draft)
+            anchors.check_modes(self.llama_server, self.target, self.draft, tools=True)
         if self.compare is not None:
             if self.compare not in COMPARES:
                 raise ValueError(f"unknown --compare {self.compare!r}; choose from {COMPARES}")
@@ -316,10 +316,12 @@ def _needs(cfg: BenchConfig) -> tuple[bool, bool]:
 
 @dataclass
 class Engines:
-    """The out-of-process methods of a run: method name -> (endpoint client)."""
+    """The out-of-process methods of a run: method name -> endpoint client, or -> a llama.cpp
+    tool run once per prompt (anchors.LlamaLookup)."""
 
     clients: dict[str, endpoint.Client]
     settings: dict[str, Any]  # what the artifact records of them
+    tools: dict[str, anchors.LlamaLookup] = field(default_factory=dict)
 
 
 @contextmanager
@@ -336,16 +338,22 @@ def _engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
         if url is not None
     }
     settings: dict[str, Any] = {m: ep.describe() for m, ep in eps.items()}
+    tools: dict[str, anchors.LlamaLookup] = {}
     with ExitStack() as stack:
-        for srv in anchors.servers_for(cfg.llama_server, cfg.target, cfg.draft):
+        for srv in anchors.servers_for(cfg.llama_server, cfg.target, cfg.draft, tools=True):
+            name = anchors.method_name(srv.mode)
+            if isinstance(srv, anchors.LlamaLookup):
+                tools[name] = stack.enter_context(srv)
+                settings[name] = srv.describe()
+                continue
             if progress:
-                print(f"starting {anchors.method_name(srv.mode)}: {srv.args}", file=sys.stderr)
+                print(f"starting {name}: {srv.args}", file=sys.stderr)
             stack.enter_context(srv)
             ep = srv.endpoint()
             eps[ep.name] = ep
             settings[ep.name] = {**ep.describe(), **srv.describe()}
         clients = {m: stack.enter_context(endpoint.Client(ep)) for m, ep in eps.items()}
-        yield Engines(clients, settings)
+        yield Engines(clients, settings, tools)
 
 
 @contextmanager
@@ -410,6 +418,8 @@ def _runners(
         # (llama-server, like most engines, has no such field)
         pred = name == "speculative" and cfg.drafter == "prediction"
         runners[name] = _endpoint_runner(cfg, client, tokenizer, with_prediction=pred)
+    for name, tool in engines.tools.items():
+        runners[name] = _tool_runner(cfg, name, tool, tokenizer)
     if cfg.compare == "hf-assisted":
         runners["hf_assisted"] = lambda t: hf.run(
             draft,
@@ -443,6 +453,44 @@ def _endpoint_runner(
             prediction=t.prediction_text if with_prediction else None,
         )
         return endpoint.run_record(client.stream(req), client.endpoint, tokenizer)
+
+    return run
+
+
+def _tool_runner(cfg: BenchConfig, name: str, tool: anchors.LlamaLookup, tokenizer: Any) -> Runner:
+    """A llama.cpp tool run once per prompt on the task's chat-templated prompt (as text, the
+    special tokens spelled out: the tool tokenizes them back); the RUN record has the keys of an
+    endpoint's (endpoint.run_record), times from the tool's own report (no model load)."""
+
+    def run(t: Task) -> Mapping[str, Any]:
+        prompt = tokenizer.decode(t.ids, skip_special_tokens=False)
+        try:
+            r = tool.run(prompt, cfg.max_new_tokens, cfg.temperature, t.seed)
+        except anchors.AnchorError as e:  # one prompt's failure, recorded like an endpoint's
+            raise endpoint.EndpointError("tool", str(e)) from e
+        if r["prompt_tokens"] != len(t.ids):  # it would be timing another prompt
+            raise endpoint.EndpointError(
+                "tool",
+                f"{name} read {r['prompt_tokens']} prompt tokens where the bench has "
+                f"{len(t.ids)}: the prompt did not survive the text round trip",
+            )
+        wall = r["prefill_s"] + r["decode_s"]
+        return {
+            "endpoint": name,
+            "generated": r["generated"],
+            "usage_source": "tool report",
+            "wall_s": wall,
+            "ttft_s": r["prefill_s"],
+            "prefill_s": r["prefill_s"],
+            "tokens_per_s": r["generated"] / wall if wall > 0 else 0.0,
+            "prompt_tokens": r["prompt_tokens"],
+            "stop_reason": None,
+            "drafted": r["drafted"],
+            "accepted": r["accepted"],
+            "process_s": r["process_s"],
+            "text": r["text"],
+            "tokens": endpoint.tokenize(tokenizer, r["text"]),
+        }
 
     return run
 

@@ -37,7 +37,8 @@ _ERROR_CHARS = 300  # of a response body quoted in an error
 
 
 class EndpointError(RuntimeError):
-    """One request failed; `kind` is connect, timeout, http, bad_body, stream_error or cut."""
+    """One request failed; `kind` is connect, timeout, http, bad_body, stream_error or cut
+    (or "tool": a llama.cpp tool the bench runs per prompt, study.anchors.LlamaLookup)."""
 
     def __init__(self, kind: str, message: str, status: int | None = None) -> None:
         super().__init__(message)
