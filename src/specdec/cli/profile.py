@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from pathlib import Path
 
 from specdec.cli import args as cli_args
 from specdec.cli.invariance import _ints
-from specdec.study.artifacts import meta_block, write_json
+from specdec.study.artifacts import meta_block, named_artifact, write_json
 from specdec.study.profile import SCHEMA, format_table, run_profile
 
 #: --type-k names -> ggml_type
@@ -70,8 +68,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "probes": probes,
     }
-    name = "_".join(x for x in (args.target.split(":", 1)[1], args.tag) if x)
-    out = Path(args.out) / f"profile_{re.sub(r'[^A-Za-z0-9._-]+', '-', name)}.json"
+    out = named_artifact(args.out, "profile", args.target.split(":", 1)[1], args.tag)
     write_json(out, art)
     print(format_table(probes))
     print(f"wrote {out}", file=sys.stderr)

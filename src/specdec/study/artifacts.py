@@ -67,6 +67,13 @@ class _Json:
         return to_json(self)
 
 
+def named_artifact(out: str | os.PathLike[str], kind: str, *parts: str | None) -> Path:
+    """<out>/<kind>_<part>[_<part>...].json, the parts that are given joined by "_" and made
+    filesystem-safe (e.g. a model name with a colon, a --tag)."""
+    name = "_".join(x for x in parts if x)
+    return Path(out) / f"{kind}_{re.sub(r'[^A-Za-z0-9._-]+', '-', name)}.json"
+
+
 _NUMBER_LIST = re.compile(r"\[\s*(-?[\d.eE+-]+(?:,\s*-?[\d.eE+-]+)*)\s*\]")
 
 

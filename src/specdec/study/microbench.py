@@ -27,7 +27,6 @@ p_at_least.
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -51,6 +50,7 @@ from specdec.study.artifacts import (
     Prediction,
     VerifyPoint,
     meta_block,
+    named_artifact,
     validate,
 )
 
@@ -331,5 +331,4 @@ CONTENDED_SPREAD = 0.10
 
 def artifact_path(out: Path, target_name: str, tag: str | None = None) -> Path:
     """<out>/microbench_<target-name>[_<tag>].json, the name made filesystem-safe."""
-    name = "_".join(x for x in (target_name, tag) if x)
-    return Path(out) / f"microbench_{re.sub(r'[^A-Za-z0-9._-]+', '-', name)}.json"
+    return named_artifact(out, "microbench", target_name, tag)
