@@ -39,6 +39,9 @@ CMAKE = [
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
+    # the libraries find each other beside themselves in lib/, not in the (deleted) build tree
+    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
 ]
 
 
