@@ -2,31 +2,37 @@
 #   make test    the test suite (what CI runs)
 #   make demo    the main job: fetch the default models, a short bench on all_gguf, figures
 #   make study   regenerate the committed results/ (takes a while; run on an idle machine)
-#   make study-anchors  llama.cpp's own server beside specdec (builds llama-server once, ~7 min)
+#   make study-anchors  stock llama.cpp's servers beside specdec's (builds them once, ~4 min)
 #   make lint    ruff check + format check
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-# llama-cpp-python is compiled from source: portable x86-64 (AVX2) kernels rather than -march=native
-# so the cached wheel works on any CI machine, and none of the examples, tools or servers we never use.
-export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF
-export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
+# llama-cpp-python is built from the pinned source with specdec's patches, -march=native for this
+# CPU (src/specdec/backends/llamacpp_build.py; wheels cached in $SPECDEC_HOME/wheels, keyed by the
+# CPU). The stamp is keyed by the CPU's flags too, so on a new host `make` builds it again.
+CPU_KEY     := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cksum | cut -d' ' -f1)
+LLAMA_STAMP := $(VENV)/.llama-cpp-$(CPU_KEY)
+LLAMA_BUILD := src/specdec/backends/llamacpp_build.py $(wildcard src/specdec/backends/patches/*.patch)
 
 TARGET ?= llamacpp:qwen2.5-coder-1.5b
 DRAFT  ?= llamacpp:qwen2.5-coder-0.5b
 
 .PHONY: venv test lint demo study anchors study-anchors clean
 
-venv: $(STAMP)
+venv: $(STAMP) $(LLAMA_STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip wheel
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+$(LLAMA_STAMP): $(STAMP) $(LLAMA_BUILD)
+	rm -f $(VENV)/.llama-cpp-*
+	$(BIN)/python -m specdec.backends.llamacpp_build install
 	touch $@
 
 test: venv
@@ -90,18 +96,22 @@ study: venv
 	$(BIN)/specdec figures $(STUDY)
 	$(BIN)/specdec report $(STUDY)
 
-# llama.cpp's own speculative decoding beside specdec's, on the same build, weights and prompts
-# (results/cpu/anchors/; the README's side-by-side table).
+# Stock llama.cpp (built as its users build it: CMake's defaults, native kernels) beside specdec,
+# same source, weights and prompts (results/cpu/anchors/; the README's side-by-side tables): in
+# process against its servers, then specdec's own server against them, both warm.
 ANCHORS := results/cpu/anchors
-ANCHOR_BENCH := --category rewrite --drafter prediction -k auto \
-  --variants lookup:auto,wrong-prediction:auto --max-new-tokens 512 --compare llama-server \
-  --llama-server-modes none,draft,ngram-mod,ngram-map-k,lookup --out $(ANCHORS) --tag anchors
+ANCHOR_BENCH := --category rewrite --drafter prediction -k auto --max-new-tokens 512 \
+  --compare llama-server --out $(ANCHORS)
 anchors: venv
 	$(BIN)/specdec anchors build
 
 study-anchors: anchors
 	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b
-	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 5 --warmup 1 $(ANCHOR_BENCH)
+	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 5 --warmup 1 $(ANCHOR_BENCH) \
+	  --variants lookup:auto,wrong-prediction:auto \
+	  --llama-server-modes none,ngram-mod,ngram-map-k,lookup --tag anchors
+	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 5 --warmup 1 $(ANCHOR_BENCH) --serve \
+	  --llama-server-modes none,ngram-mod,ngram-map-k --tag served
 	for mode in ngram-mod ngram-map-k draft; do \
 	  $(BIN)/specdec gate --config all_gguf --llama-server $$mode --category code_editing,summarization \
 	    --prompts 20 --max-new-tokens 64 --greedy-prompts 4 --greedy-tokens 160 --out $(ANCHORS) \
@@ -112,7 +122,9 @@ study-anchors: anchors
 	    --max-new-tokens 128 --greedy-prompts 2 --greedy-tokens 160 --tag $${mode}_rewrite \
 	    --out $(ANCHORS) || echo "gate $$mode failed: its verdict is in its artifact"; \
 	done
-	$(BIN)/specdec bench --config all_gguf -t 0.8 --prompts 4 --warmup 1 $(ANCHOR_BENCH)
+	$(BIN)/specdec bench --config all_gguf -t 0.8 --prompts 4 --warmup 1 $(ANCHOR_BENCH) \
+	  --variants lookup:auto,wrong-prediction:auto \
+	  --llama-server-modes none,ngram-mod,ngram-map-k,lookup --tag anchors
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

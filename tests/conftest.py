@@ -14,6 +14,7 @@ should be marked `@pytest.mark.slow` (they still run in `make test`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,10 @@ SMOL = "smollm2-135m"
 # idle box). Tests share their machine. No logits depend on the thread count here (llama.cpp: q8_0
 # K cache; HF: fp32, checked within the contract tolerance).
 TEST_THREADS = 1
+# llama.cpp's tiled K-quant matmul off for the whole test process: it reads the switch once per
+# process, and default-mode and deterministic models share this one (backends/llamacpp.py). It
+# changes nothing for smollm2's Q4_1 weights, nor on a CPU with AMX.
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 _QUESTION = "Explain what speculative decoding is and why its output is lossless."
 # An answer long enough to carry the contract tests past position 256, where llama.cpp's

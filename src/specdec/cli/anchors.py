@@ -11,17 +11,20 @@ from specdec.cli.args import error
 
 def add(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "anchors", help="build llama-server and llama-lookup from the installed llama-cpp-python"
+        "anchors", help="build stock llama.cpp's llama-server, llama-lookup and llama-bench"
     )
     p.set_defaults(func=_cmd_anchors, anchors_parser=p)
     sub = p.add_subparsers(dest="anchors_cmd", metavar="{build,path}")
     b = sub.add_parser(
         "build",
-        help="download the llama-cpp-python sdist of the installed version and build its "
-        "vendored llama.cpp's llama-server and llama-lookup into $SPECDEC_HOME/anchors (once)",
+        help="build the llama.cpp that specdec's wheel is built from, with CMake's defaults "
+        "(native kernels) and only upstream fixes, into $SPECDEC_HOME/anchors (once)",
     )
     b.add_argument(
-        "--sdist", type=Path, default=None, help="use this sdist .tar.gz (path; default download)"
+        "--sdist",
+        type=Path,
+        default=None,
+        help="use this llama-cpp-python sdist .tar.gz, sha256-checked (path; default download)",
     )
     b.add_argument("--jobs", type=int, default=None, help="parallel jobs (int; default all cores)")
     b.add_argument("--force", action="store_true", help="rebuild even if built (flag; default off)")

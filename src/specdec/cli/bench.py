@@ -173,6 +173,13 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help="chat: /v1/chat/completions with the prompt as the user turn; completions: "
         "/v1/completions with the raw prompt (str; default chat)",
     )
+    e.add_argument(
+        "--serve",
+        action="store_true",
+        help="run the baseline and the speculative method through `specdec serve` processes "
+        "the bench starts on loopback (target-only, and the run's drafter and K; prompt cache "
+        "off), warm like the --compare llama-server servers beside them (flag; default off)",
+    )
     p.set_defaults(func=_cmd_bench)
 
     s = subparsers.add_parser(
@@ -205,6 +212,7 @@ def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) ->
             endpoint_baseline=args.endpoint_baseline,
             endpoint_model=args.endpoint_model,
             endpoint_api=args.endpoint_api,
+            served=getattr(args, "serve", False),
         )
         if compare == "llama-server":
             modes = tuple(m.strip() for m in args.llama_server_modes.split(",") if m.strip())

@@ -44,8 +44,33 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+#: llama.cpp's system-info switches that are not instruction sets
+_NOT_ISA = {"LLAMAFILE", "OPENMP", "REPACK", "KLEIDIAI"}
+
+
+def version_line() -> str:
+    """`specdec --version`: the versions and the CPU kernels llama.cpp runs here."""
+    from importlib.metadata import version
+
+    parts = [f"specdec {version('specdec')}"]
+    try:
+        from specdec.backends.llamacpp import kernels
+
+        k = kernels()
+    except Exception as e:  # no llama-cpp-python, or a build that does not load: say so
+        parts.append(f"llama.cpp unavailable ({type(e).__name__}: {e})")
+    else:
+        parts.append(f"llama-cpp-python {k['llama_cpp_python']}")
+        isa = [f for f in k["features"] if f not in _NOT_ISA]
+        parts.append(f"CPU kernels: {k['build']} ({' '.join(isa)}) on {k['cpu_model']}")
+    return " | ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--version"]:
+        print(version_line())
+        return 0
     parser = build_parser(argv[0] if argv else None)
     try:
         args = parser.parse_args(argv)

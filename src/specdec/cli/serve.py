@@ -118,7 +118,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     draft = None if args.draft is None or args.draft.lower() == "none" else args.draft
-    serve(
+    return serve(
         ServeConfig(
             target=args.target,
             draft=draft,
@@ -139,7 +139,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             prompt_cache=not args.no_prompt_cache,
         )
     )
-    return 0
 
 
 def resolve_api_key(flag: str | None, path: str | None, environ: Mapping[str, str]) -> str | None:

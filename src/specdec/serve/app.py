@@ -69,7 +69,9 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -509,7 +511,8 @@ def uvicorn_server(app: FastAPI, **config: Any) -> Any:
     return _Server(uvicorn.Config(app, **config))
 
 
-def serve(cfg: ServeConfig) -> None:
+def serve(cfg: ServeConfig) -> int:
+    """Load, warm up and serve until SIGINT/SIGTERM; the exit code (1: could not listen)."""
     if not is_loopback(cfg.host) and cfg.api_key is None:
         print(
             f"warning: serving on {cfg.host} without an API key: anyone who can reach this "
@@ -524,4 +527,31 @@ def serve(cfg: ServeConfig) -> None:
         file=sys.stderr,
     )
     server = uvicorn_server(create_app(engine, cfg), host=cfg.host, port=cfg.port)
-    server.run()
+    # The engine's worker runs in this, the main thread, and uvicorn beside it: llama.cpp's
+    # OpenMP barriers spin only for the main thread's decode (serve.engine explains).
+    engine.runs_in_caller = True
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:  # also when uvicorn could not start (a port in use): end the worker too
+            engine.stop(timeout=0)
+
+    http = threading.Thread(target=serve_http, name="specdec-http")
+
+    def shut_down(signum: int, _frame: Any) -> None:
+        # uvicorn's own handlers need the main thread; this is what they do. Its shutdown
+        # drains the engine, and the lifespan's engine.stop() ends `engine.run` below.
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, shut_down)
+    http.start()
+    try:
+        engine.run()
+    finally:
+        server.should_exit = True
+        http.join()
+    return 0 if server.started else 1

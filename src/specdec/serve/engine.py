@@ -1,9 +1,16 @@
-"""One target (and draft), one worker thread that owns them, a bounded FIFO of jobs.
+"""One target (and draft), one worker that owns them, a bounded FIFO of jobs.
 
-The models are not thread-safe and their caches hold one sequence, so one worker thread
-generates one request at a time. Requests wait in a bounded FIFO (`max_queue` waiting, not
-counting the one being generated; 429 with Retry-After beyond that). The worker hands each
-job typed events through the job's asyncio.Queue (`loop.call_soon_threadsafe`), in order:
+The models are not thread-safe and their caches hold one sequence, so one worker generates one
+request at a time. `specdec serve` runs the worker in the main thread (`run`) and the HTTP
+server beside it: llama.cpp's OpenMP build synchronizes its threads with OpenMP barriers, and
+libgomp lets barriers spin only while the threads it manages fit the CPUs; a decode started from
+any other thread brings one more, so every barrier sleeps and wakes through the kernel instead
+(measured: a 62 ms step took 88 ms from a second Python thread, pure llama-cpp-python alike).
+`start` runs it in a thread of its own instead (tests, embedding).
+
+Requests wait in a bounded FIFO (`max_queue` waiting, not counting the one being generated;
+429 with Retry-After beyond that). The worker hands each job typed events through the job's
+asyncio.Queue (`loop.call_soon_threadsafe`), in order:
 
     Start                   generation began (the request left the queue)
     Delta(text, token_ids)  one round's committed tokens and the text now safe to send
@@ -209,7 +216,10 @@ class Engine:
         self._running: Job | None = None
         self._service_s = 1.0  # EMA of generation wall time, for Retry-After
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="specdec-engine", daemon=True)
+        #: Set by the caller that will call `run` itself (before the HTTP server starts, so that
+        #: its lifespan does not start the thread as well).
+        self.runs_in_caller = False
 
     # -------------------------------------------------------------------------- lifecycle
     def warm_up(self) -> None:
@@ -231,6 +241,7 @@ class Engine:
                 pass
 
     def start(self) -> None:
+        """Run the worker in a thread of its own."""
         self._thread.start()
 
     def drain(self) -> None:
@@ -252,7 +263,7 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.runs_in_caller or self._thread.is_alive()
 
     @property
     def queue_depth(self) -> int:
@@ -264,7 +275,7 @@ class Engine:
         running (at once, not at the deadline), 429 when the queue is full."""
         if self._stopping:
             raise unavailable_error("the server is shutting down", "shutting_down")
-        if not self._thread.is_alive():
+        if not self.alive:
             raise unavailable_error("the engine's worker is not running", "engine_stopped")
         if not self._jobs.put(job):
             lo, hi = RETRY_AFTER_RANGE_S
@@ -318,7 +329,8 @@ class Engine:
             return prompting.encode(self.tokenizer, text, chat=False)
 
     # -------------------------------------------------------------------------- the worker
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The worker: serve the queue in the calling thread until `stop` closes it."""
         job = None
         try:
             while (job := self._jobs.get()) is not None:
@@ -330,6 +342,7 @@ class Engine:
             # Stopped (job is None), or killed by a BaseException inside `job`: nobody will
             # serve the queue any more, and submit() now refuses with 503.
             self._stopping = True
+            self.runs_in_caller = False
             if job is not None:
                 err = ApiError(500, "the engine stopped", type="server_error", code="engine_error")
                 job.emit(Failed(err))

@@ -1,20 +1,22 @@
-"""llama.cpp's own tools as outside anchors, built from the llama.cpp our backend runs.
+"""llama.cpp's own tools as the peer: stock llama.cpp, built the way its users build it.
 
-llama-cpp-python's sdist vendors the llama.cpp it compiles, so building `llama-server` from the
-sdist of the *installed* llama-cpp-python gives the same kernels, the same commit and the same
-CMake flags as specdec's llama.cpp backend: a comparison then measures the decoding method, not
-two builds of the engine. `build` does it once and caches the binaries under
-$SPECDEC_HOME/anchors/llama-cpp-python-<version>/ (`manifest.json` says how they were built);
+The comparison that matters to a user is against what they would run instead: llama.cpp from
+the same source, configured with CMake's defaults (`cmake -B build && cmake --build build`,
+which means -march=native kernels), on the same machine and weights. llama-cpp-python's sdist
+vendors the llama.cpp it compiles, so `build` takes that source (the pinned sdist of
+backends.llamacpp_build, sha256-checked) with only the upstream bug fixes applied (the fix-*
+patches, without which this llama.cpp cannot run on some CPUs; specdec's own kernel patches are
+not), and builds llama-server, llama-lookup and llama-bench once into
+$SPECDEC_HOME/anchors/<key>/. specdec's wheel is built -march=native from the same source, so
+the two run the same ggml kernels unless a specdec-* patch adds one. `manifest.json` says how a
+build was made; the key covers the source, patches, flags and CPU, so any change builds anew.
 `LlamaServer` starts one on a loopback port, waits for /health and stops it.
-
-The CMake flags are the Makefile's CMAKE_ARGS for the Python wheel (portable AVX2 kernels, not
--march=native), with the server and tools switched on: `CMAKE_FLAGS`; tests/test_anchors.py
-checks that the two agree on every flag that changes ggml's kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -22,7 +24,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import urllib.error
@@ -31,17 +32,20 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.backends import parse_spec
-from specdec.backends.registry import resolve, sha256_file, specdec_home
+from specdec.backends import llamacpp_build, parse_spec
+from specdec.backends.registry import resolve, specdec_home
 from specdec.study.endpoint import Endpoint
 
-PACKAGE = "llama-cpp-python"
+PACKAGE = llamacpp_build.PACKAGE
+VERSION = llamacpp_build.VERSION
 #: The llama.cpp tools built (cmake targets); binaries land in <anchor dir>/bin/.
-TARGETS = ("llama-server", "llama-lookup")
-#: Flags that change ggml's kernels must match the Makefile's CMAKE_ARGS (the wheel's build).
-KERNEL_FLAGS = ("-DGGML_NATIVE=OFF",)
+TARGETS = ("llama-server", "llama-lookup", "llama-bench")
+#: CMake's defaults for the kernels and the libraries (no -DGGML_* flag: GGML_NATIVE defaults to
+#: ON; shared libraries, as BUILD_SHARED_LIBS defaults to: a static build prefills ~8% faster
+#: here, docs/kernels.md, but is not what users get), the tools switched on, no network client
+#: (nothing here reaches the network), and the libraries found beside the binaries so that the
+#: cache directory can move. None of these changes a kernel.
 CMAKE_FLAGS = (
-    *KERNEL_FLAGS,
     "-DCMAKE_BUILD_TYPE=Release",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
@@ -49,7 +53,8 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_EXAMPLES=ON",  # llama-lookup lives under examples/
     "-DLLAMA_BUILD_TOOLS=ON",
     "-DLLAMA_BUILD_SERVER=ON",
-    "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries: the cache dir can move
+    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
 )
 _PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
 
@@ -58,75 +63,48 @@ class AnchorError(RuntimeError):
     """An anchor could not be built or started; the message says how to fix it."""
 
 
-def installed_version() -> str:
-    """The installed llama-cpp-python's version: the llama.cpp to build."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(PACKAGE)
-    except PackageNotFoundError:
-        raise AnchorError(
-            f"{PACKAGE} is not installed, so there is no llama.cpp to match; run `make venv` "
-            "(or pip install -e '.[llamacpp]') first"
-        ) from None
+def build_key() -> str:
+    """Everything a build is made from: source, fixes, flags, targets and the CPU (native)."""
+    h = hashlib.sha256()
+    parts = [VERSION, llamacpp_build.SDIST_SHA256, *CMAKE_FLAGS, *TARGETS]
+    for part in parts + llamacpp_build.cpu_flags():
+        h.update(part.encode() + b"\0")
+    for patch in llamacpp_build.patch_files(fixes_only=True):
+        h.update(patch.name.encode() + b"\0" + patch.read_bytes())
+    return h.hexdigest()[:16]
 
 
-def anchor_dir(version: str | None = None) -> Path:
-    return specdec_home() / "anchors" / f"{PACKAGE}-{version or installed_version()}"
+def anchor_dir() -> Path:
+    return specdec_home() / "anchors" / f"llama.cpp-{VERSION}-{build_key()}"
 
 
-def binary(name: str = "llama-server", version: str | None = None) -> Path:
+def binary(name: str = "llama-server") -> Path:
     """The built tool; AnchorError with the build command when it is not there."""
-    path = anchor_dir(version) / "bin" / name
+    path = anchor_dir() / "bin" / name
     if not path.is_file():
         raise AnchorError(
-            f"{name} is not built for {PACKAGE} {version or installed_version()} (looked for "
-            f"{path}); run `specdec anchors build` once (~7 min on 2 cores)"
+            f"{name} is not built for this source, flags and CPU (looked for {path}); run "
+            "`specdec anchors build` once (~8 min on 2 cores)"
         )
     return path
 
 
-def manifest(version: str | None = None) -> dict | None:
-    """What `build` recorded (version, sdist and its sha256, flags, seconds), or None."""
-    path = anchor_dir(version) / "manifest.json"
+def manifest() -> dict | None:
+    """What `build` recorded (source and its sha256, fixes, flags, CPU, seconds), or None."""
+    path = anchor_dir() / "manifest.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _need_tools() -> None:
-    missing = [t for t in ("cmake",) if shutil.which(t) is None]
+    missing = [t for t in ("cmake", "git") if shutil.which(t) is None]
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         missing.append("a C++ compiler (g++ or clang++)")
     if missing:
         raise AnchorError(
-            f"building llama.cpp needs {' and '.join(missing)}; install them (Debian: "
-            "apt-get install cmake g++) and run `specdec anchors build` again"
+            f"building llama.cpp needs {', '.join(missing[:-1]) + ' and ' if missing[1:] else ''}"
+            f"{missing[-1]}; install them (Debian: "
+            "apt-get install cmake git g++) and run `specdec anchors build` again"
         )
-
-
-def _fetch_sdist(version: str, dest: Path, timeout: float) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
-    cmd += ["--quiet", "-d", str(dest), f"{PACKAGE}=={version}"]
-    try:
-        subprocess.run(cmd, check=True, timeout=timeout, capture_output=True, text=True)
-    except subprocess.CalledProcessError as e:
-        tail = "\n".join(e.stderr.strip().splitlines()[-6:])
-        raise AnchorError(f"pip could not download the {PACKAGE} {version} sdist:\n{tail}") from e
-    except subprocess.TimeoutExpired:
-        raise AnchorError(f"pip download of the {PACKAGE} sdist ran past {timeout:.0f} s") from None
-    found = sorted(dest.glob("*.tar.gz"))
-    if not found:
-        raise AnchorError(f"pip download left no sdist in {dest}")
-    return found[0]
-
-
-def _extract_llama_cpp(sdist: Path, dest: Path) -> Path:
-    """Extract the sdist's vendor/llama.cpp into dest; return that directory."""
-    with tarfile.open(sdist) as tar:
-        tar.extractall(dest, filter="data")
-    roots = list(dest.glob("*/vendor/llama.cpp"))
-    if len(roots) != 1 or not (roots[0] / "CMakeLists.txt").is_file():
-        raise AnchorError(f"{sdist.name} has no vendor/llama.cpp with a CMakeLists.txt")
-    return roots[0]
 
 
 def _run_logged(cmd: Sequence[str], log: Path, progress: Callable[[int], None] | None) -> None:
@@ -149,37 +127,42 @@ def _run_logged(cmd: Sequence[str], log: Path, progress: Callable[[int], None] |
 
 def build(
     *,
-    version: str | None = None,
     sdist: Path | None = None,
     jobs: int | None = None,
     force: bool = False,
     progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
-    timeout: float = 900.0,
 ) -> Path:
-    """Build TARGETS from the sdist of `version` (default: the installed llama-cpp-python) into
-    anchor_dir(version)/bin; return that directory. Cached: a second call with the binaries and
-    manifest in place does nothing (unless `force`). `sdist` skips the download."""
-    version = version or installed_version()
-    out = anchor_dir(version)
-    if not force and manifest(version) and all((out / "bin" / t).is_file() for t in TARGETS):
+    """Build TARGETS from the pinned source with the fix-* patches into anchor_dir()/bin; return
+    that directory. Cached by build_key() (unless `force`). `sdist` skips the download (its
+    sha256 is checked all the same). Built in a temporary directory and moved into place, so an
+    interrupted build leaves nothing that looks finished."""
+    out = anchor_dir()
+    if not force and manifest() and all((out / "bin" / t).is_file() for t in TARGETS):
         progress(f"{', '.join(TARGETS)} already built in {out / 'bin'}")
         return out / "bin"
     _need_tools()
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     jobs = jobs or os.cpu_count() or 1
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp:
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
         work = Path(tmp)
-        if sdist is None:
-            progress(f"downloading the {PACKAGE} {version} sdist ...")
-            sdist = _fetch_sdist(version, work, timeout)
-        src = _extract_llama_cpp(Path(sdist), work / "src")
-        log = out / "build.log"
-        log.write_text("")
-        progress(f"configuring llama.cpp from {Path(sdist).name} (log: {log})")
+        try:
+            if sdist is None:
+                progress(f"fetching the {PACKAGE} {VERSION} sdist ...")
+                sdist = llamacpp_build.fetch_sdist(llamacpp_build.home() / "sdists")
+            elif llamacpp_build._sha256(Path(sdist)) != llamacpp_build.SDIST_SHA256:
+                raise AnchorError(f"{sdist} is not the pinned {PACKAGE} {VERSION} sdist")
+            root = llamacpp_build.prepare_source(Path(sdist), work / "src", fixes_only=True)
+        except llamacpp_build.BuildError as e:
+            raise AnchorError(str(e)) from e
+        src = root / "vendor" / "llama.cpp"
+        done = work / "done"
+        (done / "bin").mkdir(parents=True)
+        log = done / "build.log"
+        progress(f"configuring llama.cpp with CMake's defaults (log: {log})")
         build_dir = work / "build"
         _run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS], log, None)
-        progress(f"building {', '.join(TARGETS)} with {jobs} jobs (~7 min on 2 cores)")
+        progress(f"building {', '.join(TARGETS)} with {jobs} jobs (~8 min on 2 cores)")
         last = [-10]
 
         def report(pct: int) -> None:
@@ -189,22 +172,25 @@ def build(
 
         cmd = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TARGETS]
         _run_logged(cmd, log, report)
-        (out / "bin").mkdir(exist_ok=True)
         for t in TARGETS:
-            shutil.copy2(build_dir / "bin" / t, out / "bin" / t)
+            shutil.copy2(build_dir / "bin" / t, done / "bin" / t)
+        for lib in (build_dir / "bin").glob("*.so*"):  # the shared libraries they load
+            shutil.copy2(lib, done / "bin" / lib.name, follow_symlinks=False)
         info = {
             "package": PACKAGE,
-            "version": version,
-            # the sdist carries no git metadata: its hash names the exact source
-            "sdist": Path(sdist).name,
-            "sdist_sha256": sha256_file(Path(sdist)),
+            "version": VERSION,
+            "sdist_sha256": llamacpp_build.SDIST_SHA256,
+            "patches": [p.name for p in llamacpp_build.patch_files(fixes_only=True)],
             "cmake_flags": list(CMAKE_FLAGS),
             "targets": list(TARGETS),
+            "cpu_model": llamacpp_build.cpu_model(),
             "jobs": jobs,
             "build_s": round(time.monotonic() - t0, 1),
             "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        (out / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")
+        (done / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(done, out)
     progress(f"built {', '.join(TARGETS)} in {info['build_s']:.0f} s -> {out / 'bin'}")
     return out / "bin"
 
@@ -315,6 +301,7 @@ class LlamaServer:
     port: int = 0
     proc: subprocess.Popen | None = None
     log: Path | None = None
+    kind = "llama-server"  # what the messages call it
 
     @property
     def url(self) -> str:
@@ -368,14 +355,14 @@ class LlamaServer:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise AnchorError(
-                    f"llama-server exited ({self.proc.returncode}) while starting:\n{self.tail()}"
+                    f"{self.kind} exited ({self.proc.returncode}) while starting:\n{self.tail()}"
                 )
             with contextlib.suppress(urllib.error.URLError, OSError):
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
                         return
             time.sleep(0.25)
-        raise AnchorError(f"llama-server not healthy after {self.startup_s:.0f} s:\n{self.tail()}")
+        raise AnchorError(f"{self.kind} not healthy after {self.startup_s:.0f} s:\n{self.tail()}")
 
     def tail(self, n: int = 15) -> str:
         if self.log is None or not self.log.is_file():
@@ -393,6 +380,31 @@ class LlamaServer:
         if self.log is not None:
             with contextlib.suppress(OSError):
                 self.log.unlink()
+
+
+@dataclass
+class SpecdecServer(LlamaServer):
+    """`specdec serve` in a process of its own, as a user runs it: the bench's served baseline
+    and speculative methods, measured like the llama-servers beside them (warm, over HTTP, its
+    prompt cache off as theirs is). `model` is the target spec; `args` the serve flags that
+    choose the drafter (e.g. ("--drafter", "lookup", "-k", "auto"))."""
+
+    target: str = ""
+    name: str = "served"
+    kind = "specdec serve"
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.url, self.target, "chat", label=self.name)
+
+    def describe(self) -> dict:
+        return {"command": ["specdec", *self.command()[3:]]}
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "specdec.cli.main", "serve", "--target", self.target]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--no-prompt-cache"]
+        if self.threads:
+            cmd += ["--threads", str(self.threads)]
+        return [*cmd, *self.args]
 
 
 #: llama-lookup's closing report (examples/lookup/lookup.cpp, on stderr)

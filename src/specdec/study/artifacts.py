@@ -124,8 +124,30 @@ def meta_block() -> dict[str, Any]:
             # 1/5/15-minute load averages when the artifact was made: benchmarks here need an
             # idle machine (llama.cpp's spinning thread pools stall when a core is taken)
             "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "cpu_model": _cpu_model(),
+            # the ggml CPU variant llama.cpp loaded and its compiled-in features
+            "kernels": _kernels(),
         },
     }
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _kernels() -> dict[str, Any] | None:
+    try:
+        from specdec.backends.llamacpp import kernels
+
+        return kernels()
+    except Exception:  # no llama.cpp backend installed: nothing ran on its kernels
+        return None
 
 
 def peak_rss_mb() -> float | None:

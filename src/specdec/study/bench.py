@@ -112,6 +112,9 @@ class BenchConfig:
     endpoint_api: str = "chat"  # chat or completions (endpoint.APIS)
     # --compare llama-server: the llama-server methods run beside ours (anchors.SERVER_MODES)
     llama_server: tuple[str, ...] = ()
+    # --serve: baseline and speculative run through `specdec serve` processes the bench starts
+    # (anchors.SpecdecServer): the served comparison against llama-server, both warm
+    served: bool = False
 
     @property
     def spec(self) -> SpecConfig:
@@ -148,6 +151,11 @@ class BenchConfig:
         for url in (self.endpoint, self.endpoint_baseline):
             if url is not None:
                 endpoint.Endpoint(url, api=self.endpoint_api)  # checks the URL and the api
+        if self.served and (self.endpoint or self.endpoint_baseline):
+            raise ValueError(
+                "--serve starts specdec's own servers for the baseline and the speculative "
+                "method; drop --endpoint/--endpoint-baseline, or drop --serve"
+            )
         if self.llama_server:
             anchors.check_modes(self.llama_server, self.target, self.draft, tools=True)
         if self.compare is not None:
@@ -307,10 +315,11 @@ def run_bench(
 
 def _needs(cfg: BenchConfig) -> tuple[bool, bool]:
     """(draft, target): which models the in-process methods run on."""
-    local = [(cfg.drafter, cfg.k)] if cfg.endpoint is None else []
+    local = [(cfg.drafter, cfg.k)] if cfg.endpoint is None and not cfg.served else []
     local += [parse_variant(v) for v in cfg.variants]
     draft = cfg.compare == "hf-assisted" or any(d in ("model", "composite") for d, _ in local)
-    target = bool(local) or cfg.endpoint_baseline is None or cfg.compare == "hf-assisted"
+    baseline_local = cfg.endpoint_baseline is None and not cfg.served
+    target = bool(local) or baseline_local or cfg.compare == "hf-assisted"
     return draft, target
 
 
@@ -340,6 +349,12 @@ def _engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
     settings: dict[str, Any] = {m: ep.describe() for m, ep in eps.items()}
     tools: dict[str, anchors.LlamaLookup] = {}
     with ExitStack() as stack:
+        for method, srv in _specdec_servers(cfg).items():
+            if progress:
+                print(f"starting specdec serve ({method}): {srv.args}", file=sys.stderr)
+            stack.enter_context(srv)
+            eps[method] = srv.endpoint()
+            settings[method] = srv.describe()
         for srv in anchors.servers_for(cfg.llama_server, cfg.target, cfg.draft, tools=True):
             name = anchors.method_name(srv.mode)
             if isinstance(srv, anchors.LlamaLookup):
@@ -354,6 +369,31 @@ def _engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
             settings[ep.name] = {**ep.describe(), **srv.describe()}
         clients = {m: stack.enter_context(endpoint.Client(ep)) for m, ep in eps.items()}
         yield Engines(clients, settings, tools)
+
+
+def _specdec_servers(cfg: BenchConfig) -> dict[str, anchors.SpecdecServer]:
+    """With cfg.served: "baseline" (target-only) and "speculative" (the run's drafter and K) as
+    `specdec serve` processes; a prediction comes with each request, drafted first, then prompt
+    lookup (what the in-process prediction drafter does)."""
+    if not cfg.served:
+        return {}
+    drafter = "lookup" if cfg.drafter == "prediction" else _core_drafter(cfg.drafter)
+    args = ["--drafter", drafter, "-k", str(cfg.k)]
+    if drafter in ("model", "composite"):
+        args = ["--draft", cfg.draft, *args]
+    if cfg.k_max is not None:
+        args += ["--k-max", str(cfg.k_max)]
+    if cfg.p_min is not None:
+        args += ["--p-min", str(cfg.p_min)]
+    if cfg.deterministic:
+        args += ["--deterministic"]
+    base = ["--deterministic"] if cfg.deterministic else []
+    return {
+        "baseline": anchors.SpecdecServer(Path(), tuple(base), target=cfg.target, name="served"),
+        "speculative": anchors.SpecdecServer(
+            Path(), tuple(args), target=cfg.target, name=f"served-{cfg.drafter}"
+        ),
+    }
 
 
 @contextmanager

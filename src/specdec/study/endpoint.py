@@ -125,6 +125,7 @@ class Reply:
     timings: dict[str, Any] | None  # llama-server's own counters (`timings`), when sent
     attempts: int
     model: str
+    spec: dict[str, Any] | None = None  # specdec serve's own counters (`spec`), when sent
 
 
 class Client:
@@ -208,7 +209,7 @@ class Client:
         t0 = time.perf_counter()
         text: list[str] = []
         stamps: list[float] = []
-        finish = usage = timings = None
+        finish = usage = timings = spec = None
         done = False
         try:
             with self._http.stream("POST", path, json=body) as resp:
@@ -234,6 +235,7 @@ class Client:
                     finish = reason or finish
                     usage = chunk.get("usage") or usage
                     timings = chunk.get("timings") or timings
+                    spec = chunk.get("spec") or spec
         except httpx.TimeoutException as e:
             raise EndpointError(
                 "timeout", f"{url}: no answer within the timeout ({type(e).__name__})"
@@ -259,6 +261,7 @@ class Client:
             timings=timings if isinstance(timings, dict) else None,
             attempts=attempt,
             model=str(body["model"]),
+            spec=spec if isinstance(spec, dict) else None,
         )
 
     # ------------------------------------------------------------------------ plumbing
@@ -328,7 +331,8 @@ def _error_text(raw: str) -> str:
 # ------------------------------------------------------------------------------ RUN records
 def run_record(reply: Reply, endpoint: Endpoint, tokenizer: Any) -> dict[str, Any]:
     """The bench's RUN record for one reply (the keys `bench.aggregate_runs` reads, plus the
-    endpoint's own). Drafted/accepted come from llama-server's `timings` when it sends them."""
+    endpoint's own). Drafted/accepted come from llama-server's `timings` or specdec serve's
+    `spec` when the server sends them."""
     ids = tokenize(tokenizer, reply.text)
     usage_n = (reply.usage or {}).get("completion_tokens")
     n = int(usage_n) if isinstance(usage_n, int) else len(ids)
@@ -354,6 +358,9 @@ def run_record(reply: Reply, endpoint: Endpoint, tokenizer: Any) -> dict[str, An
     t = reply.timings or {}
     if isinstance(t.get("draft_n"), int) and isinstance(t.get("draft_n_accepted"), int):
         rec["drafted"], rec["accepted"] = t["draft_n"], t["draft_n_accepted"]
+    sp = reply.spec or {}
+    if isinstance(sp.get("drafted"), int) and isinstance(sp.get("accepted"), int):
+        rec["drafted"], rec["accepted"] = sp["drafted"], sp["accepted"]  # specdec serve
     if t:
         rec["server_timings"] = {k: v for k, v in t.items() if isinstance(v, (int, float))}
     return rec
