@@ -3,6 +3,7 @@
 #   make demo    the main job: fetch the default models, a short bench on all_gguf, figures
 #   make study   regenerate the committed results/ (takes a while; run on an idle machine)
 #   make study-anchors  stock llama.cpp's servers beside specdec's (builds them once, ~4 min)
+#   make soak-hostile  the server's hostile soak (results/cpu/loadtest_hostile.json)
 #   make lint    ruff check + format check
 PYTHON ?= python3
 VENV   := .venv
@@ -19,7 +20,7 @@ LLAMA_BUILD := src/specdec/backends/llamacpp_build.py $(wildcard src/specdec/bac
 TARGET ?= llamacpp:qwen2.5-coder-1.5b
 DRAFT  ?= llamacpp:qwen2.5-coder-0.5b
 
-.PHONY: venv test lint demo study anchors study-anchors clean
+.PHONY: venv test lint demo study anchors study-anchors soak-hostile clean
 
 venv: $(STAMP) $(LLAMA_STAMP)
 
@@ -125,6 +126,19 @@ study-anchors: anchors
 	$(BIN)/specdec bench --config all_gguf -t 0.8 --prompts 4 --warmup 1 $(ANCHOR_BENCH) \
 	  --variants lookup:auto,wrong-prediction:auto \
 	  --llama-server-modes none,ngram-mod,ngram-map-k,lookup --tag anchors
+
+# The hostile soak (issue 21; scripts/hostile_soak.py): a server on the smallest model, a fresh
+# key, 500 good and hostile requests, every answer compared with generate().
+SOAK_SERVE := --target llamacpp:smollm2-135m --drafter lookup -k 4 --deterministic --threads 1
+soak-hostile: venv
+	@key=$$(mktemp); log=$$(mktemp); head -c 24 /dev/urandom | base64 > $$key; \
+	$(BIN)/specdec serve $(SOAK_SERVE) --api-key-file $$key --body-timeout 2 --max-queue 16 \
+	  --request-timeout 60 --port 8312 > /dev/null 2> $$log & pid=$$!; \
+	for i in $$(seq 120); do curl -sf http://127.0.0.1:8312/health > /dev/null && break; \
+	  sleep 1; done; \
+	$(BIN)/python scripts/loadtest.py --url http://127.0.0.1:8312 --soak --hostile --pid $$pid \
+	  --server-log $$log --api-key "$$(cat $$key)" -n 500 -c 16 $(SOAK_SERVE) --max-queue 16 \
+	  --out results/cpu/loadtest_hostile.json; rc=$$?; kill $$pid; rm -f $$key $$log; exit $$rc
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -133,6 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     soak_args.add_argument(
         "--time-limit", type=float, default=1800.0, help="stop sending after this many s"
     )
+    soak_args.add_argument(
+        "--hostile", action="store_true", help="the hostile soak (scripts/hostile_soak.py)"
+    )
+    soak_args.add_argument("--server-log", default=None, help="the server's stderr (hostile)")
+    soak_args.add_argument(
+        "--deterministic", action="store_true", help="the server runs --deterministic"
+    )
+    soak_args.add_argument(
+        "--max-queue", type=int, default=8, help="the server's --max-queue (hostile burst)"
+    )
     args = ap.parse_args(argv)
     if not (1 <= args.requests <= 100_000 and 1 <= args.concurrency <= 256):
         ap.error("need 1 <= --requests <= 100000 and 1 <= --concurrency <= 256")
@@ -161,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.soak:
         if args.k is not None and args.k.isdigit():
             args.k = int(args.k)
+        if args.hostile:
+            from hostile_soak import hostile_soak
+
+            return _finish_hostile(args, hostile_soak(args, host, port, headers, model))
         return _finish_soak(args, soak(args, host, port, headers, model))
 
     prompts = _prompts()
@@ -549,12 +563,35 @@ def _finish_soak(args: argparse.Namespace, record: dict[str, Any]) -> int:
     )
     for e in record["unexpected_samples"]:
         print(f"  unexpected: {e}", file=sys.stderr)
-    if args.out:
-        out = Path(args.out)
+    _write(args.out, record)
+    return 0 if record["ok"] else 1
+
+
+def _finish_hostile(args: argparse.Namespace, record: dict[str, Any]) -> int:
+    h, ref = record["health"], record["reference"] or {}
+    same = ref.get("compared", 0) - ref.get("mismatches", 0)
+    print(
+        f"hostile soak: {record['requests']} requests in {record['wall_s']} s | crashes "
+        f"{record['crashes']}, 5xx on well-formed {record['well_formed_5xx']}, unexpected "
+        f"{record['unexpected']} | /health p99 {h['p99_ms']} ms (max {h['max_ms']}, "
+        f"{h['samples']} samples) | RSS {record['before']['rss_mb']} -> "
+        f"{record['after']['rss_mb']} MB | fds {record['before']['fds']} -> "
+        f"{record['after']['fds']} | new 504s {record['new_504']}, tracebacks "
+        f"{record['new_tracebacks']} | answers == generate(): {same}/{ref.get('compared', 0)}"
+        f" | ok {record['ok']}"
+    )
+    for e in record["unexpected_samples"]:
+        print(f"  unexpected: {e}", file=sys.stderr)
+    _write(args.out, record)
+    return 0 if record["ok"] else 1
+
+
+def _write(path: str | None, record: dict[str, Any]) -> None:
+    if path:
+        out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {out}")
-    return 0 if record["ok"] else 1
 
 
 if __name__ == "__main__":

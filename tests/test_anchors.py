@@ -6,12 +6,13 @@ what decides whether that comparison is fair and what a user sees when something
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
 from specdec.backends import llamacpp_build
-from specdec.study import anchors
+from specdec.study import anchors, endpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,3 +193,52 @@ def test_bench_runs_llama_lookup_on_the_templated_prompt(tmp_path) -> None:
     assert rec["tokens_per_s"] == pytest.approx(301 / 19.75)
     with pytest.raises(endpoint.EndpointError, match=rf"read {len(prompt)} .* bench has 5"):
         run(bench.Task([ord(c) for c in "hello"], 0, None, None, text="hi"))
+
+
+# ------------------------------------------------------------------------------ whose port is it
+class _Impostor:
+    """Anything on a port that answers 200 to every GET, key or not."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                body = b'{"data": [{"id": "impostor"}]}'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_taken_port_is_retried_and_an_impostor_is_never_trusted(monkeypatch) -> None:
+    """Between free_port() and the bind another process can take the port, and whatever then
+    answered /health was taken for the server (issue 21, item 10)."""
+    impostor = _Impostor()
+    try:
+        fixed = anchors.SpecdecServer(Path(), (), target="mock:vocab=48,seed=0", port=impostor.port)
+        fixed.startup_s = 60
+        with pytest.raises(anchors.AnchorError, match=r"taken|another process"):
+            with fixed:
+                pass
+        ports = iter([impostor.port, anchors.free_port()])
+        monkeypatch.setattr(anchors, "free_port", lambda: next(ports))
+        srv = anchors.SpecdecServer(Path(), (), target="mock:vocab=48,seed=0")
+        srv.startup_s = 60
+        with srv:
+            assert srv.port != impostor.port
+            with endpoint.Client(srv.endpoint()) as c:
+                assert c.model() == "mock:vocab=48,seed=0"
+    finally:
+        impostor.close()

@@ -7,10 +7,12 @@ passes; when the server under test samples from the draft instead of the target 
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -281,3 +283,168 @@ def test_two_endpoints_without_a_tokenizer_is_a_clear_error(tmp_path) -> None:
     cfg = _bench_cfg(endpoint=url, endpoint_baseline=url)  # mock target: no tokenizer
     with pytest.raises(ValueError, match="need a target with a tokenizer"):
         run_bench(cfg, tmp_path, progress=False)
+
+
+# ------------------------------------------------------------------------------ a hostile upstream
+class _Hostile:
+    """A loopback TCP server that reads one request and then runs `script(conn)`: whatever a
+    broken or malicious upstream might send (issue 21)."""
+
+    def __init__(self, script: Any) -> None:
+        self.script = script
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.sent = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(30)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            self.script(self, conn)
+
+    def send(self, conn: socket.socket, data: bytes) -> None:
+        conn.sendall(data)
+        self.sent += len(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+_SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+
+
+def _hostile_stream(script: Any, timeout_s: float = 2.0) -> tuple[endpoint.EndpointError, float]:
+    """Stream one request from a hostile upstream; the EndpointError it must end with, and when."""
+    srv = _Hostile(script)
+    try:
+        ep = endpoint.Endpoint(
+            srv.url, model="m", api="completions", timeout_s=timeout_s, retries=0
+        )
+        with endpoint.Client(ep) as c:
+            t0 = time.perf_counter()
+            with pytest.raises(endpoint.EndpointError) as info:
+                c.stream(endpoint.Request("hi", 4, 0.0, 0))
+            return info.value, time.perf_counter() - t0
+    finally:
+        srv.close()
+
+
+def _trickle(piece: bytes, head: bytes = _SSE_HEAD) -> Any:
+    def script(srv: _Hostile, conn: socket.socket) -> None:
+        srv.send(conn, head)
+        for _ in range(200):  # 60 s of it, far past the deadline
+            srv.send(conn, piece)
+            time.sleep(0.3)
+
+    return script
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        _trickle(b": keep-alive\n\n"),  # comments forever: every read succeeds
+        _trickle(b"X", head=b"HTTP/1.1 200 OK\r\n"),  # headers, one byte at a time
+        _trickle(b'data: {"choices": [{"text": "a"}]}\n\n'),  # text forever, never [DONE]
+    ],
+    ids=["keep-alives", "trickled-headers", "endless-text"],
+)
+def test_the_client_ends_a_trickling_upstream_at_its_deadline(script) -> None:
+    err, took = _hostile_stream(script, timeout_s=2.0)
+    assert err.kind == "timeout", err
+    assert 1.5 < took < 3.0  # the deadline, +- 1 s (it was unbounded: httpx times each read)
+
+
+def test_the_client_caps_lines_streams_and_error_bodies(monkeypatch) -> None:
+    monkeypatch.setattr(endpoint, "MAX_EVENT_BYTES", 1 << 16)
+    monkeypatch.setattr(endpoint, "MAX_STREAM_BYTES", 1 << 20)
+    endless = b"x" * (1 << 16)
+
+    def no_newline(srv: _Hostile, conn: socket.socket) -> None:
+        srv.send(conn, _SSE_HEAD + b"data: ")
+        for _ in range(4096):  # 256 MiB if nobody stopped reading
+            srv.send(conn, endless)
+
+    err, _ = _hostile_stream(no_newline, timeout_s=20)
+    assert err.kind == "bad_body" and "line exceeds" in str(err)
+
+    def many_lines(srv: _Hostile, conn: socket.socket) -> None:
+        srv.send(conn, _SSE_HEAD)
+        for _ in range(4096):
+            srv.send(conn, b": " + endless[:1000] + b"\n")
+
+    err, _ = _hostile_stream(many_lines, timeout_s=20)
+    assert err.kind == "bad_body" and "stream exceeds" in str(err)
+
+    def huge_error(srv: _Hostile, conn: socket.socket) -> None:
+        srv.send(conn, b"HTTP/1.1 500 Oops\r\nContent-Length: 419430400\r\n\r\n")
+        for _ in range(4096):
+            srv.send(conn, endless)
+
+    srv_sent: list[int] = []
+
+    def counted(srv: _Hostile, conn: socket.socket) -> None:
+        try:
+            huge_error(srv, conn)
+        finally:
+            srv_sent.append(srv.sent)
+
+    err, _ = _hostile_stream(counted, timeout_s=20)
+    assert err.kind == "http" and err.status == 500
+    time.sleep(0.2)
+    # the client read its 64 KiB and hung up: the upstream could not push 256 MiB into it
+    assert srv_sent and srv_sent[0] < 64 << 20
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        "[" * 100_000,  # a RecursionError in json
+        '{"choices": [{"delta": "x"}]}',
+        '{"choices": [{"text": 5}]}',
+        '{"choices": 5}',
+        '{"choices": [{"text": "a", "finish_reason": []}]}',
+        "[1, 2]",
+    ],
+    ids=["deep", "delta-str", "text-int", "choices-int", "finish-list", "array"],
+)
+def test_every_malformed_event_is_a_bad_body(event) -> None:
+    def script(srv: _Hostile, conn: socket.socket) -> None:
+        srv.send(conn, _SSE_HEAD + b"data: " + event.encode() + b"\n\ndata: [DONE]\n\n")
+
+    err, _ = _hostile_stream(script)
+    assert err.kind == "bad_body", err
+
+
+def test_absurd_counts_are_not_counts() -> None:
+    """A 401-digit completion_tokens (OverflowError in tokens/s), a string draft_n (ValueError in
+    the gate's int()): the record falls back to retokenizing, and drops the draft counts."""
+    reply = endpoint.Reply(
+        "abc",
+        "stop",
+        0.1,
+        0.5,
+        [],
+        {"completion_tokens": 10**400, "prompt_tokens": "9"},
+        {"draft_n": "12", "draft_n_accepted": 3, "t": float("nan")},
+        1,
+        "m",
+    )
+    rec = endpoint.run_record(reply, endpoint.Endpoint("http://h"), None)
+    assert rec["usage_source"] == "retokenized" and rec["generated"] == 0
+    assert rec["prompt_tokens"] is None and "drafted" not in rec
+    assert rec["server_timings"] == {"draft_n_accepted": 3}
+    assert endpoint.count(True) is None and endpoint.count(-1) is None and endpoint.count(7) == 7

@@ -12,7 +12,7 @@ from test_server import MOCK_SPEC, SlowMock, V, metric, serve_models
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
-from specdec.core.drafters import common_prefix
+from specdec.serve.engine import PROMPT_CACHE_BLOCK
 
 
 class CountingMock(MockModel):
@@ -60,22 +60,36 @@ def test_a_different_prompt_keeps_only_the_shared_prefix_and_reuse_is_off_by_def
     assert r.stats.cached_prompt_tokens == 0 and target.prefilled == 6
 
 
-def test_the_server_reports_cached_prompt_tokens_and_answers_as_a_fresh_prefill() -> None:
+def test_reuse_in_blocks_rounds_the_kept_prefix_down() -> None:
+    target = CountingMock(V, seed=0)
+    _run(target, list(range(20)), reuse_prefix=8)
+    target.prefilled = 0
+    r = _run(target, [*range(19), 40, 41], reuse_prefix=8)  # 19 shared: 16 kept
+    assert r.stats.cached_prompt_tokens == 16 and target.prefilled == 20 - 16
+
+
+def test_the_server_reuses_and_reports_whole_blocks_and_answers_as_a_fresh_prefill() -> None:
+    """The prompt cache keeps whole PROMPT_CACHE_BLOCK-token blocks only: a client that guesses
+    part of another's prompt learns at most whether a whole block matched (issue 21)."""
     srv = serve_models(SlowMock(V, seed=0, name=MOCK_SPEC))
     try:
-        body = {"model": MOCK_SPEC, "prompt": list(range(30)), "max_tokens": 6}
+        prompt = [i * 7 % V for i in range(300)]
+        body = {"model": MOCK_SPEC, "prompt": prompt, "max_tokens": 6}
         body.update(temperature=0, return_token_ids=True)
-        held = list(srv.engine.target.cached_tokens)  # what the warm-up generation left
         status, _, first = srv.request("POST", "/v1/completions", body)
         assert status == 200
-        shared = common_prefix(held, list(range(29)))
-        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == shared
-        follow = [*range(30), 40, 41]
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        follow = [*prompt, *first["choices"][0]["token_ids"], 40, 41]  # 306 tokens shared
         status, _, second = srv.request("POST", "/v1/completions", {**body, "prompt": follow})
         assert status == 200
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 30
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == PROMPT_CACHE_BLOCK
         fresh = generate(MockModel(V, seed=0), follow, max_new_tokens=6, warp=Warp(0.0))
         assert second["choices"][0]["token_ids"] == fresh.tokens
-        assert metric(srv.metrics(), "specdec_cached_prompt_tokens_total") == 30 + shared
+        # a guess sharing 200 tokens with the last request: nothing reused, nothing told
+        guess = {**body, "prompt": [*follow[:200], 1, 2, 3]}
+        status, _, third = srv.request("POST", "/v1/completions", guess)
+        assert status == 200 and third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        total = metric(srv.metrics(), "specdec_cached_prompt_tokens_total")
+        assert total == PROMPT_CACHE_BLOCK
     finally:
         srv.close()

@@ -62,6 +62,7 @@ class Server:
 
     def __init__(self, engine: Engine, cfg: ServeConfig) -> None:
         self.engine = engine
+        self.api_key = cfg.api_key
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -97,7 +98,8 @@ class Server:
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, parsed
 
     def metrics(self) -> str:
-        return self.request("GET", "/metrics")[2]
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return self.request("GET", "/metrics", headers=auth)[2]
 
     def wait_idle(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -351,7 +353,7 @@ BAD_INPUTS = [
         b'{"model": "%s", "prompt": [1], "temperature": NaN}' % MOCK_SPEC.encode(),
         AUTH,
         400,
-        "temperature",
+        None,  # NaN is not JSON (RFC 8259): refused as the body is parsed
     ),
     ("top-p-zero", "/v1/completions", {**GOOD, "top_p": 0}, AUTH, 400, "top_p"),
     ("top-p-above-one", "/v1/completions", {**GOOD, "top_p": 1.5}, AUTH, 400, "top_p"),
@@ -553,7 +555,8 @@ def test_models_health_and_metrics(mock: Server) -> None:
     status, _, health = mock.request("GET", "/health")
     assert status == 200 and health["status"] == "ok" and health["model"] == MOCK_SPEC
     mock.request("POST", "/v1/completions", GOOD, AUTH)
-    status, hdrs, text = mock.request("GET", "/metrics")
+    assert mock.request("GET", "/metrics")[0] == 401  # its counters describe others' requests
+    status, hdrs, text = mock.request("GET", "/metrics", headers=AUTH)
     assert status == 200 and hdrs["content-type"].startswith("text/plain")
     for name in (
         "specdec_requests_total",

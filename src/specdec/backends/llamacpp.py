@@ -379,6 +379,7 @@ class LlamaCppModel(SpecModel):
         self.name = name or f"llamacpp:{path.name}"
         self.tokenizer = tokenizer
         self.deterministic = deterministic
+        self.batch_invariant = deterministic
         self._model = self._ctx = self._scratch = self._batch = None
         _set_tiled_switch("deterministic" if deterministic else "default")
         if deterministic:

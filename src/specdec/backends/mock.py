@@ -15,6 +15,8 @@ from specdec.core.model import SpecModel
 
 
 class MockModel(SpecModel):
+    batch_invariant = True  # each row's logits are a function of its last two tokens alone
+
     def __init__(
         self,
         vocab_size: int = 48,

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from specdec.cli import args as cli_args
 from specdec.serve.app import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REQUEST_TIMEOUT_S,
     ServeConfig,
     serve,
@@ -53,12 +55,21 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "machine fewer is much faster for llama.cpp)",
     )
     cli_args.add_deterministic_arg(p)
-    p.add_argument(
-        "--no-prompt-cache",
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--prompt-cache",
+        dest="prompt_cache",
         action="store_true",
-        help="prefill every prompt from scratch instead of keeping the KV of the prefix shared "
-        "with the previous request (flag; default: kept, as llama-server's cache_prompt; bit-"
-        "exact with --deterministic, see the README)",
+        default=None,
+        help="keep the KV of the prefix shared with the previous request, in whole blocks of "
+        "256 tokens, as llama-server's cache_prompt (flag; default: on only where the output "
+        "cannot depend on it, a batch-invariant target such as --deterministic; see the README)",
+    )
+    cache.add_argument(
+        "--no-prompt-cache",
+        dest="prompt_cache",
+        action="store_false",
+        help="prefill every prompt from scratch (flag)",
     )
     p.add_argument(
         "--host",
@@ -107,16 +118,31 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help="seconds from arrival (queue wait included) before a request fails with "
         f"504 (float > 0; default {DEFAULT_REQUEST_TIMEOUT_S:g})",
     )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client may take to send a request's body, else 408 (float > 0; "
+        f"default {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"connections open at once, else 503 (int >= 1; default {DEFAULT_MAX_CONNECTIONS})",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    for name, low in (("max_queue", 1), ("max_body_bytes", 1), ("threads", 1), ("port", 0)):
+    lows = (("max_queue", 1), ("max_body_bytes", 1), ("threads", 1), ("port", 0))
+    for name, low in (*lows, ("max_connections", 1)):
         v = getattr(args, name)
         if v is not None and v < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
-    if not args.request_timeout > 0:
-        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    for name in ("request_timeout", "body_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     draft = None if args.draft is None or args.draft.lower() == "none" else args.draft
     return serve(
         ServeConfig(
@@ -136,7 +162,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             request_timeout=args.request_timeout,
             deterministic=args.deterministic,
-            prompt_cache=not args.no_prompt_cache,
+            prompt_cache=args.prompt_cache,
+            body_timeout=args.body_timeout,
+            max_connections=args.max_connections,
         )
     )
 

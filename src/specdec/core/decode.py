@@ -30,6 +30,7 @@ from specdec.core.drafters import (
     LookupDrafter,
     ModelDrafter,
     PredictionDrafter,
+    PredictionIndex,
     common_prefix,
 )
 from specdec.core.metrics import GenerationResult, GenerationStats, Round
@@ -82,7 +83,7 @@ class _Run:
     debug: bool
     cancelled: Callable[[], bool] | None
     stats: GenerationStats
-    reuse_prefix: bool = False
+    reuse_prefix: int = 0  # block size; 0: off
     tokens: list[int] = field(default_factory=list)  # generated ids
     stop_reason: str = "length"
 
@@ -122,10 +123,10 @@ def stream(
     max_new_tokens: int = 128,
     seed: int = 0,
     stop_ids: Sequence[int] | None = None,
-    prediction: Sequence[int] | torch.Tensor | None = None,
+    prediction: Sequence[int] | torch.Tensor | PredictionIndex | None = None,
     cancelled: Callable[[], bool] | None = None,
     debug: bool = False,
-    reuse_prefix: bool = False,
+    reuse_prefix: int = 0,
 ) -> SpecStream:
     """Like `generate`, but yields each round's committed tokens as they are accepted.
 
@@ -134,11 +135,13 @@ def stream(
     (core.drafters.PredictionDrafter); it changes the speed, never the output distribution.
     `cancelled`, if given, is asked between prefill chunks; when it returns True the stream
     ends with stop_reason "cancelled" (between rounds, close the stream instead).
-    `reuse_prefix`: keep the target's cached KV for the longest common prefix of the prompt and
-    what the cache holds (the previous request's prompt and answer) and prefill only the rest,
-    as llama-server's cache_prompt does. Exact where the backend is batch-invariant (mock,
-    llama.cpp deterministic); elsewhere the reused rows were computed in another batch shape,
-    which can flip a greedy near-tie against a fresh prefill.
+    `reuse_prefix`: a block size B (0: off; 1, or True: any length): keep the target's cached KV
+    for the longest common prefix of the prompt and what the cache holds (the previous
+    request's prompt and answer), rounded down to whole blocks of B tokens, and prefill only the
+    rest, as llama-server's cache_prompt does (a server uses blocks so that what it reuses, and
+    reports, says little about another client's prompt). Exact where the backend is
+    batch-invariant (mock, llama.cpp deterministic); elsewhere the reused rows were computed
+    in another batch shape, which can flip a greedy near-tie against a fresh prefill.
     """
     prompt = as_token_list(prompt_ids)
     kind = spec.drafter_for(draft is not None)
@@ -147,7 +150,12 @@ def stream(
     width = _check_budget(
         target, draft if kind in ("model", "composite") else None, prompt, max_new_tokens
     )
-    pred = None if prediction is None else _check_ids("prediction", prediction, width)
+    pred: list[int] | PredictionIndex | None = None
+    if isinstance(prediction, PredictionIndex):  # built beforehand (a server, off its lock)
+        _check_ids("prediction", prediction.tokens, width)
+        pred = prediction
+    elif prediction is not None:
+        pred = _check_ids("prediction", prediction, width)
     generator = torch.Generator().manual_seed(seed)
     drafter = _make_drafter(kind, draft, spec, warp, generator, width)
     if pred is not None:  # the prediction first, then the configured drafter (else lookup)
@@ -281,12 +289,12 @@ def _commit(run: _Run, emitted: list[int]) -> list[int]:
 
 
 def _prefill(
-    target: SpecModel, ids: list[int], cancelled: Callable[[], bool] | None, reuse: bool
+    target: SpecModel, ids: list[int], cancelled: Callable[[], bool] | None, block: int
 ) -> int | None:
-    """Make the target cache hold `ids`: reset it (or, `reuse`, keep its longest common prefix
-    with `ids`) and prefill the rest in PREFILL_CHUNK pieces. Returns the tokens reused from
-    the cache, or None if cancelled midway."""
-    keep = common_prefix(target.cached_tokens, ids) if reuse else 0
+    """Make the target cache hold `ids`: reset it (or, block > 0, keep its longest common prefix
+    with `ids` in whole blocks of `block` tokens) and prefill the rest in PREFILL_CHUNK pieces.
+    Returns the tokens reused from the cache, or None if cancelled midway."""
+    keep = common_prefix(target.cached_tokens, ids) // block * block if block > 0 else 0
     if keep:
         target.truncate(keep)
     else:

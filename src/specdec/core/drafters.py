@@ -193,6 +193,20 @@ class LookupDrafter:
         pass
 
 
+class PredictionIndex:
+    """A prediction's token ids and its n-gram index (n-gram -> sorted end positions, the index
+    after the n-gram), for PredictionDrafter. Building it costs O(len x n_max) time and memory,
+    so a server builds it for a request before the request takes the engine."""
+
+    def __init__(self, prediction: list[int], n_max: int = 8) -> None:
+        self.tokens = list(prediction)
+        self.n_max = n_max
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+        for end in range(1, len(self.tokens) + 1):
+            for n in range(1, min(n_max, end) + 1):
+                self.ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+
+
 class PredictionDrafter:
     """Drafts from a prediction of the output (OpenAI's Predicted Outputs; Cursor's speculative
     edits): typically the file an edit will re-emit. No model: q = None, exact at any temperature.
@@ -207,7 +221,8 @@ class PredictionDrafter:
     e.g. an opening code fence), the prediction's start is proposed, as source
     "prediction-start", so the K policy judges those guesses apart from aligned drafts.
 
-    prediction  token ids, tokenized alone with the target's tokenizer
+    prediction  token ids, tokenized alone with the target's tokenizer (or their
+                PredictionIndex, built beforehand)
     start       where the output begins in the context (the prompt's length)
     """
 
@@ -219,14 +234,13 @@ class PredictionDrafter:
 
     model = None
 
-    def __init__(self, prediction: list[int], start: int) -> None:
-        self.prediction = list(prediction)
+    def __init__(self, prediction: list[int] | PredictionIndex, start: int) -> None:
+        index = prediction if isinstance(prediction, PredictionIndex) else None
+        if index is None or index.n_max < self.N_MAX:
+            index = PredictionIndex(list(prediction.tokens if index else prediction), self.N_MAX)
+        self.prediction = index.tokens
         self.start = start
-        # n-gram -> sorted end positions (index after the n-gram) in the prediction
-        self._index: dict[tuple[int, ...], list[int]] = {}
-        for end in range(1, len(self.prediction) + 1):
-            for n in range(1, min(self.N_MAX, end) + 1):
-                self._index.setdefault(tuple(self.prediction[end - n : end]), []).append(end)
+        self._index = index.ends  # n-gram -> sorted end positions in the prediction
         self._seen = 0  # output tokens accounted for by the alignment
         self._pos: int | None = None  # next expected prediction index; None: not aligned
         self._last = 0  # the last aligned position, for "prefer forward"

@@ -61,6 +61,9 @@ class SpecModel(ABC):
     #: where k="auto" keeps this model's measured verify-cost curve between processes (a JSON
     #: file named by the backend for this model file, build and settings); None: not kept
     cost_store: Any = None
+    #: every logit is bit-identical whatever batch shape computed it (mock models; llama.cpp's
+    #: deterministic mode): only then may a server reuse one request's KV for the next by default
+    batch_invariant: bool = False
 
     def __init__(self) -> None:
         self.cached_tokens: list[int] = []

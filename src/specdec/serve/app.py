@@ -32,8 +32,9 @@ or an incomplete UTF-8 character, until it is resolved, so the streamed deltas c
 the non-streamed text (serve.text). `usage.completion_tokens` counts every token the engine
 committed, which can include a few past a stop string: one round commits up to K+1 at once.
 
-Concurrency, cancellation, shutdown: serve.engine. Tokenization and chat templating run in a
-thread, off the event loop. A client that goes away, or a deadline that passes, frees the
+Concurrency, cancellation, shutdown: serve.engine. Parsing, validation, tokenization and chat
+templating run in threads, off the event loop, and a request is admitted to the queue (its slot
+reserved) before any tokenizing. A client that goes away, or a deadline that passes, frees the
 engine within one round or one prefill chunk. On shutdown waiting requests get 503 at once, the
 running one is cancelled, and connections get GRACEFUL_SHUTDOWN_S seconds to close.
 
@@ -43,17 +44,23 @@ to loopback only loopback Host headers are served (DNS rebinding), unless --allo
 
 Errors: every error body is OpenAI's {"error": {"message", "type", "param", "code"}}, and the
 server keeps serving.
-    400 invalid_request_error   malformed or deeply nested JSON, lone surrogates, wrong types,
-                                temperature outside [0, 2], top_p outside (0, 1], max_tokens
-                                beyond the context window, n != 1, unsupported parameters,
-                                a Host header not allowed (invalid_host), ...
-    401 invalid_api_key         an API key is set and the Bearer token is missing or wrong
+    400 invalid_request_error   malformed or deeply nested JSON, lone surrogates, NaN and
+                                out-of-range numbers, over-long lists, wrong types (protocol.
+                                parse_json and check_shape, on the raw JSON), temperature
+                                outside [0, 2], top_p outside (0, 1], max_tokens beyond the
+                                context window, n != 1, unsupported parameters, a Host header
+                                not allowed (invalid_host), ...
+    401 invalid_api_key         an API key is set and the Bearer token is missing or wrong (on
+                                /v1 and /metrics; /health needs none and says no more than ok)
     404 model_not_found         (and unknown routes: not_found)
+    408 request_timeout         the body did not arrive within --body-timeout (headers get
+                                HEADER_TIMEOUT_S, then the connection is closed)
     413 request_too_large       body over --max-body-bytes
     415 unsupported_media_type  a POST body that is not application/json
-    429 queue_full              with Retry-After (seconds)
-    500 server_error            the engine raised
-    503 shutting_down           the server is stopping (engine_stopped: its worker is not running)
+    429 queue_full              with Retry-After (seconds); decided before tokenizing
+    500 server_error            the engine raised (the type is named, its text only logged)
+    503 shutting_down           the server is stopping (engine_stopped: its worker is not
+                                running); also past --max-connections open connections
     504 timeout                 --request-timeout passed, counted from arrival (queue included)
 A streaming request that fails after its response started gets the error object as its last
 SSE event (the openai client raises it as an APIError). A non-streaming request whose client
@@ -64,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -83,7 +91,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdec.core.config import SpecConfig
-from specdec.serve.engine import DEFAULT_MAX_QUEUE, Delta, Done, Engine, Event, Failed, Job
+from specdec.core.drafters import PredictionIndex
+from specdec.serve.engine import DEFAULT_MAX_QUEUE, Delta, Done, Engine, Event, Failed, Job, Slot
 from specdec.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -100,6 +109,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 32k-token context is ~130 KB of text
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+#: A slow client may hold a connection this long while sending headers, and as long again while
+#: sending its body; then it is cut (408 for the body). 1 MiB takes well under a second on any
+#: link a model server is reached over.
+HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 10.0
+#: Connections open at once (uvicorn's limit_concurrency): past it, new ones get 503, so stalled
+#: clients cannot exhaust memory or descriptors.
+DEFAULT_MAX_CONNECTIONS = 256
 #: Seconds uvicorn waits for open connections at shutdown. The engine fails waiting requests
 #: and cancels the running one first, so they close at once; this bounds the rest (slow clients).
 GRACEFUL_SHUTDOWN_S = 5
@@ -127,7 +144,11 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     deterministic: bool = False  # batch-invariant llama.cpp numerics (backends.load_model)
-    prompt_cache: bool = True  # keep the KV of the prefix shared with the previous request
+    # keep the KV of the prefix shared with the previous request; None: only where the output
+    # cannot depend on it (a batch-invariant target: serve.engine)
+    prompt_cache: bool | None = None
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds to receive a request's body
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open at once; 503 beyond (uvicorn's limit)
 
     def spec_config(self) -> SpecConfig:
         """The speculation settings for the engine: SpecConfig's defaults where none was set."""
@@ -148,6 +169,7 @@ class _Context:
     engine: Engine
     cfg: ServeConfig
     model_ids: frozenset[str]  # the names a request's `model` may use
+    public_id: str  # the id responses carry: the target spec without directories
 
 
 def _ctx(request: Request) -> _Context:
@@ -224,13 +246,26 @@ def _check_model(ctx: _Context, model: str) -> None:
     if model not in ctx.model_ids:
         raise ApiError(
             404,
-            f"the model {model!r} does not exist; this server serves {ctx.cfg.target!r}",
+            f"the model {model[:200]!r} does not exist; this server serves {ctx.public_id!r}",
             param="model",
             code="model_not_found",
         )
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request body, at most `limit` bytes, within `timeout` seconds (408 after)."""
+    try:
+        return await asyncio.wait_for(_read_all(request, limit), timeout)
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout:g} s",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+
+
+async def _read_all(request: Request, limit: int) -> bytes:
     media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media != "application/json":
         raise ApiError(
@@ -252,7 +287,11 @@ async def _read_json(request: Request, limit: int) -> Any:
             raise ApiError(
                 413, f"request body exceeds the limit of {limit} bytes", code="request_too_large"
             )
-    return parse_json(bytes(body))
+    return bytes(body)
+
+
+def _parse(kind: type[ChatRequest] | type[CompletionRequest], body: bytes) -> Any:
+    return parse_request(kind, parse_json(body))
 
 
 # ------------------------------------------------------------------------------ generation
@@ -281,18 +320,19 @@ async def _generate(
     req: ChatRequest | CompletionRequest,
     params: GenParams,
     arrived: float,
+    slot: Slot,
 ) -> Response:
-    """Queue the job, then answer with the whole completion or an SSE stream of it."""
+    """Queue the job in its slot, then answer with the whole completion or an SSE stream."""
     engine = ctx.engine
     job = Job(params, asyncio.get_running_loop(), arrived, arrived + ctx.cfg.request_timeout)
-    engine.submit(job)
+    engine.submit(job, slot)
     watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
     streaming = False
     try:
         first = await _next_event(engine, job)  # Start, or Failed while queued or in stream()
         if isinstance(first, Failed):
             raise first.error
-        reply = Reply(ctx.cfg.target, isinstance(req, ChatRequest), req, params.prompt_ids)
+        reply = Reply(ctx.public_id, isinstance(req, ChatRequest), req, params.prompt_ids)
         if req.streaming:
             streaming = True
             engine.metrics.count_request(request.url.path, 200)
@@ -350,40 +390,41 @@ def _sse(obj: Any) -> str:
 
 # ------------------------------------------------------------------------------ routes
 async def chat_completions(request: Request) -> Response:
-    arrived = time.perf_counter()
-    ctx = _ctx(request)
-    _check_auth(request, ctx.cfg.api_key)
-    req = parse_request(ChatRequest, await _read_json(request, ctx.cfg.max_body_bytes))
-    messages = req.chat_messages()
-    _check_model(ctx, req.model)
-    # Templating and tokenizing up to --max-body-bytes of text takes a while: off the event loop.
-    prompt_ids = await asyncio.to_thread(ctx.engine.encode_chat, messages)
-    params = validate_request(
-        req, ctx.engine.n_ctx, ctx.engine.target.vocab_size, prompt_ids, await _prediction(ctx, req)
-    )
-    return await _generate(request, ctx, req, params, arrived)
+    return await _completion(request, ChatRequest)
 
 
 async def completions(request: Request) -> Response:
+    return await _completion(request, CompletionRequest)
+
+
+async def _completion(
+    request: Request, kind: type[ChatRequest] | type[CompletionRequest]
+) -> Response:
+    """Both POST routes: read, parse, admit, tokenize, validate, generate, in that order."""
     arrived = time.perf_counter()
     ctx = _ctx(request)
+    engine = ctx.engine
     _check_auth(request, ctx.cfg.api_key)
-    req = parse_request(CompletionRequest, await _read_json(request, ctx.cfg.max_body_bytes))
-    prompt = req.single_prompt()
+    body = await _read_body(request, ctx.cfg.max_body_bytes, ctx.cfg.body_timeout)
+    # JSON and validation off the event loop; the bounds in parse_json keep both short.
+    req = await asyncio.to_thread(_parse, kind, body)
     _check_model(ctx, req.model)
-    if isinstance(prompt, str):
-        prompt = await asyncio.to_thread(ctx.engine.encode_text, prompt)
-    params = validate_request(
-        req, ctx.engine.n_ctx, ctx.engine.target.vocab_size, prompt, await _prediction(ctx, req)
-    )
-    return await _generate(request, ctx, req, params, arrived)
-
-
-async def _prediction(ctx: Any, req: ChatRequest | CompletionRequest) -> list[int] | None:
-    """The request's prediction as token ids, tokenized off the event loop (None: it has none)."""
-    if req.prediction is None:
-        return None
-    return await asyncio.to_thread(ctx.engine.encode_prediction, req.prediction.text())
+    with engine.reserve() as slot:  # 429 / 503 now, before any tokenizing
+        # Templating and tokenizing up to --max-body-bytes of text takes a while: in a thread.
+        if isinstance(req, ChatRequest):
+            prompt = await asyncio.to_thread(engine.encode_chat, req.chat_messages())
+        else:
+            prompt = req.single_prompt()
+            if isinstance(prompt, str):
+                prompt = await asyncio.to_thread(engine.encode_text, prompt)
+        pred = None
+        if req.prediction is not None:
+            pred = await asyncio.to_thread(engine.encode_prediction, req.prediction.text())
+        params = validate_request(req, engine.n_ctx, engine.target.vocab_size, prompt, pred)
+        if params.prediction:  # its n-gram index, built here rather than under the engine lock
+            index = await asyncio.to_thread(PredictionIndex, params.prediction)
+            params = dataclasses.replace(params, prediction_index=index)
+        return await _generate(request, ctx, req, params, arrived, slot)
 
 
 async def models(request: Request) -> Any:
@@ -391,11 +432,11 @@ async def models(request: Request) -> Any:
     _check_auth(request, ctx.cfg.api_key)
     ctx.engine.metrics.count_request(request.url.path, 200)
     card = {
-        "id": ctx.cfg.target,
+        "id": ctx.public_id,
         "object": "model",
         "created": 0,
         "owned_by": "specdec",
-        "draft": ctx.cfg.draft,
+        "draft": public_model_name(ctx.cfg.draft) if ctx.cfg.draft else None,
         "n_ctx": ctx.engine.n_ctx,
     }
     return {"object": "list", "data": [card]}
@@ -406,7 +447,7 @@ async def health(request: Request) -> Response:
     alive = ctx.engine.alive
     body = {
         "status": "ok" if alive else "engine_stopped",
-        "model": public_model_name(ctx.cfg.target),  # unauthenticated: no directories
+        "model": _ctx(request).public_id,  # unauthenticated: no directories
         "busy": ctx.engine.busy,
         "queue_depth": ctx.engine.queue_depth,
     }
@@ -414,7 +455,9 @@ async def health(request: Request) -> Response:
 
 
 async def prometheus(request: Request) -> Response:
-    engine = _ctx(request).engine
+    ctx = _ctx(request)
+    _check_auth(request, ctx.cfg.api_key)  # its counters describe other clients' requests
+    engine = ctx.engine
     gauges = {
         "specdec_queue_depth": engine.queue_depth,
         "specdec_busy": int(engine.busy),
@@ -441,8 +484,9 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     app = FastAPI(
         title="specdec", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
-    model_ids = frozenset({cfg.target, engine.target.name, engine.target.name.split(":", 1)[-1]})
-    app.state.specdec = _Context(engine, cfg, model_ids)
+    public_id = public_model_name(cfg.target)
+    names = {cfg.target, engine.target.name, engine.target.name.split(":", 1)[-1], public_id}
+    app.state.specdec = _Context(engine, cfg, frozenset(names), public_id)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
@@ -451,9 +495,9 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
-    names = cfg.host_names()
-    if names is not None:
-        app.add_middleware(_HostCheck, names=names)
+    hosts = cfg.host_names()
+    if hosts is not None:
+        app.add_middleware(_HostCheck, names=hosts)
     return app
 
 
@@ -491,9 +535,11 @@ def is_loopback(host: str) -> bool:
 def public_model_name(spec: str) -> str:
     """`spec` without the directories of a local path ("llamacpp:/home/u/m.gguf" ->
     "llamacpp:m.gguf"); registry names and hub ids ("hf:org/name") are kept."""
-    backend, sep, name = spec.rpartition(":")
-    if os.path.isabs(name) or name.startswith(("~", ".")):
-        name = os.path.basename(name.rstrip("/\\")) or name
+    backend, sep, name = spec.partition(":")  # the first colon: a path may hold more
+    if not sep:
+        backend, name = "", spec
+    if os.path.isabs(name) or name.startswith(("~", ".")) or "\\" in name:
+        name = os.path.basename(name.replace("\\", "/").rstrip("/")) or "model"
     return f"{backend}{sep}{name}"
 
 
@@ -508,7 +554,43 @@ def uvicorn_server(app: FastAPI, **config: Any) -> Any:
             await super().shutdown(sockets)
 
     config.setdefault("timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
+    config.setdefault("limit_concurrency", app.state.specdec.cfg.max_connections)
+    config.setdefault("http", _header_deadline_protocol())
     return _Server(uvicorn.Config(app, **config))
+
+
+def _header_deadline_protocol() -> type:
+    """uvicorn's h11 protocol, with a deadline for a request's headers: uvicorn has none, so a
+    client sending a header byte every few seconds would hold its connection forever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class _Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request's headers get their own deadline
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._expire)
+
+        def _expire(self) -> None:
+            # No request in flight (none yet, or the last one answered): its headers are late.
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+
+    return _Protocol
 
 
 def serve(cfg: ServeConfig) -> int:

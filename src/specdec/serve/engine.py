@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import copy
 import logging
 import math
 import threading
@@ -57,6 +58,9 @@ from specdec.serve.text import TextAssembler
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64
+#: The prompt cache reuses, and reports, whole blocks of this many tokens: a client that guesses
+#: another's prompt learns at most whether a 256-token block matched, not the matching length.
+PROMPT_CACHE_BLOCK = 256
 RETRY_AFTER_RANGE_S = (1, 60)
 _SERVICE_EMA = 0.8  # smoothing of the mean generation time that Retry-After is estimated from
 
@@ -133,11 +137,26 @@ class _JobQueue:
         self._jobs: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._reserved = 0  # places held for requests still being tokenized (Slot)
 
-    def put(self, job: Job) -> bool:
-        """False when full."""
+    def reserve(self) -> bool:
+        """Hold a place; False when waiting and held places fill the queue."""
         with self._cond:
-            if len(self._jobs) >= self.maxsize:
+            if len(self._jobs) + self._reserved >= self.maxsize:
+                return False
+            self._reserved += 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            self._reserved -= 1
+
+    def put(self, job: Job, slot: Slot | None = None) -> bool:
+        """Queue `job`, in its held place if `slot` is one; False when full."""
+        with self._cond:
+            if slot is not None and slot.take():
+                self._reserved -= 1
+            elif len(self._jobs) + self._reserved >= self.maxsize:
                 return False
             self._jobs.append(job)
             self._cond.notify()
@@ -173,6 +192,44 @@ class _JobQueue:
         return len(self._jobs)
 
 
+class Slot:
+    """A place held in the queue (Engine.reserve) until its job is submitted or it is released;
+    a context manager that releases it, a no-op once the job has been queued."""
+
+    def __init__(self, queue: _JobQueue) -> None:
+        self._queue = queue
+        self._held = True
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        """Give up the place to a job (True once)."""
+        with self._lock:
+            held, self._held = self._held, False
+            return held
+
+    def release(self) -> None:
+        if self.take():
+            self._queue.release()
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _copy_tokenizer(tokenizer: object) -> object | None:
+    """A private copy of `tokenizer` for the worker; None when it cannot be copied (the worker
+    then shares the original under the lock)."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # a tokenizer that does not pickle: share it, locked
+        log.warning("the tokenizer cannot be copied; the worker shares it under a lock")
+        return None
+
+
 # ------------------------------------------------------------------------------ the engine
 class Engine:
     """The models, the worker thread, the queue; see the module docstring for the events.
@@ -190,7 +247,7 @@ class Engine:
         spec: SpecConfig = SpecConfig(),  # noqa: B008 - frozen
         max_queue: int = DEFAULT_MAX_QUEUE,
         metrics: Metrics | None = None,
-        prompt_cache: bool = True,
+        prompt_cache: bool | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -198,10 +255,16 @@ class Engine:
         self.draft = draft
         self.model_id = model_id or target.name
         self.spec = spec
-        # Keep the target's KV of the longest prefix shared with the previous request (an editor
-        # re-sends the file, a chat the conversation): decode.stream(reuse_prefix=...).
-        self.prompt_cache = prompt_cache
+        # Keep the target's KV of the prefix shared with the previous request, in whole blocks
+        # (an editor re-sends the file, a chat the conversation): decode.stream(reuse_prefix=).
+        # On by default only where it cannot change the output: kept rows were computed in
+        # another batch shape than a fresh prefill would use.
+        self.prompt_cache = target.batch_invariant if prompt_cache is None else prompt_cache
         self.tokenizer = target.tokenizer or getattr(draft, "tokenizer", None)
+        # The worker detokenizes every round; request threads tokenize prompts. A copy for the
+        # worker, so that a long prompt being tokenized never stalls the running stream (HF
+        # fast tokenizers cannot be called from two threads at once: "Already borrowed").
+        self._decode_tokenizer = _copy_tokenizer(self.tokenizer)
         self.stop_ids = prompting.stop_ids(self.tokenizer)
         # Every model the prompt must fit, for max_tokens validation.
         self.n_ctx = min(m.n_ctx for m in (target, draft) if m is not None)
@@ -270,33 +333,52 @@ class Engine:
         return len(self._jobs)
 
     # -------------------------------------------------------------------------- admission
-    def submit(self, job: Job) -> None:
-        """Queue `job` (FIFO); ApiError 503 when the engine is stopping or its worker is not
-        running (at once, not at the deadline), 429 when the queue is full."""
+    def reserve(self) -> Slot:
+        """A place in the queue for a request about to be tokenized: admission comes first, so
+        a flood of large prompts gets its 429 before any tokenizing, and `max_queue` bounds
+        the work in flight. ApiError 503 / 429 as `submit`; release the slot when done."""
+        self._check_open()
+        if not self._jobs.reserve():
+            raise self._queue_full()
+        return Slot(self._jobs)
+
+    def submit(self, job: Job, slot: Slot | None = None) -> None:
+        """Queue `job` (FIFO), in `slot` if one was reserved; ApiError 503 when the engine is
+        stopping or its worker is not running (at once, not at the deadline), 429 when the
+        queue is full."""
+        self._check_open()
+        if not self._jobs.put(job, slot):
+            raise self._queue_full()
+
+    def _check_open(self) -> None:
         if self._stopping:
             raise unavailable_error("the server is shutting down", "shutting_down")
         if not self.alive:
             raise unavailable_error("the engine's worker is not running", "engine_stopped")
-        if not self._jobs.put(job):
-            lo, hi = RETRY_AFTER_RANGE_S
-            retry = min(hi, max(lo, math.ceil(self._service_s)))
-            raise ApiError(
-                429,
-                f"the request queue is full ({self.max_queue} waiting); retry after {retry} s",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(retry)},
-            )
+
+    def _queue_full(self) -> ApiError:
+        lo, hi = RETRY_AFTER_RANGE_S
+        retry = min(hi, max(lo, math.ceil(self._service_s)))
+        return ApiError(
+            429,
+            f"the request queue is full ({self.max_queue} waiting); retry after {retry} s",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(retry)},
+        )
 
     def withdraw(self, job: Job, reason: str) -> None:
         """Abandon `job` ("cancelled", "timeout"): a waiting job leaves the queue now, freeing
         its slot; a running one stops at the worker's next check. A no-op for a finished job."""
         job.abandon(reason)
-        if self._jobs.remove(job):
-            self.metrics.inc("specdec_generations_total", outcome=job.reason or reason)
+        if self._jobs.remove(job):  # the worker will never see it: end it here
+            self._end_unstarted(job, job.reason or reason)
 
     # -------------------------------------------------------------------------- text helpers
     def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, for the worker (its own tokenizer: no lock shared with requests)."""
+        if self._decode_tokenizer is not None:
+            return prompting.decode(self._decode_tokenizer, ids)
         with self.tokenizer_lock:
             return prompting.decode(self.tokenizer, ids)
 
@@ -370,10 +452,10 @@ class Engine:
                     warp=p.warp,
                     max_new_tokens=p.max_tokens,
                     seed=p.seed,
-                    prediction=p.prediction,
+                    prediction=p.prediction_index or p.prediction,
                     stop_ids=self.stop_ids,
                     cancelled=lambda: job.stopped() is not None,  # polled between prefill chunks
-                    reuse_prefix=self.prompt_cache,
+                    reuse_prefix=PROMPT_CACHE_BLOCK if self.prompt_cache else 0,
                 )
             except ValueError as e:
                 self.metrics.inc("specdec_generations_total", outcome="error")
@@ -387,7 +469,7 @@ class Engine:
             except Exception as e:
                 outcome = "error"
                 log.exception("generation failed")
-                err = f"generation failed: {type(e).__name__}: {e}"
+                err = f"generation failed: {type(e).__name__} (the server's log has the details)"
                 job.emit(Failed(ApiError(500, err, type="server_error", code="engine_error")))
                 self._reset_models()
             finally:

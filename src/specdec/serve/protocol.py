@@ -10,6 +10,7 @@ temperature, [0, 2], and the server's limits on stop strings.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 import uuid
@@ -19,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specdec.core.config import Warp
+from specdec.core.drafters import PredictionIndex
 from specdec.core.metrics import GenerationStats
 
 DEFAULT_MAX_TOKENS = 512  # when a request names none (capped by the room left in the context)
@@ -111,21 +113,37 @@ def unavailable_error(message: str, code: str) -> ApiError:
 
 
 # ------------------------------------------------------------------------------ the JSON body
+#: Bounds checked on the raw JSON, before the request models see it: validating a 1 MiB list of
+#: wrong-typed items costs seconds in pydantic (every union member fails on every item) and an
+#: error list as long as the input. A prompt of token ids is at most the context window; 2**17
+#: leaves room for any model served here.
+MAX_LIST_ITEMS = 1 << 17
+MAX_MESSAGES = 4096  # messages, and text parts of one content (OpenAI's own cap is 2048)
+MAX_JSON_INT = 1 << 64  # |int| below this: seeds reach 2**64, nothing else comes close
+
+
 def parse_json(body: bytes) -> Any:
     """The request body as JSON, or a 400: malformed, not UTF-8, nested too deeply for the
-    parser (RecursionError), or holding a lone surrogate ("\\ud800" is valid JSON, but no
-    tokenizer or UTF-8 response can carry it)."""
+    parser (RecursionError), an integer literal too long for Python (ValueError) or out of
+    range, NaN or an infinite number, a list longer than MAX_LIST_ITEMS, or holding a lone
+    surrogate ("\\ud800" is valid JSON, but no tokenizer or UTF-8 response can carry it)."""
     try:
-        obj = json.loads(body)
+        obj = json.loads(body, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
         raise bad("the request body is nested too deeply", code="invalid_json") from None
-    _check_strings(obj)
+    except ValueError as e:  # int literals over sys.get_int_max_str_digits(); NaN, Infinity
+        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    _check_values(obj)
     return obj
 
 
-def _check_strings(obj: Any) -> None:
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _check_values(obj: Any) -> None:
     stack = [obj]  # iterative: json.loads has already bounded the depth, but keep it flat
     while stack:
         x = stack.pop()
@@ -133,6 +151,8 @@ def _check_strings(obj: Any) -> None:
             stack += x.keys()
             stack += x.values()
         elif isinstance(x, list):
+            if len(x) > MAX_LIST_ITEMS:
+                raise bad(f"a list of {len(x)} items; at most {MAX_LIST_ITEMS}", code="too_long")
             stack += x
         elif isinstance(x, str):
             try:
@@ -142,6 +162,57 @@ def _check_strings(obj: Any) -> None:
                     "the request holds a lone UTF-16 surrogate (e.g. \\ud800), which is not text",
                     code="invalid_text",
                 ) from None
+        elif (
+            isinstance(x, int) and not isinstance(x, bool) and not -MAX_JSON_INT < x < MAX_JSON_INT
+        ):
+            raise bad(
+                "an integer in the request is out of range (|n| >= 2**64)", code="invalid_number"
+            )
+        elif isinstance(x, float) and not math.isfinite(x):
+            raise bad("a number in the request is too large for a double", code="invalid_number")
+
+
+def check_shape(kind: str, body: Any) -> None:
+    """The request's long lists have the right item types and lengths, checked in one pass
+    before the models: a wrong-typed item among many is named at once (param, index), and no
+    list reaches pydantic in a shape that costs it per item per union member."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", code="invalid_type")
+    if kind == "chat":
+        msgs = body.get("messages")
+        if isinstance(msgs, list):
+            _check_items(msgs, dict, "messages", MAX_MESSAGES, "an object")
+            for m in msgs:
+                if isinstance(m.get("content"), list):
+                    _check_items(m["content"], dict, "messages.content", MAX_MESSAGES, "an object")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            first = prompt[0]
+            want: type = list if isinstance(first, list) else str if isinstance(first, str) else int
+            _check_items(prompt, want, "prompt", MAX_LIST_ITEMS, _TYPE_NAMES[want])
+            if want is list:
+                for p in prompt:
+                    _check_items(p, int, "prompt", MAX_LIST_ITEMS, "a token id")
+    pred = body.get("prediction")
+    if isinstance(pred, dict) and isinstance(pred.get("content"), list):
+        _check_items(pred["content"], dict, "prediction.content", MAX_MESSAGES, "an object")
+
+
+_TYPE_NAMES = {int: "a token id", str: "a string", list: "a list of token ids"}
+
+
+def _check_items(items: list, want: type, param: str, limit: int, what: str) -> None:
+    if len(items) > limit:
+        raise bad(f"{param}: {len(items)} items; at most {limit}", param.split(".")[0], "too_long")
+    for i, x in enumerate(items):
+        # bool is an int in Python, and strict validation refuses it: so does this
+        if type(x) is not want:
+            raise bad(
+                f"{param}[{i}]: expected {what}, got {type(x).__name__}",
+                param.split(".")[0],
+                "invalid_type",
+            )
 
 
 # ------------------------------------------------------------------------------ request models
@@ -239,12 +310,12 @@ Request = ChatRequest | CompletionRequest
 
 def parse_request(kind: type[ChatRequest] | type[CompletionRequest], body: Any) -> Any:
     """`body` (parsed JSON) as a `kind`; 400 for wrong types and for unsupported fields."""
-    if isinstance(body, dict):
-        _refuse_unsupported(body)
+    check_shape("chat" if kind is ChatRequest else "completions", body)
+    _refuse_unsupported(body)
     try:
         return kind.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
+        err = e.errors(include_url=False, include_context=False, include_input=False)[0]
         # loc can hold union member tags ("prompt", "str"): the field alone is OpenAI's param.
         param = str(err["loc"][0]) if err["loc"] else None
         where = ".".join(map(str, err["loc"])) or "request body"
@@ -275,6 +346,7 @@ class GenParams:
     seed: int
     stop: tuple[str, ...]
     prediction: list[int] | None = None  # token ids of the request's prediction
+    prediction_index: PredictionIndex | None = None  # built off the engine's lock (app)
 
 
 def validate_request(

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -29,7 +30,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.backends import llamacpp_build, parse_spec
@@ -278,6 +279,26 @@ def servers_for(
 
 
 # ------------------------------------------------------------------------------ running
+PORT_ATTEMPTS = 3
+_BIND_FAILED = re.compile(r"address already in use|couldn't bind|could not bind|errno 98", re.I)
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _status(url: str, key: str | None = None) -> int | None:
+    """The HTTP status of GET `url` (with `key` as a Bearer token), None when nothing answers."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -301,7 +322,10 @@ class LlamaServer:
     port: int = 0
     proc: subprocess.Popen | None = None
     log: Path | None = None
+    #: a fresh API key per start: the server proves it is ours (401 without it, 200 with it)
+    key: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     kind = "llama-server"  # what the messages call it
+    key_env = "LLAMA_API_KEY"  # how the key reaches the process (never on its command line)
 
     @property
     def url(self) -> str:
@@ -311,7 +335,12 @@ class LlamaServer:
         """How the harness addresses this server: the chat API (the file's own template,
         --jinja, as our bench templates prompts), sampling as specdec does."""
         return Endpoint(
-            self.url, "target", "chat", label=method_name(self.mode), extra=NEUTRAL_SAMPLING
+            self.url,
+            "target",
+            "chat",
+            api_key=self.key,
+            label=method_name(self.mode),
+            extra=NEUTRAL_SAMPLING,
         )
 
     def describe(self) -> dict:
@@ -331,36 +360,60 @@ class LlamaServer:
         ]
 
     def __enter__(self) -> LlamaServer:
-        self.port = self.port or free_port()
-        fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
-        self.log = Path(name)
-        logf = os.fdopen(fd, "w")
-        self.proc = subprocess.Popen(
-            self.command(), stdout=logf, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
-        )
-        logf.close()
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        # free_port() frees the port before the server binds it, so another process can take
+        # it in between: then the server exits (or an impostor answers) and a new port is tried.
+        fixed = bool(self.port)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self.port = self.port if fixed else free_port()
+            self._start()
+            try:
+                self._wait_healthy()
+                return self
+            except _PortTaken as e:
+                self.stop()
+                if fixed or attempt == PORT_ATTEMPTS:
+                    raise AnchorError(f"{self.kind}: {e}") from None
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def _start(self) -> None:
+        fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+        self.log = Path(name)
+        logf = os.fdopen(fd, "w")
+        env = {**os.environ, self.key_env: self.key}
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+        logf.close()
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
+                tail = self.tail()
+                if _BIND_FAILED.search(tail):
+                    raise _PortTaken(f"port {self.port} was taken before it could bind")
                 raise AnchorError(
-                    f"{self.kind} exited ({self.proc.returncode}) while starting:\n{self.tail()}"
+                    f"{self.kind} exited ({self.proc.returncode}) while starting:\n{tail}"
                 )
-            with contextlib.suppress(urllib.error.URLError, OSError):
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
+            if _status(f"{self.url}/health") == 200:
+                # Whatever answers must be this process: it refuses a request without our key
+                # and serves one with it.
+                models = f"{self.url}/v1/models"
+                if _status(models) == 401 and _status(models, self.key) == 200:
+                    return
+                if self.proc.poll() is None and _status(models, self.key) != 200:
+                    raise _PortTaken(f"another process answers on port {self.port}")
             time.sleep(0.25)
         raise AnchorError(f"{self.kind} not healthy after {self.startup_s:.0f} s:\n{self.tail()}")
 
@@ -392,9 +445,10 @@ class SpecdecServer(LlamaServer):
     target: str = ""
     name: str = "served"
     kind = "specdec serve"
+    key_env = "SPECDEC_API_KEY"
 
     def endpoint(self) -> Endpoint:
-        return Endpoint(self.url, self.target, "chat", label=self.name)
+        return Endpoint(self.url, self.target, "chat", api_key=self.key, label=self.name)
 
     def describe(self) -> dict:
         return {"command": ["specdec", *self.command()[3:]]}

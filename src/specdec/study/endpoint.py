@@ -13,18 +13,27 @@ measures every engine the same way:
 
 Failures are values, not crashes: `stream` raises EndpointError with a `kind` (connect, timeout,
 http, bad_body, stream_error, cut) and a message naming the endpoint, and the bench records it
-against that prompt and goes on. A request is retried (`retries` times, after 0.5 s, 1 s, ...)
+against that prompt and goes on. Whatever the server sends: `timeout_s` bounds a request from
+its start to the end of its stream (httpx's timeouts bound each read, so a server trickling
+keep-alives would never time out; a watchdog shuts the socket at the deadline), MAX_EVENT_BYTES
+one SSE line, MAX_STREAM_BYTES a whole answer and MAX_ERROR_BYTES an error body, and every
+malformed event (not JSON, nested too deeply, fields of the wrong type) is a bad_body.
+A request is retried (`retries` times, after 0.5 s, 1 s, ...)
 only when nothing of the answer has arrived: a refused connection or a 5xx/429 before the stream
 started. A stream cut mid-way is never retried: it would double the prompt's time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import math
 import os
+import socket
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,6 +43,10 @@ API_KEY_ENV = "SPECDEC_ENDPOINT_API_KEY"
 APIS = ("chat", "completions")
 _RETRY_STATUS = (429, 500, 502, 503, 504)
 _ERROR_CHARS = 300  # of a response body quoted in an error
+MAX_EVENT_BYTES = 1 << 20  # one SSE line: a chunk carries a few tokens' text
+MAX_STREAM_BYTES = 64 << 20  # a whole streamed answer
+MAX_ERROR_BYTES = 64 << 10  # an error body: only its message is quoted
+MAX_COUNT = 1 << 40  # token counts the server reports: larger is not a count
 
 
 class EndpointError(RuntimeError):
@@ -135,11 +148,17 @@ class Client:
         import httpx2 as httpx
 
         self.endpoint = endpoint
-        headers = {"Accept": "text/event-stream"}
+        # identity: byte caps count what the server sent, not what a gzip bomb inflates to
+        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
         if endpoint.api_key:
             headers["Authorization"] = f"Bearer {endpoint.api_key}"
         timeout = httpx.Timeout(endpoint.timeout_s, connect=endpoint.connect_timeout_s)
-        self._http = httpx.Client(base_url=endpoint.url, headers=headers, timeout=timeout)
+        # One connection per request, so that each request's watchdog knows its socket (the
+        # connect is on loopback or a LAN: well under a millisecond of the time to first token).
+        limits = httpx.Limits(max_keepalive_connections=0)
+        self._http = httpx.Client(
+            base_url=endpoint.url, headers=headers, timeout=timeout, limits=limits
+        )
         self._model = endpoint.model
 
     def close(self) -> None:
@@ -157,7 +176,10 @@ class Client:
         if self._model is None:
             body = self._json(self._send("GET", "/v1/models"), "GET /v1/models")
             try:
-                self._model = str(body["data"][0]["id"])
+                model = body["data"][0]["id"]
+                if not isinstance(model, str) or len(model) > 1000:
+                    raise TypeError
+                self._model = model
             except (KeyError, IndexError, TypeError):
                 raise EndpointError(
                     "bad_body",
@@ -211,16 +233,21 @@ class Client:
         stamps: list[float] = []
         finish = usage = timings = spec = None
         done = False
+        watchdog = _Watchdog(self.endpoint.timeout_s)
         try:
-            with self._http.stream("POST", path, json=body) as resp:
+            with self._http.stream(
+                "POST", path, json=body, extensions={"trace": watchdog.trace}
+            ) as resp:
                 if resp.status_code != 200:
-                    raw = resp.read().decode("utf-8", "replace")
+                    raw = _read_capped(resp, MAX_ERROR_BYTES).decode("utf-8", "replace")
                     raise EndpointError(
                         "http",
                         f"{url} answered {resp.status_code}: {_error_text(raw)}",
                         resp.status_code,
                     )
-                for line in resp.iter_lines():
+                for line in _sse_lines(resp, url):
+                    if watchdog.expired:
+                        break
                     if not line.startswith("data:"):
                         continue  # SSE comments, event names, keep-alives
                     data = line[len("data:") :].strip()
@@ -228,14 +255,14 @@ class Client:
                         done = True
                         break
                     chunk = _chunk(data, url)
-                    piece, reason = _delta(chunk)
+                    piece, reason = _delta(chunk, url)
                     if piece:
                         text.append(piece)
                         stamps.append(time.perf_counter())
                     finish = reason or finish
-                    usage = chunk.get("usage") or usage
-                    timings = chunk.get("timings") or timings
-                    spec = chunk.get("spec") or spec
+                    usage = _dict_or(chunk.get("usage"), usage)
+                    timings = _dict_or(chunk.get("timings"), timings)
+                    spec = _dict_or(chunk.get("spec"), spec)
         except httpx.TimeoutException as e:
             raise EndpointError(
                 "timeout", f"{url}: no answer within the timeout ({type(e).__name__})"
@@ -243,9 +270,17 @@ class Client:
         except httpx.ConnectError as e:
             raise EndpointError("connect", f"cannot connect to {url}: {e}") from None
         except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+            if watchdog.expired:
+                raise _deadline_error(url, self.endpoint.timeout_s) from None
             raise EndpointError("cut", f"{url}: the stream broke off: {e}") from None
         except httpx.HTTPError as e:
+            if watchdog.expired:
+                raise _deadline_error(url, self.endpoint.timeout_s) from None
             raise EndpointError("connect", f"{url}: {type(e).__name__}: {e}") from None
+        finally:
+            watchdog.cancel()
+        if watchdog.expired:
+            raise _deadline_error(url, self.endpoint.timeout_s)
         wall = time.perf_counter() - t0
         if not done:
             raise EndpointError(
@@ -257,11 +292,11 @@ class Client:
             ttft_s=stamps[0] - t0 if stamps else None,
             wall_s=wall,
             itl_s=[b - a for a, b in itertools.pairwise(stamps)],
-            usage=usage if isinstance(usage, dict) else None,
-            timings=timings if isinstance(timings, dict) else None,
+            usage=usage,
+            timings=timings,
             attempts=attempt,
             model=str(body["model"]),
-            spec=spec if isinstance(spec, dict) else None,
+            spec=spec,
         )
 
     # ------------------------------------------------------------------------ plumbing
@@ -269,33 +304,113 @@ class Client:
         import httpx2 as httpx
 
         url = f"{self.endpoint.url}{path}"
+        watchdog = _Watchdog(self.endpoint.timeout_s)
         try:
-            resp = self._http.request(method, path)
+            with self._http.stream(method, path, extensions={"trace": watchdog.trace}) as resp:
+                cap = MAX_ERROR_BYTES if resp.status_code != 200 else MAX_EVENT_BYTES
+                raw = _read_capped(resp, cap)
         except httpx.TimeoutException:
             raise EndpointError("timeout", f"{url}: no answer within the timeout") from None
         except httpx.HTTPError as e:
+            if watchdog.expired:
+                raise _deadline_error(url, self.endpoint.timeout_s) from None
             raise EndpointError("connect", f"cannot connect to {url}: {e}") from None
+        finally:
+            watchdog.cancel()
         if resp.status_code != 200:
+            text = raw.decode("utf-8", "replace")
             raise EndpointError(
-                "http",
-                f"{url} answered {resp.status_code}: {_error_text(resp.text)}",
-                resp.status_code,
+                "http", f"{url} answered {resp.status_code}: {_error_text(text)}", resp.status_code
             )
-        return resp
+        return raw
 
-    def _json(self, resp: Any, what: str) -> Any:
+    def _json(self, raw: bytes, what: str) -> Any:
         try:
-            return resp.json()
-        except ValueError:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
             raise EndpointError(
-                "bad_body", f"{self.endpoint.url}: {what} is not JSON: {resp.text[:80]!r}"
+                "bad_body", f"{self.endpoint.url}: {what} is not JSON: {raw[:80]!r}"
             ) from None
+
+
+class _Watchdog:
+    """Ends a request at its deadline, whatever the server trickles: at `seconds` after it
+    started, the request's socket (learned from httpcore's trace as it connects) is shut down,
+    which wakes the blocked read."""
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def trace(self, name: str, info: dict[str, Any]) -> None:
+        if name.endswith(("connect_tcp.complete", "start_tls.complete")):
+            stream = info.get("return_value")
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            with self._lock:
+                self._sock = sock
+                if self.expired:
+                    self._shut()
+
+    def _fire(self) -> None:
+        with self._lock:
+            self.expired = True
+            self._shut()
+
+    def _shut(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _deadline_error(url: str, seconds: float) -> EndpointError:
+    return EndpointError("timeout", f"{url}: the answer did not end within {seconds:g} s")
+
+
+def _read_capped(resp: Any, cap: int) -> bytes:
+    """The body, or its first `cap` bytes (the rest is not read)."""
+    out = bytearray()
+    for part in resp.iter_raw():
+        out += part
+        if len(out) >= cap:
+            break
+    return bytes(out[:cap])
+
+
+def _sse_lines(resp: Any, url: str) -> Iterator[str]:
+    """The stream's lines (CR, LF or CRLF ends), each at most MAX_EVENT_BYTES, at most
+    MAX_STREAM_BYTES in all; EndpointError bad_body past either."""
+    buf = bytearray()
+    total = 0
+    for part in resp.iter_raw():
+        total += len(part)
+        if total > MAX_STREAM_BYTES:
+            raise EndpointError("bad_body", f"{url}: the stream exceeds {MAX_STREAM_BYTES} bytes")
+        buf += part
+        while True:
+            cut = min((i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0), default=-1)
+            if cut < 0:
+                break
+            line = bytes(buf[:cut])
+            end = cut + 2 if buf[cut : cut + 2] == b"\r\n" else cut + 1
+            del buf[:end]
+            yield line.decode("utf-8", "replace")
+        if len(buf) > MAX_EVENT_BYTES:
+            raise EndpointError("bad_body", f"{url}: a stream line exceeds {MAX_EVENT_BYTES} bytes")
+    if buf:
+        yield bytes(buf).decode("utf-8", "replace")
 
 
 def _chunk(data: str, url: str) -> dict[str, Any]:
     try:
         chunk = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise EndpointError(
             "bad_body", f"{url}: a stream event is not JSON: {data[:80]!r}"
         ) from None
@@ -306,14 +421,40 @@ def _chunk(data: str, url: str) -> dict[str, Any]:
     return chunk
 
 
-def _delta(chunk: Mapping[str, Any]) -> tuple[str, str | None]:
-    """(text, finish_reason) of one chat or completions chunk."""
-    choices = chunk.get("choices") or []
-    if not choices or not isinstance(choices[0], dict):
+def _delta(chunk: Mapping[str, Any], url: str) -> tuple[str, str | None]:
+    """(text, finish_reason) of one chat or completions chunk; bad_body for wrong types."""
+    choices = chunk.get("choices")
+    if choices is None or choices == []:
         return "", None  # the usage chunk
+    if not isinstance(choices, list) or not isinstance(choices[0], dict):
+        raise EndpointError("bad_body", f"{url}: a stream event's choices is not a list of objects")
     c = choices[0]
-    piece = (c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
-    return (piece or ""), c.get("finish_reason")
+    if "delta" in c:
+        delta = c["delta"]
+        if delta is not None and not isinstance(delta, dict):
+            raise EndpointError("bad_body", f"{url}: a stream event's delta is not an object")
+        piece = (delta or {}).get("content")
+    else:
+        piece = c.get("text")
+    reason = c.get("finish_reason")
+    if piece is not None and not isinstance(piece, str):
+        raise EndpointError("bad_body", f"{url}: a stream event's text is not a string")
+    if reason is not None and not isinstance(reason, str):
+        raise EndpointError("bad_body", f"{url}: a stream event's finish_reason is not a string")
+    return (piece or ""), reason
+
+
+def _dict_or(value: Any, previous: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`value` when it is a non-empty object, else what was there (servers omit or null it)."""
+    return value if isinstance(value, dict) and value else previous
+
+
+def count(value: Any) -> int | None:
+    """A token count a server reported, or None when it is not one (a bool, a string, a
+    negative or absurd number)."""
+    if type(value) is int and 0 <= value < MAX_COUNT:
+        return value
+    return None
 
 
 def _error_text(raw: str) -> str:
@@ -321,9 +462,9 @@ def _error_text(raw: str) -> str:
     try:
         err = json.loads(raw).get("error")
         msg = err.get("message") if isinstance(err, dict) else err
-        if msg:
+        if isinstance(msg, (str, int, float)) and msg:
             return str(msg)[:_ERROR_CHARS]
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         pass
     return raw.strip()[:_ERROR_CHARS] or "(empty body)"
 
@@ -334,13 +475,13 @@ def run_record(reply: Reply, endpoint: Endpoint, tokenizer: Any) -> dict[str, An
     endpoint's own). Drafted/accepted come from llama-server's `timings` or specdec serve's
     `spec` when the server sends them."""
     ids = tokenize(tokenizer, reply.text)
-    usage_n = (reply.usage or {}).get("completion_tokens")
-    n = int(usage_n) if isinstance(usage_n, int) else len(ids)
+    usage_n = count((reply.usage or {}).get("completion_tokens"))
+    n = usage_n if usage_n is not None else len(ids)
     ttft = reply.ttft_s if reply.ttft_s is not None else reply.wall_s
     rec: dict[str, Any] = {
         "endpoint": endpoint.name,
         "generated": n,
-        "usage_source": "usage" if isinstance(usage_n, int) else "retokenized",
+        "usage_source": "usage" if usage_n is not None else "retokenized",
         "wall_s": reply.wall_s,
         "ttft_s": ttft,
         # The client cannot see the prefill; the time to the first token stands for it (it also
@@ -349,21 +490,31 @@ def run_record(reply: Reply, endpoint: Endpoint, tokenizer: Any) -> dict[str, An
         "tokens_per_s": n / reply.wall_s if reply.wall_s > 0 else 0.0,
         "itl_ms_median": 1000 * _median(reply.itl_s) if reply.itl_s else None,
         "chunks": len(reply.itl_s) + (1 if reply.ttft_s is not None else 0),
-        "prompt_tokens": (reply.usage or {}).get("prompt_tokens"),
+        "prompt_tokens": count((reply.usage or {}).get("prompt_tokens")),
         "stop_reason": reply.finish_reason,
         "attempts": reply.attempts,
         "text": reply.text,
         "tokens": ids,
     }
     t = reply.timings or {}
-    if isinstance(t.get("draft_n"), int) and isinstance(t.get("draft_n_accepted"), int):
-        rec["drafted"], rec["accepted"] = t["draft_n"], t["draft_n_accepted"]
+    drafted, accepted = count(t.get("draft_n")), count(t.get("draft_n_accepted"))
+    if drafted is not None and accepted is not None:
+        rec["drafted"], rec["accepted"] = drafted, accepted
     sp = reply.spec or {}
-    if isinstance(sp.get("drafted"), int) and isinstance(sp.get("accepted"), int):
-        rec["drafted"], rec["accepted"] = sp["drafted"], sp["accepted"]  # specdec serve
+    drafted, accepted = count(sp.get("drafted")), count(sp.get("accepted"))
+    if drafted is not None and accepted is not None:
+        rec["drafted"], rec["accepted"] = drafted, accepted  # specdec serve
     if t:
-        rec["server_timings"] = {k: v for k, v in t.items() if isinstance(v, (int, float))}
+        rec["server_timings"] = {
+            k: v
+            for k, v in itertools.islice(t.items(), 64)
+            if isinstance(k, str) and (count(v) is not None or _finite(v))
+        }
     return rec
+
+
+def _finite(v: Any) -> bool:
+    return type(v) is float and math.isfinite(v)
 
 
 def tokenize(tokenizer: Any, text: str) -> list[int]:

@@ -147,8 +147,8 @@ def endpoint_methods(speculative: Any, baseline: Any, tokenizer: Any) -> Methods
         timings = reply.timings or {}
         return Sample(
             endpoint.tokenize(tokenizer, reply.text),
-            int(timings.get("draft_n") or 0),
-            int(timings.get("draft_n_accepted") or 0),
+            endpoint.count(timings.get("draft_n")) or 0,
+            endpoint.count(timings.get("draft_n_accepted")) or 0,
         )
 
     return run
