@@ -70,7 +70,10 @@ def test_profile_of_a_real_model() -> None:
         assert g["matmul other"] > 0 and g["output matmul"] > 0 and g["attention"] > 0
         assert p["nodes"] > 30 * 10  # 30 layers, a dozen nodes each
         assert sum(g.values()) + p["unaccounted_ms"] == pytest.approx(p["pass_ms"])
-        assert abs(p["unaccounted_ms"]) < 0.5 * p["pass_ms"]
+        # The timed parts cover most of the pass (nothing large unseen). The other side is not
+        # bounded: on a ~10 ms pass the per-node timer's own cost can make the parts sum past
+        # the untimed pass (measured once: -7.9 ms of 9.6 ms), which says nothing of coverage.
+        assert p["unaccounted_ms"] < 0.5 * p["pass_ms"]
         q41 = [o for o in p["ops"] if o["category"].startswith("matmul attn_q (")]
         assert q41 and q41[0]["nodes"] == 30 and q41[0]["category"].endswith("(q4_1)")
 
