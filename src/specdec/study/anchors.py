@@ -412,8 +412,7 @@ class LlamaServer:
                 models = f"{self.url}/v1/models"
                 if _status(models) == 401 and _status(models, self.key) == 200:
                     return
-                if self.proc.poll() is None and _status(models, self.key) != 200:
-                    raise _PortTaken(f"another process answers on port {self.port}")
+                raise _PortTaken(f"another process answers on port {self.port}")
             time.sleep(0.25)
         raise AnchorError(f"{self.kind} not healthy after {self.startup_s:.0f} s:\n{self.tail()}")
 

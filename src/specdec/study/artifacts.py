@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from specdec.backends import parse_spec
+from specdec.backends import llamacpp_build, parse_spec
 from specdec.backends.configs import model_record
 
 SCHEMAS = ("specdec.bench/1", "specdec.sweep/1", "specdec.microbench/1", "specdec.gate/1")
@@ -124,21 +124,11 @@ def meta_block() -> dict[str, Any]:
             # 1/5/15-minute load averages when the artifact was made: benchmarks here need an
             # idle machine (llama.cpp's spinning thread pools stall when a core is taken)
             "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "cpu_model": _cpu_model(),
+            "cpu_model": llamacpp_build.cpu_model(),
             # the ggml CPU variant llama.cpp loaded and its compiled-in features
             "kernels": _kernels(),
         },
     }
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def _kernels() -> dict[str, Any] | None:
