@@ -29,6 +29,7 @@ COMMANDS = {
     "report": "specdec.cli.figures",
     "serve": "specdec.cli.serve",
     "anchors": "specdec.cli.anchors",
+    "replay": "specdec.cli.replay",
 }
 
 

@@ -84,6 +84,7 @@ class _Run:
     cancelled: Callable[[], bool] | None
     stats: GenerationStats
     reuse_prefix: int = 0  # block size; 0: off
+    on_round: Callable[[Round], None] | None = None  # told every round's record, after the policy
     tokens: list[int] = field(default_factory=list)  # generated ids
     stop_reason: str = "length"
 
@@ -127,6 +128,7 @@ def stream(
     cancelled: Callable[[], bool] | None = None,
     debug: bool = False,
     reuse_prefix: int = 0,
+    on_round: Callable[[Round], None] | None = None,
 ) -> SpecStream:
     """Like `generate`, but yields each round's committed tokens as they are accepted.
 
@@ -142,6 +144,8 @@ def stream(
     reports, says little about another client's prompt). Exact where the backend is
     batch-invariant (mock, llama.cpp deterministic); elsewhere the reused rows were computed
     in another batch shape, which can flip a greedy near-tie against a fresh prefill.
+    `on_round`, if given, receives every round's `Round` record (what a replay reproduces:
+    study.replay), after the stats and the K policy have seen it.
     """
     prompt = as_token_list(prompt_ids)
     kind = spec.drafter_for(draft is not None)
@@ -176,6 +180,7 @@ def stream(
         cancelled,
         GenerationStats(prompt_tokens=len(prompt)),
         reuse_prefix,
+        on_round,
     )
     return SpecStream(run)
 
@@ -266,6 +271,8 @@ def _rounds(run: _Run, clock: _Clock, seq: list[int], t_start: float) -> Iterato
         stats.record(r)
         if policy is not None:
             policy.observe(r)
+        if run.on_round is not None:
+            run.on_round(r)
         if run.debug:
             _check_caches(target, drafter, seq)
         now = clock.now()

@@ -25,6 +25,7 @@ import bisect
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -292,6 +293,11 @@ def save_curve(path: str | os.PathLike[str], verify_s: dict[int, float]) -> bool
     except OSError:
         return False
     return True
+
+
+#: Named K policies beside make_policy's, for replays and comparisons (study.replay, `specdec
+#: replay --policy NAME`): name -> (k_max) -> a fresh policy.
+POLICIES: dict[str, Callable[[int], KPolicy]] = {}
 
 
 def make_policy(k: int | str, k_max: int) -> KPolicy:

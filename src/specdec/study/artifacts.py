@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 
 from specdec.backends import llamacpp_build, parse_spec
 from specdec.backends.configs import model_record
+from specdec.core.metrics import Round
 
 SCHEMAS = ("specdec.bench/1", "specdec.sweep/1", "specdec.microbench/1", "specdec.gate/1")
 PHASES = ("draft", "verify", "sampling", "other")  # ms_per_token's latency split, stacking order
@@ -312,6 +313,37 @@ def drafting_rounds(run: Mapping[str, Any]) -> int | None:
     return int(per_pos[0]) if per_pos else 0
 
 
+#: The columns of a RUN's `round_log` (one entry per round, in order), core.metrics.Round's fields.
+ROUND_LOG_COLUMNS = ("k", "n_accepted", "n_emitted", "draft_s", "verify_s")
+
+
+def round_log(rounds: Sequence[Round]) -> dict[str, Any]:
+    """A RUN's optional `round_log`: every round of the generation, columnar so that the file
+    stays one line per column: `sources` names the draft sources, `source[i]` indexes it for
+    round i, and ROUND_LOG_COLUMNS hold Round's numbers (a replay reproduces these rounds:
+    study.replay)."""
+    names = list(dict.fromkeys(r.source for r in rounds))
+    out: dict[str, Any] = {"sources": names, "source": [names.index(r.source) for r in rounds]}
+    for col in ROUND_LOG_COLUMNS:
+        out[col] = [getattr(r, col) for r in rounds]
+    return out
+
+
+def read_round_log(log: Any, src: str = "") -> tuple[Round, ...]:
+    """The Rounds of a `round_log` (round_log's inverse); ArtifactError if it is malformed."""
+    try:
+        names, idx = log["sources"], log["source"]
+        cols = [log[c] for c in ROUND_LOG_COLUMNS]
+        if any(len(c) != len(idx) for c in cols):
+            raise ValueError("columns of different lengths")
+        return tuple(
+            Round(str(names[i]), int(k), int(a), int(e), float(d), float(v))
+            for i, k, a, e, d, v in zip(idx, *cols, strict=True)
+        )
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise ArtifactError(f"{src}: malformed round_log ({e})") from None
+
+
 def pooled_acceptance_length(runs: Sequence[Mapping[str, Any]]) -> tuple[int | None, float | None]:
     """(sum drafting rounds, 1 + sum accepted / sum drafting rounds) over RUN records: the pooled
     mean acceptance length (vLLM's), None where a record lacks the counts or nothing drafted."""
@@ -479,8 +511,9 @@ MAIN_METHODS = ("baseline", "speculative", "hf_assisted")
 @dataclass(frozen=True, kw_only=True)
 class BenchRow(_Json):
     """One recorded (non-warm-up) prompt. A RUN is GenerationStats.to_dict() (core.metrics
-    defines each field) + {tokens: [ids], stop_reason}; an HF-assisted RUN is hf_assisted.run's
-    record."""
+    defines each field) + {tokens: [ids], stop_reason}, and for an in-process speculative method
+    its rounds (`round_log`, see round_log(); absent in older artifacts); an HF-assisted RUN is
+    hf_assisted.run's record."""
 
     index: int | None = None  # position in the prompt set, after any category filter
     prompt_id: str

@@ -41,6 +41,7 @@ from specdec.backends.configs import CONFIGS as PAIRS
 from specdec.core.config import DRAFTERS, SpecConfig, Warp, check_k
 from specdec.core.config import check_int as _check_int
 from specdec.core.decode import generate
+from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
 from specdec.study import anchors, endpoint, fmt
 from specdec.study import hf_assisted as hf
@@ -60,6 +61,7 @@ from specdec.study.artifacts import (
     peak_vram_mb,
     pooled_acceptance_length,
     reset_peak_vram,
+    round_log,
     write_json,
 )
 
@@ -443,9 +445,18 @@ def _runners(
                 name = "lookup"  # a prompt without a prediction: what the drafter falls back to
             spec = SpecConfig(name, k, cfg.k_max, cfg.p_min)
             kw = {"prediction": pred} if name == "prediction" else {}
-            return _record(
-                generate(target, t.ids, draft=d, spec=spec, seed=t.seed, **sampling, **kw)
+            rounds: list[Round] = []
+            result = generate(
+                target,
+                t.ids,
+                draft=d,
+                spec=spec,
+                seed=t.seed,
+                on_round=rounds.append,
+                **sampling,
+                **kw,
             )
+            return {**_record(result), "round_log": round_log(rounds)}
 
         return run
 
@@ -586,9 +597,8 @@ def _run(
     try:
         for i, prompt in enumerate(bar):
             ids = _prompt_ids(tokenizer, prompt.text, vocab)
-            task = Task(
-                ids, i, predictions[i], _another(predictions, i), prompt.text, prompt.prediction
-            )
+            other = another_prediction(predictions, i)
+            task = Task(ids, i, predictions[i], other, prompt.text, prompt.prediction)
             sequence = methods if i % 2 == 0 else methods[::-1]
             runs = _run_methods(runners, sequence, task, i, prompt.id, failed)
             if runs is not None and i >= cfg.warmup:
@@ -673,6 +683,16 @@ def _row(
     )
 
 
+def task_ids(
+    tokenizer: Any, prompt: prompt_set.Prompt, vocab_size: int
+) -> tuple[list[int], list[int] | None]:
+    """(prompt ids, prediction ids or None) of a vendored prompt as every method receives them;
+    a replay of a bench artifact rebuilds its tasks with this (study.replay)."""
+    return _prompt_ids(tokenizer, prompt.text, vocab_size), _prediction_ids(
+        tokenizer, prompt.prediction
+    )
+
+
 def _prompt_ids(tokenizer: Any, text: str, vocab_size: int) -> list[int]:
     if tokenizer is not None:
         return prompting.encode(tokenizer, text)
@@ -687,8 +707,9 @@ def _prediction_ids(tokenizer: Any, text: str | None) -> list[int] | None:
     return prompting.encode_prediction(tokenizer, text)
 
 
-def _another(predictions: Sequence[list[int] | None], i: int) -> list[int] | None:
-    """The next task's prediction after task i (cyclically), for the wrong-prediction leg."""
+def another_prediction(predictions: Sequence[list[int] | None], i: int) -> list[int] | None:
+    """The next task's prediction after task i (cyclically), for the wrong-prediction leg (a
+    replay rebuilds the leg with it: study.replay)."""
     n = len(predictions)
     for j in range(1, n):
         other = predictions[(i + j) % n]

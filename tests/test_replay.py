@@ -1,0 +1,224 @@
+"""`specdec replay`: the replay loop's accounting on hand-checked cases, and the property that
+matters: replaying a recorded run reproduces its rounds exactly (same sources, K, accepted and
+emitted counts, round by round), on mock models and on a real model with the prediction drafter,
+k=auto included (fed the run's own round times, the policy makes the run's decisions).
+
+Cost tolerance, stated: fed the run's own times, the replay's verify time equals the run's
+measured decode-phase verify time to 1e-9 (relative); costed by a curve instead, it differs by
+the curve's error, which `specdec replay --check` prints per run (not tested here: it is a
+property of the machine's timings, not of the code).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.backends import load_model
+from specdec.backends.mock import MockModel
+from specdec.cli.main import main
+from specdec.study import replay as rp
+from specdec.study.bench import bench_config, run_bench
+
+CURVE = rp.Curve({1: 1.0, 2: 1.8, 4: 2.1, 8: 3.0, 16: 3.8, 32: 5.8, 33: 9.3, 64: 12.2}, 0.065)
+
+
+def _task(output: list[int], prediction: list[int] | None, **kw) -> rp.Recorded:
+    fields = dict(max_new_tokens=len(output), stopped=False)
+    return rp.Recorded("t", (1, 2, 3), tuple(output), _t(prediction), **{**fields, **kw})
+
+
+def _t(ids):
+    return None if ids is None else tuple(ids)
+
+
+PRED = list(range(100, 160))  # 60 distinct tokens: the file
+
+
+def test_curve_interpolates_and_extrapolates_per_token() -> None:
+    assert CURVE.at(1) == 1.0 and CURVE.at(33) == 9.3
+    assert CURVE.at(3) == pytest.approx((1.8 + 2.1) / 2)
+    assert CURVE.at(128) == pytest.approx(12.2 * 2)  # beyond the last point: its cost per token
+    assert CURVE.round_steps(3, c=0.1) == pytest.approx(2.1 + 0.3)
+
+
+def test_a_perfect_copy_at_fixed_k_costs_what_the_rounds_say() -> None:
+    """20 tokens that repeat the prediction, K = 4: every round drafts 4, accepts 4 and adds
+    the bonus token, so 4 rounds of v(5) steps."""
+    task = _task(PRED[:20], PRED[:20])
+    run = rp.replay_task(task, "prediction", rp.make_replay_policy("4", CURVE, 64), *_costs())
+    assert [(r.k, r.n_accepted, r.n_emitted) for r in run.rounds] == [(4, 4, 5)] * 4
+    assert run.stats.generated == 20 and run.stats.accepted_prediction_tokens == 16
+    assert run.steps == pytest.approx(4 * CURVE.at(5))
+    assert run.speedup == pytest.approx(20 / (4 * CURVE.at(5)))
+    assert sum(r.verify_s for r in run.rounds) == pytest.approx(4 * CURVE.at(5) * CURVE.step_s)
+
+
+def _costs():
+    return rp.curve_costs(CURVE), CURVE
+
+
+def test_an_edit_is_rejected_and_the_stop_ends_the_output() -> None:
+    """The output changes two tokens at 30 and stops at 40: drafts past the edit and past the
+    stop are rejected; every token of the output is emitted exactly once."""
+    out = [*PRED[:30], 7, 8, *PRED[32:40]]
+    task = _task(out, PRED, stopped=True, max_new_tokens=64)
+    run = rp.replay_task(task, "prediction", rp.make_replay_policy("8", CURVE, 64), *_costs())
+    assert run.stats.generated == len(out)
+    emitted = sum(r.n_emitted for r in run.rounds)
+    assert emitted == len(out)
+    assert run.stats.rejected_prediction_tokens > 0  # the drafts across the edit
+    last = run.rounds[-1]
+    assert last.n_accepted < last.k or last.k == 0  # past the stop: nothing known, rejected
+
+
+def test_oracles_bound_every_fixed_k_and_auto() -> None:
+    """On an edit-shaped output the plan oracle's cost is the least of any K policy here, and
+    the per-round oracle never drafts a token that is rejected."""
+    out = [*PRED[:25], 1, 2, 3, *PRED[25:45], 9, *PRED[46:60]]
+    task = _task(out, PRED)
+    speed = {}
+    for name in ("oracle", "oracle-plan", "auto", "schedule", *map(str, rp.FIXED_KS)):
+        res = rp.replay([task], "prediction", name, CURVE)
+        speed[name] = res.speedup
+        if name == "oracle":
+            assert res.total("accepted") == res.total("drafted") > 0
+    others = [v for k, v in speed.items() if not k.startswith("oracle")]
+    assert speed["oracle-plan"] >= max(others) - 1e-9
+    assert speed["oracle"] >= max(others) * 0.95
+
+
+def test_best_fixed_reports_the_best_k_in_hindsight() -> None:
+    task = _task([*PRED[:30], 5, *PRED[31:60]], PRED)
+    best = rp.best_fixed([task], "prediction", CURVE)
+    each = {k: rp.replay([task], "prediction", str(k), CURVE).speedup for k in rp.FIXED_KS}
+    assert best.speedup == pytest.approx(max(each.values()))
+    assert best.name == f"best fixed (K = {max(each, key=each.get)})"
+
+
+def test_unknown_names_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'fast'"):
+        rp.make_replay_policy("fast", CURVE, 64)
+    with pytest.raises(ValueError, match="cannot import"):
+        rp.make_replay_policy("nowhere.at.all:Policy", CURVE, 64)
+    with pytest.raises(ValueError, match="unknown replay drafter"):
+        rp.make_drafter("model", _task([1], None))
+
+
+def test_a_policy_given_as_module_attr() -> None:
+    pol = rp.make_replay_policy("specdec.core.policy:ScheduleK", CURVE, 8)
+    assert type(pol).__name__ == "ScheduleK" and pol.k_max == 8
+
+
+# ------------------------------------------------------------------------------ reproduction
+def _check_reproduced(path, reps: list[rp.Reproduction]) -> None:
+    art = json.loads(path.read_text())
+    runs = {}
+    for row in art["rows"]:
+        for m in ("speculative", *row["variants"]):
+            runs[(row["prompt_id"], m)] = row[m] if m == "speculative" else row["variants"][m]
+    assert {(r.id, r.method) for r in reps} == set(runs)
+    for r in reps:
+        assert r.reproduced, (r.id, r.method, r.same_rounds, r.rounds, r.first_difference)
+        run = runs[(r.id, r.method)]
+        assert r.rounds == run["rounds"]
+        # the log holds every round of the decode phase: its times sum to the run's verify time
+        decode_verify = run["verify_s"] - run["prefill_s"]
+        assert r.recorded_verify_s == pytest.approx(decode_verify, rel=1e-9)
+    assert sum(run["drafted"] for run in runs.values()) > 0  # the runs really drafted
+
+
+def test_replay_reproduces_a_recorded_bench_on_mock_models(tmp_path) -> None:
+    """A fresh bench run (k=auto, its policy shared across prompts as in a process; fixed K and
+    the schedule beside it) and its replay agree round for round."""
+    spec = "mock:vocab=16,seed=0,scale=3"
+    target = load_model(spec)
+    pair = (MockModel.near(target, noise=0.7, seed=1), target)
+    cfg = bench_config(
+        None,
+        "mock:vocab=16,seed=1",
+        spec,
+        k="auto",
+        drafter="lookup",
+        temperature=0.0,
+        n_prompts=4,
+        warmup=0,
+        max_new_tokens=60,
+        variants=("lookup:3", "lookup:schedule"),
+    )
+    art = run_bench(cfg, tmp_path, progress=False, models=pair)
+    reps = rp.reproduce_bench(art.path, CURVE)
+    _check_reproduced(art.path, reps)
+    tasks = rp.from_bench(art.path)
+    assert [t.output for t in tasks] == [tuple(r.baseline["tokens"]) for r in art.rows]
+
+
+@pytest.mark.slow
+def test_replay_reproduces_the_prediction_drafter_on_a_real_model(tmp_path) -> None:
+    """smollm2 on two rewrite tasks: the prediction drafter with k=auto (shared by the right
+    and the wrong prediction, as in a bench process) and lookup at fixed K. A fresh model
+    without a cost store, so the auto policy starts empty as the replay's does."""
+    spec = "llamacpp:smollm2-135m"
+    model = load_model(spec, n_threads=1)
+    model.cost_store = None
+    try:
+        cfg = bench_config(
+            None,
+            spec,
+            spec,
+            k="auto",
+            drafter="prediction",
+            temperature=0.0,
+            categories=("rewrite",),
+            n_prompts=2,
+            warmup=0,
+            max_new_tokens=48,
+            variants=("wrong-prediction:auto", "lookup:8"),
+        )
+        art = run_bench(cfg, tmp_path, progress=False, models=(model, model))
+        reps = rp.reproduce_bench(art.path, CURVE, model.tokenizer)
+    finally:
+        model.close()
+    _check_reproduced(art.path, reps)
+    by_source = [s for row in art.rows for s in row.speculative["drafted_by_source"]]
+    assert any(s.startswith("prediction") for s in by_source)
+
+
+# ------------------------------------------------------------------------------ inputs, CLI
+def test_jsonl_records_and_their_errors(tmp_path) -> None:
+    f = tmp_path / "runs.jsonl"
+    recs = [
+        {"id": "a", "prompt_ids": [1, 2], "output_ids": PRED[:10], "prediction_ids": PRED},
+        {"prompt_ids": [3], "output_ids": [5, 6], "stopped": True, "max_new_tokens": 8},
+    ]
+    f.write_text("\n".join(json.dumps(r) for r in recs) + "\n\n")
+    a, b = rp.from_jsonl(f, tokenizer=None)
+    assert a.id == "a" and a.prediction == tuple(PRED) and a.max_new_tokens == 10
+    assert b.id == "2" and b.stopped and b.max_new_tokens == 8 and b.prediction is None
+    f.write_text(json.dumps({"prompt": "text", "output_ids": [1]}) + "\n")
+    with pytest.raises(ValueError, match="--target"):
+        rp.from_jsonl(f, tokenizer=None)
+    f.write_text(json.dumps({"prompt_ids": [1], "output_ids": [1, 2], "max_new_tokens": 1}))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        rp.from_jsonl(f, tokenizer=None)
+
+
+def test_cli_replays_a_jsonl_with_a_microbench_curve(tmp_path, capsys) -> None:
+    f = tmp_path / "runs.jsonl"
+    out = [*PRED[:20], 1, *PRED[21:50]]
+    f.write_text(
+        json.dumps({"id": "x", "prompt_ids": [1], "output_ids": out, "prediction_ids": PRED})
+    )
+    curve = "results/cpu/microbench_llamacpp-qwen2.5-coder-1.5b_ctx1024.json"
+    js = tmp_path / "replay.json"
+    argv = ["replay", str(f), "--curve", curve, "--policy", "oracle,auto,best-fixed,4"]
+    assert main([*argv, "--json", str(js)]) == 0
+    table = capsys.readouterr().out
+    for name in ("oracle", "auto", "best fixed", "4"):
+        assert name in table
+    art = json.loads(js.read_text())
+    assert art["schema"] == rp.SCHEMA and set(art["policies"]) >= {"oracle", "auto", "4"}
+    assert art["policies"]["oracle"]["tasks"]["x"]["generated"] == len(out)
+    assert main(["replay", str(f), "--curve", str(f)]) == 2  # not a microbench: a clear error
+    assert "error:" in capsys.readouterr().err
