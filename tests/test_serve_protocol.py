@@ -10,16 +10,22 @@ import pytest
 
 from specdec.backends.mock import MockModel
 from specdec.cli.serve import API_KEY_ENV, resolve_api_key
+from specdec.core.config import K_MAX_FREE, K_MAX_MODEL, SpecConfig
+from specdec.core.metrics import GenerationStats, Round
 from specdec.serve.engine import Engine, Job
 from specdec.serve.metrics import Metrics
+from specdec.serve.origins import RoundReader
 from specdec.serve.protocol import (
     MAX_STOP_CHARS,
     MAX_STOPS,
     ApiError,
     ChatRequest,
     CompletionRequest,
+    SpecDefaults,
+    Speculation,
     parse_json,
     parse_request,
+    resolve_speculation,
     validate_request,
 )
 from specdec.serve.text import TextAssembler
@@ -200,6 +206,65 @@ def test_submit_to_an_engine_whose_worker_is_not_running_is_503_at_once() -> Non
         loop.close()
     assert ei.value.status == 503 and ei.value.code == "engine_stopped"
     assert engine.queue_depth == 0
+
+
+# ---------------------------------------------------------------------------- speculation
+def test_speculation_defaults_come_from_the_start_up_flags() -> None:
+    no_flags = SpecDefaults.of(SpecConfig(k="auto"), has_draft=False)
+    assert no_flags.drafter is None and no_flags.k == "auto"
+    # no drafter flag: a request's prediction is drafted from, else the target decodes alone
+    assert resolve_speculation(None, no_flags, has_prediction=True).drafter == "prediction"
+    assert resolve_speculation(None, no_flags, has_prediction=False) == Speculation()
+    with_draft = SpecDefaults.of(SpecConfig(k=4, p_min=0.2), has_draft=True)
+    sp = resolve_speculation({}, with_draft, has_prediction=False)
+    assert (sp.drafter, sp.k, sp.k_max, sp.p_min) == ("model", 4, None, 0.2)
+    # a request's fields override the flags, one by one; --k-max bounds only the named K
+    flags = SpecDefaults("lookup", "auto", 16, None, has_draft=True)
+    assert resolve_speculation({"k": 3}, flags, False) == Speculation("lookup", 3, None)
+    assert resolve_speculation({"drafter": "model"}, flags, False).k_max == 16
+    assert resolve_speculation({"k_max": 5}, flags, False).k_max == 5
+    assert resolve_speculation({"drafter": None, "k": None}, flags, False).drafter == "lookup"
+
+
+def test_speculation_runs_as_the_core_config_it_names() -> None:
+    # "prediction" is lookup with the request's prediction drafted first (core.decode.stream)
+    assert Speculation("prediction", "auto").spec_config() == SpecConfig("lookup", "auto")
+    assert Speculation().spec_config() == SpecConfig()  # none: no drafter, no draft model
+    # p_min is a draft model's setting only
+    assert Speculation("lookup", 2, None, 0.3).spec_config().p_min is None
+    assert Speculation("model", 2, None, 0.3).spec_config().p_min == 0.3
+    assert Speculation("lookup", "auto").settings()["k_max"] == K_MAX_FREE
+    assert Speculation("composite", "auto").settings()["k_max"] == K_MAX_MODEL
+    assert Speculation("model", 3).settings() == {"drafter": "model", "k": 3, "k_max": None}
+
+
+def test_include_speculation_is_off_by_default_and_needs_a_stream() -> None:
+    assert not validate_request(_completion(), N_CTX, V).origins
+    p = validate_request(
+        _completion(stream=True, stream_options={"include_speculation": True}), N_CTX, V
+    )
+    assert p.origins
+    _refused({"stream_options": {"include_speculation": True}}, "stream_options")
+
+
+def test_round_reader_recovers_each_round_from_the_stats() -> None:
+    st = GenerationStats()
+    reader = RoundReader(st)
+    rounds = [Round("lookup3", 4, 2, 3), Round("none", 0, 0, 1), Round("model", 2, 2, 3)]
+    rounds += [Round("lookup3", 4, 4, 2), Round("model", 3, 0, 1)]  # a cut round, a rejection
+    for r in rounds:
+        st.record(r)
+        view = reader.next()
+        assert (view.k, view.n_accepted) == (r.k, r.n_accepted)
+        assert view.source == (r.source if r.k else None)
+        assert [view.origin(i) for i in range(r.n_emitted)] == (
+            ["accepted"] * r.n_accepted
+            + ["target" if r.k == 0 else "bonus" if r.n_accepted == r.k else "corrected"]
+        )[: r.n_emitted]
+    st.record(rounds[0])
+    st.record(rounds[0])
+    with pytest.raises(RuntimeError, match="one round"):
+        reader.next()
 
 
 # ---------------------------------------------------------------------------- CLI: the API key

@@ -39,14 +39,19 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     )
     cli_args.add_spec_args(
         p,
-        k_default=None,  # None: the engine's defaults
-        k_help="draft tokens per round: an int >= 1, 'auto' or 'schedule' "
-        "(default: the engine's, 4)",
+        k_default=None,  # None: serve.app.DEFAULT_K
+        k_help="default draft tokens per round: an int >= 1, 'auto' (K in 0..--k-max from "
+        "measured costs; 0 where drafting cannot pay) or 'schedule' (default auto; a request's "
+        "speculation.k overrides it)",
         k_max_default=None,
-        k_max_help="largest K for -k auto|schedule (int >= 1; default: the engine's, 8)",
-        drafter_help="model (needs --draft), lookup (prompt lookup, no draft model), "
-        "composite or prediction (default: model when --draft is given, else none; a "
-        "request's `prediction` is drafted from first in any case)",
+        k_max_help="default largest K for -k auto|schedule (int >= 1; default 8 with a draft "
+        "model, 64 for lookup and prediction; a request's speculation.k_max overrides it)",
+        drafter_help="default drafter: model (needs --draft), lookup (prompt lookup), composite "
+        "(lookup, else the draft model; needs --draft) or prediction (a request's `prediction`, "
+        "else lookup) (default: model when --draft is given; else a request's `prediction` "
+        "when it has one, and none otherwise). A request's speculation.drafter overrides it "
+        "(none, lookup, prediction; model and composite with --draft); a request's "
+        "`prediction` is drafted from first with any drafter but none",
         p_min_help="stop drafting below this draft top probability, in [0, 1) (float; default off)",
     )
     cli_args.add_device_args(

@@ -4,9 +4,12 @@ Endpoints
     POST /v1/chat/completions   messages -> the model's chat template -> token ids
     POST /v1/completions        prompt: a string (tokenized raw), or a list of token ids (the
                                 only way to serve a tokenizer-free mock model)
-    GET  /v1/models             the one model; its id is the target spec string
+    GET  /v1/models             the one model; its id is the target spec string, with the
+                                drafters a request may ask for and the server's defaults
     GET  /health                {"status": "ok", ...} (no paths: it needs no API key)
     GET  /metrics               Prometheus text format, each metric defined in its HELP line
+    GET  /                      the playground (serve.playground): a static page that calls the
+                                API above, with the API key its user types in
 
 Request fields honoured by both POST endpoints: model, max_tokens (chat also accepts
 max_completion_tokens), temperature (default 1, in [0, 2]; below 1e-5 it is greedy), top_p,
@@ -15,7 +18,11 @@ stream, stream_options.include_usage, n (must be 1) and return_token_ids (extens
 vLLM: each choice also carries its generated token ids, so a client can check exactness token
 for token). Fields that would change the output and are not implemented (logprobs, tools,
 response_format, logit_bias, penalties, ...) are refused with 400 unsupported_parameter unless
-they ask for nothing (null, false, 0, {}); other unknown fields are ignored. Responses carry
+they ask for nothing (null, false, 0, {}); other unknown fields are ignored. Extensions for
+speculation (protocol; docs/api-extensions.md): `speculation` {"drafter", "k", "k_max"} per
+request, over the server's start-up flags; `usage.speculation`, what it did (in a stream only
+with stream_options.include_speculation, which also gives each chunk its tokens' origins:
+serve.origins). Responses carry
 `usage` and a `spec` object, GenerationStats' numbers for that request (core.metrics has the
 definitions):
 
@@ -92,8 +99,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdec.core.config import SpecConfig
 from specdec.core.drafters import PredictionIndex
+from specdec.serve import playground
 from specdec.serve.engine import DEFAULT_MAX_QUEUE, Delta, Done, Engine, Event, Failed, Job, Slot
 from specdec.serve.protocol import (
+    MAX_REQUEST_K,
+    MODEL_DRAFTERS,
+    SPEC_DRAFTERS,
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -122,6 +133,10 @@ DEFAULT_MAX_CONNECTIONS = 256
 GRACEFUL_SHUTDOWN_S = 5
 #: Host names served when bound to loopback and no --allowed-host is given.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+#: The server's K unless -k says: K per round from measured costs (core.policy.CostModelK),
+#: which stops drafting where it cannot pay; a fixed K = 4 costs time wherever a verify pass is
+#: dear (a CPU) or the drafts are poor.
+DEFAULT_K = "auto"
 
 
 @dataclass(frozen=True)
@@ -130,8 +145,10 @@ class ServeConfig:
 
     target: str
     draft: str | None = None
-    drafter: str | None = None  # None: the engine's default ("model" when a draft is given)
-    k: int | str | None = None  # None: the engine's default
+    # None: "model" with a draft; without one a request's prediction (else prompt lookup), and
+    # the target alone for a request with no prediction
+    drafter: str | None = None
+    k: int | str | None = None  # None: DEFAULT_K
     k_max: int | None = None
     p_min: float | None = None
     device: str | None = None
@@ -151,9 +168,11 @@ class ServeConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open at once; 503 beyond (uvicorn's limit)
 
     def spec_config(self) -> SpecConfig:
-        """The speculation settings for the engine: SpecConfig's defaults where none was set."""
-        opts = {"drafter": self.drafter, "k": self.k, "k_max": self.k_max, "p_min": self.p_min}
-        return SpecConfig(**{key: v for key, v in opts.items() if v is not None})
+        """The server's default speculation, which requests may override: SpecConfig's
+        defaults where none was set, but K = DEFAULT_K."""
+        k = DEFAULT_K if self.k is None else self.k
+        opts = {"drafter": self.drafter, "k_max": self.k_max, "p_min": self.p_min}
+        return SpecConfig(k=k, **{key: v for key, v in opts.items() if v is not None})
 
     def host_names(self) -> frozenset[str] | None:
         """The Host header names served; None for any."""
@@ -332,7 +351,8 @@ async def _generate(
         first = await _next_event(engine, job)  # Start, or Failed while queued or in stream()
         if isinstance(first, Failed):
             raise first.error
-        reply = Reply(ctx.public_id, isinstance(req, ChatRequest), req, params.prompt_ids)
+        chat = isinstance(req, ChatRequest)
+        reply = Reply(ctx.public_id, chat, req, params.prompt_ids, params.speculation)
         if req.streaming:
             streaming = True
             engine.metrics.count_request(request.url.path, 200)
@@ -368,8 +388,9 @@ async def _sse_events(
                 yield _sse(e.body())
                 return
             if isinstance(ev, Delta):
-                if ev.text or (reply.req.return_token_ids and ev.token_ids):
-                    yield _sse(reply.chunk(ev.text, ev.token_ids))
+                wanted = ev.origins is not None or (reply.req.return_token_ids and ev.token_ids)
+                if ev.text or wanted:
+                    yield _sse(reply.chunk(ev.text, ev.token_ids, origins=ev.origins))
             elif isinstance(ev, Failed):
                 yield _sse(ev.error.body())
                 return
@@ -420,7 +441,8 @@ async def _completion(
         pred = None
         if req.prediction is not None:
             pred = await asyncio.to_thread(engine.encode_prediction, req.prediction.text())
-        params = validate_request(req, engine.n_ctx, engine.target.vocab_size, prompt, pred)
+        vocab = engine.target.vocab_size
+        params = validate_request(req, engine.n_ctx, vocab, prompt, pred, engine.defaults)
         if params.prediction:  # its n-gram index, built here rather than under the engine lock
             index = await asyncio.to_thread(PredictionIndex, params.prediction)
             params = dataclasses.replace(params, prediction_index=index)
@@ -438,8 +460,18 @@ async def models(request: Request) -> Any:
         "owned_by": "specdec",
         "draft": public_model_name(ctx.cfg.draft) if ctx.cfg.draft else None,
         "n_ctx": ctx.engine.n_ctx,
+        "speculation": _speculation_card(ctx.engine),
     }
     return {"object": "list", "data": [card]}
+
+
+def _speculation_card(engine: Engine) -> dict[str, Any]:
+    """What a request's `speculation` may ask of this server, and what it gets by default."""
+    d = engine.defaults
+    drafters = [x for x in SPEC_DRAFTERS if d.has_draft or x not in MODEL_DRAFTERS]
+    # drafter None: no flag chose one (a request's prediction is drafted from, else nothing)
+    default = {"drafter": d.drafter, "k": d.k if isinstance(d.k, (int, str)) else None}
+    return {"drafters": drafters, "default": {**default, "k_max": d.k_max}, "max_k": MAX_REQUEST_K}
 
 
 async def health(request: Request) -> Response:
@@ -495,6 +527,7 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
+    playground.add_routes(app)
     hosts = cfg.host_names()
     if hosts is not None:
         app.add_middleware(_HostCheck, names=hosts)

@@ -13,7 +13,9 @@ Requests wait in a bounded FIFO (`max_queue` waiting, not counting the one being
 asyncio.Queue (`loop.call_soon_threadsafe`), in order:
 
     Start                   generation began (the request left the queue)
-    Delta(text, token_ids)  one round's committed tokens and the text now safe to send
+    Delta(text, token_ids, origins)  one round's committed tokens and the text now safe to
+                            send; `origins` (stream_options.include_speculation only) says where
+                            each token came from (serve.origins)
     Done(finish_reason, stats)
     Failed(error)           at any point instead of the rest; an ApiError for the client
 
@@ -45,9 +47,12 @@ from specdec.core.decode import SpecStream, stream
 from specdec.core.metrics import GenerationStats
 from specdec.core.model import SpecModel
 from specdec.serve.metrics import Metrics, RoundMark
+from specdec.serve.origins import OriginTracker
 from specdec.serve.protocol import (
     ApiError,
     GenParams,
+    SpecDefaults,
+    Speculation,
     bad,
     cancelled_error,
     timeout_error,
@@ -75,6 +80,7 @@ class Start:
 class Delta:
     text: str  # may be empty: text held back (a possible stop string, a partial character)
     token_ids: tuple[int, ...]  # the round's committed tokens (empty for the final flush)
+    origins: dict | None = None  # the round's token origins, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -244,6 +250,7 @@ class Engine:
         draft: SpecModel | None = None,
         *,
         model_id: str | None = None,
+        # the default speculation (`specdec serve` passes ServeConfig.spec_config(): k=auto)
         spec: SpecConfig = SpecConfig(),  # noqa: B008 - frozen
         max_queue: int = DEFAULT_MAX_QUEUE,
         metrics: Metrics | None = None,
@@ -255,6 +262,8 @@ class Engine:
         self.draft = draft
         self.model_id = model_id or target.name
         self.spec = spec
+        # What a request gets when its `speculation` object does not say (the start-up flags)
+        self.defaults = SpecDefaults.of(spec, draft is not None)
         # Keep the target's KV of the prefix shared with the previous request, in whole blocks
         # (an editor re-sends the file, a chat the conversation): decode.stream(reuse_prefix=).
         # On by default only where it cannot change the output: kept rows were computed in
@@ -286,22 +295,36 @@ class Engine:
 
     # -------------------------------------------------------------------------- lifecycle
     def warm_up(self) -> None:
-        """One 2-token generation: surfaces a bad model pair or option at startup rather than
-        in the first request, and pays one-time costs (k=auto calibration) there too."""
+        """A 2-token generation with the default speculation, and one with the draft model if
+        the default does not use it (a request may ask for it): surfaces a bad model pair or
+        option at startup rather than in a request, and pays one-time costs there too."""
         bos = getattr(self.tokenizer, "bos_token_id", None)
         prompt = [bos if bos is not None else 0]
+        default = self.defaults.speculation()
+        runs = [default]
+        if self.draft is not None and not default.uses_draft:
+            runs.append(Speculation("model", default.k or "auto", None, self.defaults.p_min))
         with self.lock:
-            s = stream(
-                self.target,
-                prompt,
-                draft=self.draft,
-                spec=self.spec,
-                warp=Warp(0.0),
-                max_new_tokens=2,
-                seed=0,
-            )
-            for _ in s:
-                pass
+            for sp in runs:
+                s = stream(
+                    self.target,
+                    prompt,
+                    **self.stream_args(sp, None),
+                    warp=Warp(0.0),
+                    max_new_tokens=2,
+                    seed=0,
+                )
+                for _ in s:
+                    pass
+
+    def stream_args(self, sp: Speculation, prediction: object) -> dict[str, object]:
+        """`decode.stream`'s draft, spec and prediction for a request's speculation: the draft
+        model only for the drafters that run it, no prediction for "none" (it drafts nothing)."""
+        return {
+            "draft": self.draft if sp.uses_draft else None,
+            "spec": sp.spec_config(),
+            "prediction": None if sp.drafter == "none" else prediction,
+        }
 
     def start(self) -> None:
         """Run the worker in a thread of its own."""
@@ -447,12 +470,10 @@ class Engine:
                 s = stream(
                     self.target,
                     p.prompt_ids,
-                    draft=self.draft,
-                    spec=self.spec,
+                    **self.stream_args(p.speculation, p.prediction_index or p.prediction),
                     warp=p.warp,
                     max_new_tokens=p.max_tokens,
                     seed=p.seed,
-                    prediction=p.prediction_index or p.prediction,
                     stop_ids=self.stop_ids,
                     cancelled=lambda: job.stopped() is not None,  # polled between prefill chunks
                     reuse_prefix=PROMPT_CACHE_BLOCK if self.prompt_cache else 0,
@@ -478,15 +499,18 @@ class Engine:
             wall = time.perf_counter() - started
             self._service_s = _SERVICE_EMA * self._service_s + (1 - _SERVICE_EMA) * wall
             self.metrics.record_generation(s.stats, outcome, job.arrived, started, rounds)
+            self.metrics.inc("specdec_generations_by_drafter_total", drafter=p.speculation.drafter)
 
     def _rounds(self, job: Job, s: SpecStream, rounds: list[RoundMark]) -> str:
         """Hand each round's text to the job until the end; return the outcome for metrics."""
         text = TextAssembler(self.decode, job.params.stop)
+        origins = OriginTracker(s.stats, self.decode) if job.params.origins else None
         drafted = 0
         for ids in s:
             rounds.append(RoundMark(time.perf_counter(), len(ids), s.stats.drafted - drafted))
             drafted = s.stats.drafted
-            job.emit(Delta(text.push(ids), tuple(ids)))
+            record = origins.record(ids) if origins is not None else None
+            job.emit(Delta(text.push(ids), tuple(ids), record))
             if text.stopped:
                 break
             reason = job.stopped()

@@ -1,8 +1,9 @@
 """The server's counters and histograms, rendered in the Prometheus text format.
 
 Every metric is defined in its HELP line (after vLLM's spec-decode metrics). Label values come
-from fixed sets only (route templates, status codes, outcomes, draft positions up to k_max), so
-no request can add series: a path that is not a route is counted as endpoint="other".
+from fixed sets only (route templates, status codes, outcomes, drafter names, draft positions up
+to the largest K a request may ask for), so no request can add series: a path that is not a
+route is counted as endpoint="other".
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ _METRICS: dict[str, tuple[str, str]] = {
     ),
     "specdec_queue_capacity": ("gauge", "--max-queue: waiting requests beyond it get HTTP 429"),
     "specdec_busy": ("gauge", "1 while the engine is generating, else 0"),
+    "specdec_generations_by_drafter_total": (
+        "counter",
+        "Generations run, by the drafter they ran with: the request's speculation.drafter, "
+        "else the server's default (none: the target alone)",
+    ),
     "specdec_prompt_tokens_total": ("counter", "Prompt tokens of generations started"),
     "specdec_cached_prompt_tokens_total": (
         "counter",

@@ -5,6 +5,14 @@ parsed request into the `GenParams` the worker generates from, and raises `ApiEr
 error body) for anything it cannot serve. The rules for temperature, top-k and top-p are
 `core.config.Warp`'s (one place for each check); what is added here is OpenAI's own bound on the
 temperature, [0, 2], and the server's limits on stop strings.
+
+Extensions (docs/api-extensions.md has the user's view, with the same definitions):
+    speculation           {"drafter", "k", "k_max"} per request, the server's start-up flags as
+                          defaults (`SpecDefaults` -> `resolve_speculation` -> `Speculation`)
+    usage.speculation     what the request's speculation did (`speculation_usage`, core.metrics'
+                          definitions)
+    stream_options.include_speculation   each streamed chunk carries its round's token origins
+                          (serve.origins)
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from specdec.core.config import Warp
+from specdec.core.config import NAMED_K, SpecConfig, Warp
 from specdec.core.drafters import PredictionIndex
 from specdec.core.metrics import GenerationStats
 
@@ -253,6 +261,8 @@ class PredictionContent(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # extension: each chunk carries its round's token origins (serve.origins)
+    include_speculation: bool = False
 
 
 class _Request(_Strict):
@@ -268,6 +278,9 @@ class _Request(_Strict):
     n: int | None = None
     return_token_ids: bool | None = None
     prediction: PredictionContent | None = None
+    # extension: {"drafter", "k", "k_max"}; checked by resolve_speculation, which names the
+    # allowed values (pydantic's own messages for a free-form object would not)
+    speculation: Any = None
 
     @property
     def streaming(self) -> bool:
@@ -276,6 +289,10 @@ class _Request(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def include_speculation(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_speculation
 
 
 class ChatRequest(_Request):
@@ -335,6 +352,179 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         )
 
 
+# ------------------------------------------------------------------------------ speculation
+#: What a request's speculation.drafter may name: core.config.DRAFTERS and "none" (no drafting at
+#: all, not even from the request's prediction: the target decodes alone).
+SPEC_DRAFTERS = ("none", "lookup", "prediction", "model", "composite")
+#: The drafters that run the server's draft model (--draft).
+MODEL_DRAFTERS = ("model", "composite")
+#: The fields of the `speculation` object.
+SPEC_FIELDS = ("drafter", "k", "k_max")
+#: The largest k or k_max a request may ask for. A round verifies k + 1 tokens in one target pass;
+#: past 128 a pass costs as much as the drafts could save (on this CPU a 128-token pass of the
+#: 1.5B target costs ~20 single steps), and the model-free drafters' own default is 64.
+MAX_REQUEST_K = 128
+
+
+@dataclass(frozen=True)
+class SpecDefaults:
+    """The server's start-up speculation flags: what a request that does not say gets.
+
+    drafter    one of SPEC_DRAFTERS, or None when no flag chose one: then a request's prediction
+               is drafted from (else prompt lookup), and without a prediction the target
+               decodes alone (what the server always did)
+    k, k_max, p_min   as core.config.SpecConfig (k=auto unless -k says otherwise)
+    has_draft  a draft model is loaded: "model" and "composite" need one
+    """
+
+    drafter: str | None = None
+    k: Any = "auto"
+    k_max: int | None = None
+    p_min: float | None = None
+    has_draft: bool = False
+
+    @classmethod
+    def of(cls, spec: SpecConfig, has_draft: bool) -> SpecDefaults:
+        """The defaults of an engine started with `spec` (its drafter None: "model" with a
+        draft model, as core.config.SpecConfig.drafter_for decides)."""
+        drafter = spec.drafter if spec.drafter is not None else ("model" if has_draft else None)
+        return cls(drafter, spec.k, spec.k_max, spec.p_min, has_draft)
+
+    def speculation(self, has_prediction: bool = False) -> Speculation:
+        """What a request without a `speculation` object runs with."""
+        return resolve_speculation(None, self, has_prediction)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """One request's speculation, resolved against the server's defaults.
+
+    drafter  one of SPEC_DRAFTERS; a request's prediction is drafted from first with any of them
+             but "none" (core.decode.stream)
+    k        an int, "auto" or "schedule"; None for "none"
+    k_max    as asked (or the server's --k-max); None: core.config's default for the drafter
+    p_min    the server's --p-min, for the draft model's drafts
+    """
+
+    drafter: str = "none"
+    k: int | str | None = None
+    k_max: int | None = None
+    p_min: float | None = None
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.drafter in MODEL_DRAFTERS
+
+    def spec_config(self) -> SpecConfig:
+        """What `decode.stream` runs with. "prediction" runs as "lookup": stream drafts from a
+        given prediction first whatever the drafter, so "the prediction, else prompt lookup" is
+        lookup with the prediction passed, and lookup alone without one (stream refuses
+        drafter "prediction" without a prediction: that was `serve --drafter prediction`'s
+        start-up failure)."""
+        if self.drafter == "none":
+            return SpecConfig()  # no drafter and no draft model: the target alone
+        kind = "lookup" if self.drafter == "prediction" else self.drafter
+        return SpecConfig(kind, self.k, self.k_max, self.p_min if self.uses_draft else None)
+
+    def settings(self) -> dict[str, Any]:
+        """drafter, k and the k_max in force (core.config's default when none was given)."""
+        if self.drafter == "none":
+            return {"drafter": "none", "k": None, "k_max": None}
+        k = self.k if isinstance(self.k, (int, str)) else type(self.k).__name__  # a KPolicy
+        named = isinstance(self.k, str)
+        k_max = self.spec_config().resolved_k_max(self.uses_draft) if named else None
+        return {"drafter": self.drafter, "k": k, "k_max": k_max}
+
+
+def resolve_speculation(raw: Any, defaults: SpecDefaults, has_prediction: bool) -> Speculation:
+    """A request's `speculation` object (`raw`, None when absent) over the server's defaults;
+    400 naming the field, the allowed values and the fix for anything else."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise bad(
+            'speculation must be an object, e.g. {"drafter": "lookup", "k": "auto"}; got '
+            f"{type(raw).__name__}",
+            "speculation",
+            "invalid_type",
+        )
+    unknown = sorted(set(raw) - set(SPEC_FIELDS))
+    if unknown:
+        raise bad(
+            f"speculation.{_show(unknown[0], quote=False)} is not a field of speculation; its "
+            f"fields are {', '.join(SPEC_FIELDS)}",
+            "speculation",
+            "unknown_parameter",
+        )
+    drafter = _spec_drafter(raw.get("drafter"), defaults, has_prediction)
+    k, k_max = raw.get("k"), raw.get("k_max")
+    if drafter == "none":
+        for name, value in (("k", k), ("k_max", k_max)):
+            if value is not None:
+                why = "" if raw.get("drafter") is not None else " (this server's default)"
+                raise bad(
+                    f"speculation.{name} has no effect with drafter 'none'{why}, which drafts "
+                    "nothing; leave it out, or set speculation.drafter (e.g. lookup)",
+                    f"speculation.{name}",
+                    "invalid_value",
+                )
+        return Speculation()
+    k = defaults.k if k is None else _spec_k("k", k)
+    if k_max is not None:
+        _spec_k("k_max", k_max, named=False)
+        if not isinstance(k, str):
+            raise bad(
+                f"speculation.k_max bounds k 'auto' or 'schedule', and this request's k is {k}; "
+                "leave k_max out, or send k 'auto'",
+                "speculation.k_max",
+                "invalid_value",
+            )
+    elif isinstance(k, str):  # the server's --k-max bounds the named policies only
+        k_max = defaults.k_max
+    return Speculation(drafter, k, k_max, defaults.p_min)
+
+
+def _spec_drafter(value: Any, defaults: SpecDefaults, has_prediction: bool) -> str:
+    if value is None:
+        if defaults.drafter is not None:
+            return defaults.drafter
+        return "prediction" if has_prediction else "none"
+    if not isinstance(value, str) or value not in SPEC_DRAFTERS:
+        raise bad(
+            f"speculation.drafter must be one of {', '.join(SPEC_DRAFTERS)}; got {_show(value)}",
+            "speculation.drafter",
+            "invalid_value",
+        )
+    if value in MODEL_DRAFTERS and not defaults.has_draft:
+        raise bad(
+            f"speculation.drafter {value!r} needs a draft model, and this server has none "
+            "(start it with --draft SPEC); use none, lookup or prediction",
+            "speculation.drafter",
+            "invalid_value",
+        )
+    return value
+
+
+def _spec_k(name: str, value: Any, named: bool = True) -> int | str:
+    if named and isinstance(value, str) and value in NAMED_K:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REQUEST_K:
+        names = "'auto', 'schedule' or " if named else ""
+        raise bad(
+            f"speculation.{name} must be {names}an integer in [1, {MAX_REQUEST_K}]; "
+            f"got {_show(value)}",
+            f"speculation.{name}",
+            "invalid_value",
+        )
+    return value
+
+
+def _show(value: Any, quote: bool = True) -> str:
+    """A client's value in an error message, cut short (it may be anything up to the body cap)."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 # ------------------------------------------------------------------------------ validation
 @dataclass(frozen=True)
 class GenParams:
@@ -347,6 +537,8 @@ class GenParams:
     stop: tuple[str, ...]
     prediction: list[int] | None = None  # token ids of the request's prediction
     prediction_index: PredictionIndex | None = None  # built off the engine's lock (app)
+    speculation: Speculation = Speculation()  # resolved against the server's defaults
+    origins: bool = False  # stream_options.include_speculation: token origins per chunk
 
 
 def validate_request(
@@ -355,12 +547,14 @@ def validate_request(
     vocab: int,
     prompt_ids: list[int] | None = None,
     prediction_ids: list[int] | None = None,
+    defaults: SpecDefaults = SpecDefaults(),
 ) -> GenParams:
     """Check `req` against a context window of `n_ctx` tokens and a vocabulary of `vocab`.
 
     `prompt_ids` is the tokenized prompt; it may be left out for a completion whose prompt is
     already token ids. `prediction_ids`: the request's prediction, tokenized (required when it
-    has one). Raises ApiError 400 naming the offending field.
+    has one). `defaults`: the server's speculation flags, which the request's `speculation`
+    overrides. Raises ApiError 400 naming the offending field.
     """
     if prompt_ids is None:
         prompt = req.single_prompt() if isinstance(req, CompletionRequest) else None
@@ -377,9 +571,25 @@ def validate_request(
     _check_prompt(prompt_ids, vocab, prompt_param)
     max_tokens = _max_tokens(req, len(prompt_ids), n_ctx, prompt_param)
     prediction = _prediction(req, prediction_ids, n_ctx - len(prompt_ids), vocab)
+    speculation = resolve_speculation(req.speculation, defaults, req.prediction is not None)
+    if req.include_speculation and not req.streaming:
+        raise bad(
+            "stream_options.include_speculation needs stream: true; a whole response carries "
+            "its speculation in usage.speculation",
+            "stream_options",
+        )
     # No seed: a fresh one per request (OpenAI's behaviour), never a fixed default.
     seed = req.seed if req.seed is not None else secrets.randbits(63)
-    return GenParams(list(prompt_ids), max_tokens, warp, seed, stops, prediction)
+    return GenParams(
+        list(prompt_ids),
+        max_tokens,
+        warp,
+        seed,
+        stops,
+        prediction,
+        speculation=speculation,
+        origins=req.include_speculation,
+    )
 
 
 def _prediction(
@@ -463,8 +673,8 @@ def _max_tokens(
 
 
 # ------------------------------------------------------------------------------ response records
-def spec_record(st: GenerationStats) -> dict[str, Any]:
-    """The per-response `spec` object: GenerationStats' numbers (core.metrics defines them)."""
+def _counts(st: GenerationStats) -> dict[str, Any]:
+    """GenerationStats' per-request counts, as responses carry them (core.metrics defines them)."""
     return {
         "drafted": st.drafted,
         "accepted": st.accepted,
@@ -475,15 +685,37 @@ def spec_record(st: GenerationStats) -> dict[str, Any]:
         "mean_acceptance_length": st.mean_acceptance_length,
         "drafted_per_position": list(st.drafted_per_pos),
         "accepted_per_position": list(st.accepted_per_pos),
-        "ttft_s": st.ttft_s,
-        "wall_s": st.wall_s,
     }
 
 
-def usage(st: GenerationStats) -> dict[str, Any]:
-    """OpenAI's usage object; the prediction counts are core.metrics' definitions (0 without
-    a prediction, as OpenAI reports them)."""
+def spec_record(st: GenerationStats) -> dict[str, Any]:
+    """The per-response `spec` object: GenerationStats' numbers (core.metrics defines them)."""
+    return {**_counts(st), "ttft_s": st.ttft_s, "wall_s": st.wall_s}
+
+
+def speculation_usage(st: GenerationStats, sp: Speculation) -> dict[str, Any]:
+    """usage.speculation: the settings the request ran with and what its speculation did.
+
+    Beyond `spec_record`'s counts: `by_source` {source: {drafted, accepted}} (the drafters'
+    source names: "model", "lookup3", "lookup8+", "prediction", ...) and `k_histogram`
+    {K: rounds that verified K drafted tokens} (K = 0: plain target steps; keys are strings, as
+    JSON's are)."""
+    by_source = {
+        src: {"drafted": n, "accepted": st.accepted_by_source.get(src, 0)}
+        for src, n in sorted(st.drafted_by_source.items())
+    }
     return {
+        **sp.settings(),
+        **_counts(st),
+        "by_source": by_source,
+        "k_histogram": {str(k): n for k, n in sorted(st.k_histogram.items())},
+    }
+
+
+def usage(st: GenerationStats, sp: Speculation | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; the prediction counts are core.metrics' definitions (0 without
+    a prediction, as OpenAI reports them). With `sp`, the extension `speculation` too."""
+    out = {
         "prompt_tokens": st.prompt_tokens,
         "completion_tokens": st.generated,
         "total_tokens": st.prompt_tokens + st.generated,
@@ -494,6 +726,9 @@ def usage(st: GenerationStats) -> dict[str, Any]:
             "rejected_prediction_tokens": st.rejected_prediction_tokens,
         },
     }
+    if sp is not None:
+        out["speculation"] = speculation_usage(st, sp)
+    return out
 
 
 @dataclass
@@ -504,11 +739,18 @@ class Reply:
     chat: bool
     req: ChatRequest | CompletionRequest
     prompt_ids: list[int]
+    speculation: Speculation | None = None  # usage.speculation's settings
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def _usage(self, st: GenerationStats, streamed: bool) -> dict[str, Any]:
+        # usage.speculation in a stream only when asked (include_speculation): the default
+        # stream stays byte for byte what it was before the extension
+        opted = not streamed or self.req.include_speculation
+        return usage(st, self.speculation if opted else None)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -529,16 +771,21 @@ class Reply:
         else:
             choice["text"] = text
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        body.update(usage=usage(st), spec=spec_record(st))
+        body.update(usage=self._usage(st, streamed=False), spec=spec_record(st))
         if self.req.return_token_ids:
             choice["token_ids"] = ids
             body["prompt_token_ids"] = self.prompt_ids
         return body
 
     def chunk(
-        self, text: str | None, ids: list[int] | tuple[int, ...], finish: str | None = None
+        self,
+        text: str | None,
+        ids: list[int] | tuple[int, ...],
+        finish: str | None = None,
+        origins: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk (text None: a chat chunk with an empty delta)."""
+        """One streamed chunk (text None: a chat chunk with an empty delta); `origins`: its
+        round's token origins (serve.origins), for stream_options.include_speculation."""
         c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if self.chat:
             c["delta"] = {} if text is None else {"content": text}
@@ -546,6 +793,8 @@ class Reply:
             c["text"] = text or ""
         if self.req.return_token_ids:
             c["token_ids"] = list(ids)
+        if origins is not None:
+            c["speculation"] = origins
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [c])
 
     def first_chunk(self) -> dict[str, Any]:
@@ -558,12 +807,12 @@ class Reply:
 
     def last_chunk(self, finish: str, st: GenerationStats) -> dict[str, Any]:
         last = self.chunk(None, [], finish)
-        last.update(usage=usage(st), spec=spec_record(st))
+        last.update(usage=self._usage(st, streamed=True), spec=spec_record(st))
         return last
 
     def usage_chunk(self, st: GenerationStats) -> dict[str, Any]:
         """stream_options.include_usage: a last chunk with no choices."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = self._envelope(obj, [])
-        body.update(usage=usage(st), spec=spec_record(st))
+        body.update(usage=self._usage(st, streamed=True), spec=spec_record(st))
         return body
