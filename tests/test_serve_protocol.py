@@ -11,10 +11,10 @@ import pytest
 from specdec.backends.mock import MockModel
 from specdec.cli.serve import API_KEY_ENV, resolve_api_key
 from specdec.core.config import K_MAX_FREE, K_MAX_MODEL, SpecConfig
-from specdec.core.metrics import GenerationStats, Round
+from specdec.core.metrics import Round
 from specdec.serve.engine import Engine, Job
 from specdec.serve.metrics import Metrics
-from specdec.serve.origins import RoundReader
+from specdec.serve.origins import OriginTracker
 from specdec.serve.protocol import (
     MAX_STOP_CHARS,
     MAX_STOPS,
@@ -247,24 +247,23 @@ def test_include_speculation_is_off_by_default_and_needs_a_stream() -> None:
     _refused({"stream_options": {"include_speculation": True}}, "stream_options")
 
 
-def test_round_reader_recovers_each_round_from_the_stats() -> None:
-    st = GenerationStats()
-    reader = RoundReader(st)
-    rounds = [Round("lookup3", 4, 2, 3), Round("none", 0, 0, 1), Round("model", 2, 2, 3)]
-    rounds += [Round("lookup3", 4, 4, 2), Round("model", 3, 0, 1)]  # a cut round, a rejection
-    for r in rounds:
-        st.record(r)
-        view = reader.next()
-        assert (view.k, view.n_accepted) == (r.k, r.n_accepted)
-        assert view.source == (r.source if r.k else None)
-        assert [view.origin(i) for i in range(r.n_emitted)] == (
-            ["accepted"] * r.n_accepted
-            + ["target" if r.k == 0 else "bonus" if r.n_accepted == r.k else "corrected"]
-        )[: r.n_emitted]
-    st.record(rounds[0])
-    st.record(rounds[0])
-    with pytest.raises(RuntimeError, match="one round"):
-        reader.next()
+def test_origins_follow_from_each_round() -> None:
+    tracker = OriginTracker(lambda ids: "".join(chr(ord("a") + i) for i in ids))
+    table = [
+        (Round("lookup3", 4, 2, 3), ["accepted", "accepted", "corrected"]),
+        (Round("none", 0, 0, 1), ["target"]),
+        (Round("model", 2, 2, 3), ["accepted", "accepted", "bonus"]),
+        (Round("lookup3", 4, 4, 2), ["accepted", "accepted"]),  # cut by the budget
+        (Round("model", 3, 0, 1), ["corrected"]),  # the first draft rejected
+    ]
+    for i, (r, want) in enumerate(table):
+        tracker.observe(r)
+        rec = tracker.record(list(range(r.n_emitted)))
+        assert [t["origin"] for t in rec["tokens"]] == want
+        assert (rec["round"], rec["k"], rec["accepted"]) == (i + 1, r.k, r.n_accepted)
+        assert rec["source"] == (r.source if r.k else None)
+    with pytest.raises(RuntimeError, match="on_round"):
+        tracker.record([1])  # a chunk whose round was never heard
 
 
 # ---------------------------------------------------------------------------- CLI: the API key

@@ -464,6 +464,7 @@ class Engine:
             self._end_unstarted(job, reason)
             return
         p = job.params
+        origins = OriginTracker(self.decode) if p.origins else None
         with self.lock:
             started = time.perf_counter()
             try:  # stream() checks every argument before any model work
@@ -476,6 +477,7 @@ class Engine:
                     seed=p.seed,
                     stop_ids=self.stop_ids,
                     cancelled=lambda: job.stopped() is not None,  # polled between prefill chunks
+                    on_round=origins.observe if origins is not None else None,
                     reuse_prefix=PROMPT_CACHE_BLOCK if self.prompt_cache else 0,
                 )
             except ValueError as e:
@@ -486,7 +488,7 @@ class Engine:
             rounds: list[RoundMark] = []
             self._running, self.busy = job, True
             try:
-                outcome = self._rounds(job, s, rounds)
+                outcome = self._rounds(job, s, rounds, origins)
             except Exception as e:
                 outcome = "error"
                 log.exception("generation failed")
@@ -501,10 +503,12 @@ class Engine:
             self.metrics.record_generation(s.stats, outcome, job.arrived, started, rounds)
             self.metrics.inc("specdec_generations_by_drafter_total", drafter=p.speculation.drafter)
 
-    def _rounds(self, job: Job, s: SpecStream, rounds: list[RoundMark]) -> str:
-        """Hand each round's text to the job until the end; return the outcome for metrics."""
+    def _rounds(
+        self, job: Job, s: SpecStream, rounds: list[RoundMark], origins: OriginTracker | None
+    ) -> str:
+        """Hand each round's text (and origins, if asked) to the job until the end; return the
+        outcome for metrics."""
         text = TextAssembler(self.decode, job.params.stop)
-        origins = OriginTracker(s.stats, self.decode) if job.params.origins else None
         drafted = 0
         for ids in s:
             rounds.append(RoundMark(time.perf_counter(), len(ids), s.stats.drafted - drafted))
