@@ -22,6 +22,7 @@ COMMANDS = {
     "bench": "specdec.cli.bench",
     "sweep": "specdec.cli.bench",
     "microbench": "specdec.cli.microbench",
+    "doctor": "specdec.cli.doctor",
     "gate": "specdec.cli.gate",
     "invariance": "specdec.cli.invariance",
     "profile": "specdec.cli.profile",

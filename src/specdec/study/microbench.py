@@ -173,10 +173,13 @@ def measure(
     max_batch: int,
     repeats: int,
     progress: bool = True,
+    batches: Sequence[int] | None = None,
 ) -> tuple[dict[int, list[float]], list[float]]:
     """Time target extend(b) for b = 1..max_batch and draft extend(1), both on ids[:prefix].
 
-    ids  [prefix + max_batch] token ids: the cached prefix, then the tokens each probe appends
+    ids      [prefix + max_batch] token ids: the cached prefix, then the tokens each probe appends
+    batches  the b to time instead of all of 1..max_batch, each in [1, max_batch] (specdec
+             doctor times a few)
     returns ({b: [repeats] ms}, [repeats] draft ms, empty without a draft)
 
     One untimed warm-up pass, then `repeats` timed passes. Within a pass every b and the draft
@@ -192,11 +195,14 @@ def measure(
         m.reset()
         m.extend(ids[:prefix])
     probe = ids[prefix : prefix + max_batch]
-    verify: dict[int, list[float]] = {b: [] for b in range(1, max_batch + 1)}
+    sizes = sorted(set(batches)) if batches is not None else list(range(1, max_batch + 1))
+    if not sizes or not 1 <= sizes[0] <= sizes[-1] <= max_batch:
+        raise ValueError(f"batches must lie in [1, {max_batch}], got {sizes}")
+    verify: dict[int, list[float]] = {b: [] for b in sizes}
     draft_ms: list[float] = []
     passes = tqdm(range(repeats + 1), desc="microbench", unit="pass", disable=not progress)
     for r in passes:
-        order = range(1, max_batch + 1) if r % 2 else range(max_batch, 0, -1)
+        order = sizes if r % 2 else sizes[::-1]
         for b in order:
             ms = _timed_extend_ms(target, probe[:b])
             if r > 0:  # pass 0 is the warm-up

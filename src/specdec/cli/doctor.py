@@ -1,0 +1,127 @@
+"""`specdec doctor`: will speculative decoding pay on this machine? (study.doctor)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdec.backends.configs import CONFIGS
+from specdec.cli import args as cli_args
+
+#: The default pair (`all_gguf`): what `specdec doctor` judges when given no model.
+DEFAULT = CONFIGS["all_gguf"]
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if any(b < 1 for b in out):
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return out
+
+
+def add(subparsers: argparse._SubParsersAction) -> None:
+    from specdec.study.doctor import BATCHES, SECONDS
+
+    p = subparsers.add_parser(
+        "doctor",
+        help="will speculation pay here? target step, verify curve v(b), draft ratio c, "
+        "ceilings, break-even acceptance and a verdict (~1 min); seeds k=auto's cost store",
+    )
+    p.add_argument(
+        "--target",
+        default=DEFAULT.target,
+        metavar="SPEC",
+        help=f"target model, BACKEND:NAME_OR_PATH (str; default {DEFAULT.target})",
+    )
+    p.add_argument(
+        "--draft",
+        default=DEFAULT.draft,
+        metavar="SPEC",
+        help=f"draft model SPEC for its step ratio c, or none (str; default {DEFAULT.draft})",
+    )
+    cli_args.add_device_args(p)
+    p.add_argument(
+        "--prefix",
+        type=int,
+        default=100,
+        help="tokens cached before each probe, >= 1 (int; default 100, as specdec microbench)",
+    )
+    p.add_argument(
+        "--batches",
+        type=_batches,
+        default=BATCHES,
+        metavar="B,B,...",
+        help="verify batch sizes b to time, each >= 1; 1 is always timed (ints; default "
+        + ",".join(map(str, BATCHES))
+        + ")",
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=SECONDS,
+        help=f"time for the timed passes, > 0; at least 3 passes run whatever it is (float; "
+        f"default {SECONDS:g}; loading the models comes on top)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the report as JSON instead of a table (flag)"
+    )
+    p.add_argument(
+        "--out", default=None, metavar="FILE", help="also write the JSON report here (path)"
+    )
+    p.add_argument(
+        "--no-seed",
+        action="store_true",
+        help="do not write the measured curve to k=auto's cost store (flag; default: write it)",
+    )
+    cli_args.add_deterministic_arg(p)
+    cli_args.add_no_progress_arg(p)
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from specdec.backends import load_model
+    from specdec.cli.main import version_line
+    from specdec.study.artifacts import model_block, to_json, write_json
+    from specdec.study.doctor import format_report, run
+
+    cli_args.check_threads(args.threads)
+    if args.prefix < 1:
+        raise ValueError(f"--prefix must be >= 1, got {args.prefix}")
+    if not args.seconds > 0:
+        raise ValueError(f"--seconds must be > 0, got {args.seconds}")
+    kw = {"device": args.device, "n_threads": args.threads, "deterministic": args.deterministic}
+    target = load_model(args.target, **kw)
+    draft = None if args.draft.lower() == "none" else load_model(args.draft, **kw)
+    models = {
+        "target": model_block(args.target, target),
+        "draft": model_block(args.draft, draft) if draft is not None else None,
+    }
+    rep = run(
+        target,
+        draft,
+        models,
+        prefix=args.prefix,
+        batches=args.batches,
+        seconds=args.seconds,
+        seed_store=not args.no_seed,
+        progress=not args.no_progress and not args.json,
+    )
+    if args.out is not None:
+        write_json(Path(args.out), rep)
+    if args.json:
+        print(json.dumps(to_json(rep), indent=1))
+    else:
+        print(version_line())
+        print(format_report(rep))
+    if rep.contended:
+        print(
+            f"warning: the single step varied by {rep.step_spread:.0%} between passes: the "
+            "machine was busy; rerun on an idle machine",
+            file=sys.stderr,
+        )
+    return 0
