@@ -15,6 +15,7 @@ defaults               k=auto; `--drafter prediction` starts and drafts from a r
 
 from __future__ import annotations
 
+import difflib
 import http.client
 import json
 import os
@@ -118,9 +119,20 @@ def test_default_stream_is_byte_for_byte_what_it_was_before_the_extension() -> N
     (tests/stream_golden.py says how); ids, timestamps and the two timings are masked."""
     server = golden_server()
     try:
-        assert capture(server) == GOLDEN.read_bytes()
+        got, want = capture(server), GOLDEN.read_bytes()
     finally:
         server.close()
+    if got != want:
+        diff = difflib.unified_diff(
+            want.decode().splitlines(), got.decode().splitlines(), "golden", "now", lineterm=""
+        )
+        pytest.fail(
+            "the default stream changed:\n"
+            + "\n".join(list(diff)[:40])
+            + "\nIf only the mock's tokens changed (a core change to sampling, drafting or K "
+            "policy), not the stream's shape, re-record: PYTHONPATH=src python "
+            "tests/stream_golden.py > tests/fixtures/default_stream.golden"
+        )
 
 
 # ---------------------------------------------------------------------------- bad values -> 400
@@ -467,6 +479,21 @@ def test_a_prediction_shows_as_the_source_of_its_drafts(free_srv: Server) -> Non
 def test_server_defaults_are_k_auto() -> None:
     assert ServeConfig(target=MOCK_SPEC).spec_config().k == "auto"
     assert ServeConfig(target=MOCK_SPEC, k=3).spec_config().k == 3
+
+
+def test_a_draft_model_with_lookup_as_the_default() -> None:
+    """--draft with --drafter lookup (refused before: "uses no draft model") now starts: requests
+    get prompt lookup unless they ask for the draft model, which the warm-up checked too."""
+    s = _server(True, ServeConfig(target=MOCK_SPEC, drafter="lookup").spec_config())
+    try:
+        body = {"prompt": [1, 2, 3, 1, 2, 3, 1, 2], "max_tokens": 12, "temperature": 0}
+        status, r = _post(s, COMPLETIONS, body)
+        assert status == 200 and r["usage"]["speculation"]["drafter"] == "lookup"
+        assert r["usage"]["speculation"]["k"] == "auto"
+        status, r = _post(s, COMPLETIONS, {**body, "speculation": {"drafter": "model", "k": 2}})
+        assert status == 200 and set(r["usage"]["speculation"]["by_source"]) == {"model"}
+    finally:
+        s.close()
 
 
 def test_metrics_count_generations_by_drafter(srv: Server) -> None:
