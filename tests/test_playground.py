@@ -307,7 +307,6 @@ def make_screenshot(out: Path, target: str = "llamacpp:qwen2.5-coder-0.5b") -> N
     try:
         with tempfile.TemporaryDirectory(prefix="specdec-chromium-") as profile:
             d = browser(profile)
-            d.set_window_size(1280, 1400)
             try:
                 d.get(page_url(srv))
                 wait_state(d, "ready")
@@ -318,6 +317,10 @@ def make_screenshot(out: Path, target: str = "llamacpp:qwen2.5-coder-0.5b") -> N
                 wait_state(d, "done", timeout=300)
                 d.find_element("id", "compare").click()
                 wait_state(d, "compared", timeout=300)
+                # the whole page: a viewport as tall as the document
+                height = d.execute_script("return document.documentElement.scrollHeight")
+                metrics = {"width": 1280, "height": height, "deviceScaleFactor": 1, "mobile": False}
+                d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
                 d.save_screenshot(str(out))
             finally:
                 d.quit()
