@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from stream_golden import TemplateTokenizer
-from test_server import MOCK_SPEC, Server, SlowMock, V
+from test_server import MOCK_SPEC, FakeTokenizer, Server, SlowMock, V
 
 from specdec.core.config import SpecConfig
 from specdec.serve import playground
@@ -246,6 +246,30 @@ def test_the_page_steers_speculation_and_shows_a_refusal(driver: Any, srv: Serve
     spec = last_usage(driver)["speculation"]
     assert spec["drafter"] == "lookup" and spec["k"] == 2
     assert set(spec["k_histogram"]) <= {"0", "1", "2"}
+
+
+def test_a_model_without_a_chat_template_is_served_through_completions(driver: Any) -> None:
+    target = SlowMock(V, seed=0, name=MOCK_SPEC)
+    target.tokenizer = FakeTokenizer()  # reads text, has no chat template
+    engine = Engine(target, None, model_id=MOCK_SPEC, spec=SpecConfig("lookup", "auto"))
+    engine.warm_up()
+    srv = Server(engine, ServeConfig(target=MOCK_SPEC))
+    try:
+        driver.get(page_url(srv))
+        wait_state(driver, "ready")
+        fill(driver, "max-tokens", "10")
+        send(driver, "0123401234")
+        wait_state(driver, "error")
+        assert "no chat template" in driver.find_element("id", "status").text
+        assert driver.find_element("id", "api").get_attribute("value") == "completions"
+        driver.find_element("id", "send").click()
+        wait_state(driver, "done")
+        usage = last_usage(driver)
+        assert usage["completion_tokens"] == 10 and usage["speculation"]["drafter"] == "lookup"
+        answer = driver.find_elements("css selector", "#conversation .answer")[-1]
+        assert len(answer.find_elements("css selector", ".tok")) == 10
+    finally:
+        srv.close()
 
 
 def test_with_an_api_key_the_page_asks_for_it(driver: Any) -> None:
