@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from specdec.cli import args as cli_args
 from specdec.core.config import check_int
 from specdec.study import replay as rp
 from specdec.study.artifacts import write_json
@@ -23,16 +24,15 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "inputs",
-        nargs="+",
+        nargs="*",
         metavar="FILE",
         help="bench artifacts (T = 0: their recorded outputs) or JSONL files of prompts and "
         "outputs (str, one or more)",
     )
     p.add_argument(
         "--curve",
-        required=True,
         metavar="MICROBENCH_JSON",
-        help="the verify curve: a `specdec microbench` artifact (str; required)",
+        help="the verify curve: a `specdec microbench` artifact (str; required to replay)",
     )
     p.add_argument(
         "--method",
@@ -84,6 +84,32 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json", metavar="OUT", default=None, help="write the specdec.replay/1 artifact here"
     )
+    g = p.add_argument_group("recording outputs to replay (instead of replaying)")
+    g.add_argument(
+        "--record",
+        metavar="OUT_JSONL",
+        default=None,
+        help="generate greedy outputs of --target for the vendored prompts and write them as "
+        "replay JSONL (str; default off)",
+    )
+    g.add_argument(
+        "--category",
+        default="rewrite",
+        help="prompt categories to record, comma-separated (str; default rewrite)",
+    )
+    g.add_argument(
+        "--prompts", type=int, default=None, help="record the first N (int >= 1; default all)"
+    )
+    g.add_argument(
+        "--max-new-tokens", type=int, default=512, help="per output (int >= 1; default 512)"
+    )
+    g.add_argument("--threads", type=int, default=None, help=cli_args.THREADS_HELP)
+    g.add_argument(
+        "--target-only",
+        action="store_true",
+        help="record with target-only decoding (flag; default: the prediction drafter at "
+        "k=auto, whose greedy output is target-only's on a batch-invariant backend)",
+    )
     p.set_defaults(func=run)
 
 
@@ -121,7 +147,30 @@ def _check(inputs: list[str], curve: rp.Curve, tokenizer: object) -> list[str]:
     return lines or ["no bench artifact with logged rounds to check"]
 
 
+def _record(args: argparse.Namespace) -> int:
+    from specdec.backends import load_model
+    from specdec.study.bench import parse_categories, select_prompts
+
+    if args.target is None:
+        raise ValueError("--record needs --target SPEC (the model whose outputs to record)")
+    check_int("--max-new-tokens", args.max_new_tokens, 1)
+    cli_args.check_threads(args.threads)
+    prompts = select_prompts(parse_categories(args.category), args.prompts)
+    target = load_model(args.target, n_threads=args.threads)
+    try:
+        drafter = None if args.target_only else "prediction"
+        rp.record(target, prompts, args.max_new_tokens, args.record, drafter)
+    finally:
+        target.close()
+    print(f"wrote {args.record}", file=sys.stderr)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.record is not None:
+        return _record(args)
+    if not args.inputs or args.curve is None:
+        raise ValueError("give the recorded outputs (FILE ...) and --curve MICROBENCH_JSON")
     check_int("--k-max", args.k_max, 1)
     if args.draft_cost < 0:
         raise ValueError(f"--draft-cost must be >= 0, got {args.draft_cost}")

@@ -54,8 +54,9 @@ SCHEMA = "specdec.replay/1"
 #: best-fixed: the fixed K tried (b = K + 1 at and below the curve's steps: 16, 32, 64 rows)
 FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 15, 16, 24, 31, 32, 48, 63, 64)
 ORACLES = ("oracle", "oracle-plan")
-#: The model-free drafters a replay runs (bench's names; no draft model: nothing to replay it on)
-DRAFTERS = ("prediction", "lookup", "wrong-prediction")
+#: The model-free drafters a replay runs (bench's names; no draft model: nothing to replay it
+#: on), and "prediction-static": the prediction drafter without learned rewrites (core.edits)
+DRAFTERS = ("prediction", "lookup", "wrong-prediction", "prediction-static")
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -252,6 +253,62 @@ def _ids(r: Mapping[str, Any], key: str, encode: Callable[[str], list[int]], whe
         raise ValueError(f"{where}: {e}; pass --target SPEC to tokenize text") from None
 
 
+def record(
+    target: Any,
+    prompts: Sequence[Any],
+    max_new_tokens: int,
+    path: str | Path,
+    drafter: str | None = "prediction",
+    progress: bool = True,
+) -> list[Recorded]:
+    """Greedy outputs of `target` for vendored prompts, written to `path` as replay JSONL (ids
+    only, so reading it back needs no tokenizer). `drafter` "prediction" (the prompt's
+    prediction at k=auto, then lookup) makes recording faster; its greedy output is
+    target-only's where the backend is batch-invariant (mock, llama.cpp --deterministic, and
+    llama.cpp's default mode on AMX hosts: README); None decodes target-only."""
+    import sys
+
+    from specdec.backends import chat
+    from specdec.core.config import SpecConfig, Warp
+    from specdec.core.decode import generate
+    from specdec.study import bench
+
+    stops = chat.stop_ids(target.tokenizer)
+    out, lines = [], []
+    for i, prompt in enumerate(prompts):
+        ids, pred = bench.task_ids(target.tokenizer, prompt, target.vocab_size)
+        kw: dict[str, Any] = {}
+        if drafter is not None:
+            kw = {"spec": SpecConfig(drafter if pred is not None else "lookup", "auto")}
+            kw.update({"prediction": pred} if pred is not None else {})
+        res = generate(
+            target, ids, warp=Warp(0.0), max_new_tokens=max_new_tokens, stop_ids=stops, **kw
+        )
+        rec = Recorded(
+            prompt.id,
+            tuple(ids),
+            tuple(res.tokens),
+            _tuple(pred),
+            res.stop_reason == "stop",
+            max_new_tokens,
+        )
+        out.append(rec)
+        lines.append(json.dumps(_jsonl_record(rec, target.name, drafter)))
+        Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")  # after every prompt
+        if progress:
+            print(f"{i + 1}/{len(prompts)} {prompt.id}: {len(res.tokens)} tokens", file=sys.stderr)
+    return out
+
+
+def _jsonl_record(rec: Recorded, target: str, drafter: str | None) -> dict[str, Any]:
+    d: dict[str, Any] = {"id": rec.id, "target": target, "recorded_with": drafter or "target-only"}
+    d.update(prompt_ids=list(rec.prompt), output_ids=list(rec.output))
+    if rec.prediction is not None:
+        d["prediction_ids"] = list(rec.prediction)
+    d.update(stopped=rec.stopped, max_new_tokens=rec.max_new_tokens)
+    return d
+
+
 # ------------------------------------------------------------------------------ the replay
 def make_drafter(kind: str, task: Recorded) -> Drafter:
     """A fresh drafter of bench's kind for one task, as decode.stream assembles it: the
@@ -262,7 +319,8 @@ def make_drafter(kind: str, task: Recorded) -> Drafter:
     pred = task.other_prediction if kind == "wrong-prediction" else task.prediction
     if kind == "lookup" or pred is None:
         return LookupDrafter()
-    return CompositeDrafter(PredictionDrafter(list(pred), len(task.prompt)), LookupDrafter())
+    first = PredictionDrafter(list(pred), len(task.prompt), learn=kind != "prediction-static")
+    return CompositeDrafter(first, LookupDrafter())
 
 
 @dataclass
@@ -297,9 +355,11 @@ class Oracle:
     curve: Curve
     c: float = 0.0
 
-    def pick(self, accept: int, room: int) -> int:
+    def pick(self, accept: int, room: int, left: int) -> int:
+        """`left`: tokens of the output still to come (a round emits at most that many)."""
         top = min(accept, room, self.k_max)
-        return max(range(top + 1), key=lambda k: ((k + 1) / self.curve.round_steps(k, self.c), -k))
+        steps = self.curve.round_steps
+        return max(range(top + 1), key=lambda k: (min(k + 1, left) / steps(k, self.c), -k))
 
 
 @dataclass
@@ -410,7 +470,7 @@ def _choose(
         return policy.pick_at(made, room)
     if isinstance(policy, Oracle):  # peek: the longest draft, how far it is accepted
         peek = drafter.propose(seq, min(policy.k_max, room)).x.tolist()
-        return policy.pick(_accepted(peek, task, made), room)
+        return policy.pick(_accepted(peek, task, made), room, len(task.output) - made)
     return policy.choose(source, room)
 
 
