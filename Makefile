@@ -15,7 +15,8 @@ STAMP  := $(VENV)/.installed
 # CPU). The stamp is keyed by the CPU's flags too, so on a new host `make` builds it again.
 CPU_KEY     := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cksum | cut -d' ' -f1)
 LLAMA_STAMP := $(VENV)/.llama-cpp-$(CPU_KEY)
-LLAMA_BUILD := src/specdec/backends/llamacpp_build.py $(wildcard src/specdec/backends/patches/*.patch)
+LLAMA_BUILD := src/specdec/backends/llamacpp_build.py $(wildcard src/specdec/backends/patches/*.patch) \
+  $(wildcard src/specdec/backends/native/*)
 
 TARGET ?= llamacpp:qwen2.5-coder-1.5b
 DRAFT  ?= llamacpp:qwen2.5-coder-0.5b

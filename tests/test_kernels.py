@@ -127,11 +127,21 @@ def test_the_portable_code_path_runs_and_agrees(smol_path: Path, tmp_path: Path)
 
 
 def test_the_patches_apply_to_the_pinned_sdist(tmp_path: Path) -> None:
-    """The build's source: the pinned sdist (sha256 checked) with every patch applied."""
+    """The build's source: the pinned sdist (sha256 checked) with every patch applied and
+    specdec's kernels (sdmm) hooked into ggml-cpu; the stock peer's source gets the fixes only."""
     sdist = llamacpp_build.fetch_sdist(llamacpp_build.home() / "sdists")
-    src = llamacpp_build.prepare_source(sdist, tmp_path)
-    mmq = (src / "vendor/llama.cpp/ggml/src/ggml-cpu/amx/mmq.cpp").read_text()
-    assert "static const tile_config_t tc" in mmq
+    src = llamacpp_build.prepare_source(sdist, tmp_path / "wheel")
+    cpu = src / "vendor/llama.cpp/ggml/src/ggml-cpu"
+    assert "static const tile_config_t tc" in (cpu / "amx/mmq.cpp").read_text()
+    assert "ggml-cpu/sdmm/sdmm-buft.cpp" in (cpu / "CMakeLists.txt").read_text()
+    assert "ggml_backend_sdmm_buffer_type()" in (cpu / "ggml-cpu.cpp").read_text()
+    copied = sorted(p.name for p in (cpu / "sdmm").iterdir())
+    assert copied == [p.name for p in llamacpp_build.native_files()]
+    stock = llamacpp_build.prepare_source(sdist, tmp_path / "stock", fixes_only=True)
+    stock_cpu = stock / "vendor/llama.cpp/ggml/src/ggml-cpu"
+    assert "static const tile_config_t tc" in (stock_cpu / "amx/mmq.cpp").read_text()
+    assert not (stock_cpu / "sdmm").exists()
+    assert "sdmm" not in (stock_cpu / "ggml-cpu.cpp").read_text()
 
 
 def test_a_patch_that_does_not_apply_stops_the_build(tmp_path: Path, monkeypatch) -> None:

@@ -10,8 +10,8 @@ Rollback is one call, as in llama.cpp's common/speculative: `llama_memory_seq_rm
 
 Numerics, measured on CPU (the contract tests pin them): the logits of a position must not depend
 on how the tokens were batched, or a verify batch of K+1 tokens disagrees with one-token-at-a-time
-decoding and greedy speculative output drifts from greedy plain output at near-ties. Two settings
-buy that batch invariance:
+decoding and greedy speculative output drifts from greedy plain output at near-ties. What buys
+that batch invariance:
   * flash attention ON. Without it KQ runs through matmul kernels picked by batch size, and a
     short batch differs from single tokens (the team measured up to ~1.0 on real text).
   * K cache in q8_0 (V stays f16). With llama.cpp's default f16 K, ggml's flash attention takes
@@ -21,23 +21,26 @@ buy that batch invariance:
     through one kernel: prefill, verify and single-token logits were bit-identical in all our
     runs. Measured cost: ~3% per decoded token (22.1 vs 21.4 ms, smollm2, 1 thread); top-1
     agreement with the fp32 HF model on 300 positions of real text was 96.7% (94.7% with f32 KV).
+  * matmuls that compute a row alike in any batch. Per-row weight types (Q4_1, Q5_0, Q5_1, Q8_0:
+    ROW_INVARIANT_TYPES) are, in ggml's own kernels. K-quants are not: found op by op with
+    llama.cpp's eval callback (`specdec invariance`), weights repacked at load (Q4_K) are
+    multiplied by a GEMM for batches and a GEMV for single rows, and K-quants that are not
+    repacked (Q6_K) take a tiled GEMM once a batch has >= 8 rows. specdec's build adds sdmm
+    (native/sdmm.h, docs/kernels.md): an extra buffer type ahead of ggml's that takes every 2-D
+    Q4_K and Q6_K weight and multiplies it with one kernel for every batch size, b = 1 included,
+    whose rows are bit-identical by construction -- and faster than ggml's on verify batches.
 
-That is enough for per-row weight types (Q4_1, Q5_0, Q8_0: smollm2), not for K-quant files. Found
-op by op with llama.cpp's eval callback (`specdec invariance`), two more matmul paths depend on
-the batch: (1) weights repacked at load (Q4_K, Q4_0, IQ4_NL into 8x8 interleaved blocks) are
-multiplied by a GEMM for batches and a GEMV for single rows (ggml-cpu/repack.cpp); (2) K-quant
-weights that are not repacked (Q6_K, Q5_K, Q4_K with repacking off...) take a tiled GEMM once a
-batch has >= 8 rows (ggml-cpu/tiled/tiled.cpp). `deterministic=True` removes both: repacking off
-(`use_extra_bufts = false`, verified at load from llama.cpp's buffer report) and the tiled matmul
-off. With both, every logit of the Qwen GGUFs is bit-identical across batch shapes
-(tests/test_deterministic.py). On a CPU with AMX the default mode is invariant as well: the AMX
-buffer type takes every weight, and its kernels give every batch shape the single step's bits.
+So a file whose matmul weights are all SDMM_TYPES or ROW_INVARIANT_TYPES (both Qwen GGUFs,
+smollm2) is batch-invariant in the default mode: `batch_invariant` is True, greedy speculative
+output equals greedy target-only output, and `deterministic=True` costs nothing (it checks that
+this holds). For any other file `deterministic=True` falls back to ggml's slow invariant paths:
+repacking off (`use_extra_bufts = false`, verified from llama.cpp's buffer report) and the tiled
+matmul off. On a CPU with AMX, llama.cpp's AMX buffer type (after sdmm's) is invariant as well.
 
 llama.cpp reads the tiled switch (GGML_CPU_TILED_MM) once per process, at its first matmul, so
 the first model a process loads decides it for all (unless the caller set it): on, as in stock
-llama.cpp, for a default-mode model (without AMX it prefills ~20% faster and verifies 16 rows
-~17% faster, docs/kernels.md), off for a deterministic one. A deterministic model cannot follow
-a default one in the same process; the error says so.
+llama.cpp, for a default-mode model, off for a deterministic model that needs the slow paths. Such
+a model cannot follow a default one in the same process; the error says so.
 """
 
 from __future__ import annotations
@@ -71,13 +74,23 @@ _GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR = 3, 4  # ggml_log_level; 5 continue
 #: the first model sets it, on for the default mode, off for deterministic (module docstring).
 TILED_MM_ENV = "GGML_CPU_TILED_MM"
 _tiled_set_by = ""  # the mode of the model that set TILED_MM_ENV, if specdec set it
+#: Weight types sdmm multiplies (native/sdmm.h): every batch shape gives a row the same bits.
+SDMM_TYPES = frozenset({"Q4_K", "Q6_K"})
+#: Weight types whose ggml CPU kernels give a row the same bits in any batch (one scale per
+#: 32-value block, one dot product per row): measured by `specdec invariance` on smollm2 (Q4_1,
+#: Q8_0) and the Qwen 0.5B (Q5_0, Q8_0), checked in tests/test_deterministic.py.
+ROW_INVARIANT_TYPES = frozenset({"Q4_1", "Q5_0", "Q5_1", "Q8_0"})
+#: sdmm's switches, read by the C library once per process: SDMM_ENV=0 leaves sdmm out (stock
+#: llama.cpp's kernels); SDMM_ISA_ENV forces an instruction path (ref, avx2, avx512) for tests.
+SDMM_ENV, SDMM_ISA_ENV = "SPECDEC_MM", "SPECDEC_MM_ISA"
+SDMM_ISAS = ("ref", "avx2", "avx512")
 
 _backend_ready = False
 _log_callback: Any = None  # keeps the ctypes callback alive for as long as llama.cpp may call it
 _log_sink: list[str] | None = None  # collects llama.cpp's INFO lines while a model loads
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     # The cores this process may run on (a container's cpuset can be smaller than cpu_count).
     # Never more: ggml's threads spin at a barrier after every op, so a pool larger than the free
     # cores stalls badly (measured ~100x slower per token with 2 threads on 1 free core).
@@ -139,10 +152,92 @@ def _check_build() -> None:
             raise SpecModelError(str(e)) from None
 
 
+def _ggml_cpu(llama: Any) -> Any:
+    """libggml-cpu beside libllama (sdmm's C functions live there in specdec's build)."""
+    return ctypes.CDLL(str(Path(llama._lib._name).with_name("libggml-cpu.so")))
+
+
+def sdmm_isa() -> str | None:
+    """The instruction path sdmm's kernels run in this process ("avx512", "avx2", "ref"), or
+    None: sdmm is off ($SPECDEC_MM=0) or not in this llama-cpp-python (not specdec's build)."""
+    lib = _ggml_cpu(_llama())
+    if not hasattr(lib, "sdmm_buffer_isa"):
+        return None
+    isa = int(lib.sdmm_buffer_isa())
+    return SDMM_ISAS[isa] if 0 <= isa < len(SDMM_ISAS) else None
+
+
+def peak_int8_gops(threads: int, seconds: float = 0.5) -> float | None:
+    """The int8 multiply-accumulate peak of `threads` cores at once (GOPS, a multiply-add
+    counted as two), measured by sdmm's probe: independent vpdpbusd chains, as its kernels use
+    them. None where the CPU lacks AVX-512 VNNI or the build lacks sdmm."""
+    import threading
+
+    lib = _ggml_cpu(_llama())
+    if not hasattr(lib, "sdmm_peak_macs"):
+        return None
+    lib.sdmm_peak_macs.restype = ctypes.c_double
+    lib.sdmm_peak_macs.argtypes = [ctypes.c_long]
+    if lib.sdmm_peak_macs(1000) == 0.0:
+        return None
+    iters = max(1000, int(lib.sdmm_peak_macs(200_000) * seconds / 1024))  # ~`seconds` each
+    rates: list[float] = []
+    # ctypes lets go of the GIL during the call: the threads run on their own cores
+    workers = [
+        threading.Thread(target=lambda: rates.append(lib.sdmm_peak_macs(iters)))
+        for _ in range(threads)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return 2 * sum(rates) / 1e9
+
+
+def _check_sdmm_env() -> None:
+    """A forced instruction path this CPU cannot run is a clear error, not sdmm silently off."""
+    want = os.environ.get(SDMM_ISA_ENV, "")
+    if not want or os.environ.get(SDMM_ENV) == "0":
+        return
+    lib = _ggml_cpu(_llama())
+    if want not in SDMM_ISAS:
+        raise SpecModelError(f"{SDMM_ISA_ENV}={want!r}: choose one of {', '.join(SDMM_ISAS)}")
+    if hasattr(lib, "sdmm_isa_supported") and not lib.sdmm_isa_supported(SDMM_ISAS.index(want)):
+        raise SpecModelError(
+            f"{SDMM_ISA_ENV}={want}: this CPU cannot run that instruction path; unset it"
+        )
+
+
+def matmul_weight_types(path: Path) -> frozenset[str]:
+    """The ggml types of a GGUF file's matmul weights: every weight matrix but the token
+    embedding (looked up row by row) unless the output layer is tied to it. A weight of more
+    than two dimensions (MoE experts) is reported as "<type>/3d": sdmm does not take those."""
+    from specdec.backends.registry import gguf_tensors
+
+    tensors = gguf_tensors(path)
+    names = {t.name for t in tensors}
+    out = set()
+    for t in tensors:
+        if len(t.dims) < 2 or not t.name.endswith(".weight"):
+            continue
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue
+        out.add(t.type if all(d == 1 for d in t.dims[2:]) else f"{t.type}/3d")
+    return frozenset(out)
+
+
+def invariant_by_construction(types: frozenset[str], isa: str | None) -> bool:
+    """Whether weights of these types get batch-invariant matmuls in the default mode: sdmm's
+    types while sdmm runs, ggml's per-row types always."""
+    covered = ROW_INVARIANT_TYPES | (SDMM_TYPES if isa is not None else frozenset())
+    return types <= covered
+
+
 def kernels() -> dict[str, Any]:
     """Which CPU kernels llama.cpp runs in this process: how the installed llama-cpp-python was
     built ("native" or "portable" by specdec's build, else "not built by specdec"), the CPU it
-    was built on, and the instruction sets its ggml reports as compiled in."""
+    was built on, the instruction sets its ggml reports as compiled in, and the path sdmm's
+    kernels take (None: off or absent)."""
     from specdec.backends import llamacpp_build
 
     llama = _llama()
@@ -161,6 +256,7 @@ def kernels() -> dict[str, Any]:
         "built_on": info.get("cpu_model") if info else None,
         "patches": info.get("patches", []) if info else [],
         "features": features,
+        "sdmm": sdmm_isa(),
         "cpu_model": llamacpp_build.cpu_model(),
         "llama_cpp_python": llama_cpp.__version__,
     }
@@ -299,14 +395,15 @@ def _cost_store(path: Path, model: LlamaCppModel) -> Path:
         f"fa{int(c.flash_attn_type)}",
         "det" if model.deterministic else "def",
         f"tiled{os.environ.get(TILED_MM_ENV, '1')}",
+        f"mm{sdmm_isa() or 'off'}",
     ]
     return specdec_home() / "costs" / ("-".join(parts) + ".json")
 
 
-def _load_model(llama: Any, path: Path, mparams: Any) -> tuple[Any, float]:
-    """llama_model_load_from_file, and the MiB of weights llama.cpp put in its extra buffer
-    types (CPU_REPACK, AMX: weights laid out for another kernel), read from its own buffer
-    report: the check that `use_extra_bufts` reached it."""
+def _load_model(llama: Any, path: Path, mparams: Any) -> tuple[Any, dict[str, float]]:
+    """llama_model_load_from_file, and the MiB of weights llama.cpp put in each of its extra
+    buffer types (SDMM, CPU_REPACK, AMX: weights laid out for another kernel), read from its own
+    buffer report: where the weights went, and the check that `use_extra_bufts` reached it."""
     global _log_sink
     _log_sink = []
     try:
@@ -314,12 +411,13 @@ def _load_model(llama: Any, path: Path, mparams: Any) -> tuple[Any, float]:
         lines = _log_sink
     finally:
         _log_sink = None
-    mib = 0.0
+    extra: dict[str, float] = {}
     for line in lines:  # "load_tensors:   CPU_REPACK model buffer size =    28.05 MiB"
         head, sep, size = line.partition(" model buffer size =")
-        if sep and head.split()[-1:] not in (["CPU"], ["CPU_Mapped"]):
-            mib += float(size.split()[0])
-    return model, mib
+        buft = head.split()[-1] if sep and head.split() else "CPU"
+        if buft not in ("CPU", "CPU_Mapped"):
+            extra[buft] = extra.get(buft, 0.0) + float(size.split()[0])
+    return model, extra
 
 
 def _set_tiled_switch(mode: str) -> None:
@@ -332,11 +430,12 @@ def _set_tiled_switch(mode: str) -> None:
 
 
 def _check_deterministic_switches(
-    name: str, n_gpu_layers: int, flash_attn: bool, type_k: int
+    name: str, n_gpu_layers: int, flash_attn: bool, type_k: int, slow: bool
 ) -> None:
-    """Refuse a deterministic load whose settings would bring a batch-dependent path back."""
+    """Refuse a deterministic load whose settings would bring a batch-dependent path back.
+    `slow`: it needs ggml's slow paths (the tiled matmul off) rather than sdmm."""
     why = None
-    if os.environ.get(TILED_MM_ENV, "0") not in ("0", ""):
+    if slow and os.environ.get(TILED_MM_ENV, "0") not in ("0", ""):
         value = os.environ[TILED_MM_ENV]
         why = f"{TILED_MM_ENV}={value} turns llama.cpp's tiled matmul on; unset it"
         if _tiled_set_by == "default":
@@ -377,27 +476,46 @@ class LlamaCppModel(SpecModel):
         llama = self._llama = _llama()
         path = Path(path)
         self.name = name or f"llamacpp:{path.name}"
+        self.path = path
         self.tokenizer = tokenizer
         self.deterministic = deterministic
-        self.batch_invariant = deterministic
         self._model = self._ctx = self._scratch = self._batch = None
-        _set_tiled_switch("deterministic" if deterministic else "default")
+        _check_sdmm_env()
+        self.weight_types = matmul_weight_types(path)
+        self.sdmm = sdmm_isa() if repack is not False else None
+        invariant_math = n_gpu_layers == 0 and flash_attn and type_k == DEFAULT_TYPE_K
+        # The default mode is invariant for this file (module docstring); if not, deterministic
+        # mode takes ggml's slow invariant paths: no repacked weights, no tiled matmul.
+        covered = invariant_math and invariant_by_construction(self.weight_types, self.sdmm)
+        slow = deterministic and not covered
+        _set_tiled_switch("deterministic" if slow else "default")
         if deterministic:
-            _check_deterministic_switches(self.name, n_gpu_layers, flash_attn, type_k)
+            _check_deterministic_switches(self.name, n_gpu_layers, flash_attn, type_k, slow)
 
         mparams = llama.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         # Repacked weights are multiplied one way for batches and another for single rows.
-        if repack and deterministic:
+        if repack and slow:
             raise SpecModelError(f"{self.name}: deterministic mode needs repack off")
-        mparams.use_extra_bufts = not deterministic if repack is None else repack
-        self._model, self.repacked_mib = _load_model(llama, path, mparams)
+        mparams.use_extra_bufts = not slow if repack is None else repack
+        self._model, self.extra_mib = _load_model(llama, path, mparams)
         if not self._model:
             raise SpecModelError(
                 f"llama.cpp could not load {path} (unsupported architecture or damaged file); "
                 "check the file, or try the hf: backend"
             )
-        if deterministic and self.repacked_mib:
+        self.repacked_mib = sum(self.extra_mib.values())
+        self.batch_invariant = slow or (covered and self._weights_where_expected())
+        if deterministic and not self.batch_invariant:
+            where = ", ".join(f"{k} {v:.1f} MiB" for k, v in self.extra_mib.items()) or "none"
+            self.close()
+            raise SpecModelError(
+                f"{self.name}: deterministic mode expected every matmul weight "
+                f"({', '.join(sorted(self.weight_types))}) in a batch-invariant kernel, but "
+                f"llama.cpp placed them otherwise (extra buffers: {where}); this "
+                "llama-cpp-python is not specdec's build (make venv builds it)"
+            )
+        if slow and self.repacked_mib:
             self.close()
             raise SpecModelError(
                 f"{self.name}: deterministic mode asked llama.cpp not to repack weights, but "
@@ -425,7 +543,7 @@ class LlamaCppModel(SpecModel):
         cparams.n_ctx = self.n_ctx
         cparams.n_batch = cparams.n_ubatch = self.n_batch  # one physical pass per decode call
         cparams.n_seq_max = 1
-        cparams.n_threads = cparams.n_threads_batch = n_threads or _usable_cores()
+        cparams.n_threads = cparams.n_threads_batch = n_threads or usable_cores()
         cparams.flash_attn_type = (
             llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
             if flash_attn
@@ -446,6 +564,13 @@ class LlamaCppModel(SpecModel):
         self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
         offload = n_gpu_layers != 0 and bool(llama.llama_supports_gpu_offload())
         self.device = torch.device("cuda" if offload else "cpu")
+
+    def _weights_where_expected(self) -> bool:
+        """sdmm holds the K-quants (if the file has any) and no other kernel repacked anything
+        but AMX, whose kernels are invariant too (docs/kernels.md)."""
+        others = {k: v for k, v in self.extra_mib.items() if k not in ("SDMM", "AMX") and v}
+        needs_sdmm = bool(self.weight_types & SDMM_TYPES)
+        return not others and (self.extra_mib.get("SDMM", 0.0) > 0) == needs_sdmm
 
     @classmethod
     def load(

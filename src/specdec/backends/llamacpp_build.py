@@ -14,9 +14,12 @@ changes, and the backend refuses a build made for instructions this CPU lacks (c
 instead of dying with SIGILL in the first matmul.
 
 The source is the llama-cpp-python sdist at VERSION, checked against SDIST_SHA256, with every
-patch in patches/ applied by `git apply` (a patch that does not apply stops the build). The
-"portable" flavor (GGML_NATIVE=OFF, AVX2) is built only to test that a lesser CPU's code path
-runs and agrees (tests/test_kernels.py).
+patch in patches/ applied by `git apply` (a patch that does not apply stops the build):
+`fix-*` patches are upstream bug fixes (also given to the stock peer, study.anchors),
+`specdec-*` patches are specdec's own changes. specdec-sdmm.patch hooks specdec's matmul for
+verify batches (native/, copied into ggml-cpu/sdmm/ before the patches apply) into ggml-cpu as an
+extra buffer type: docs/kernels.md. The "portable" flavor (GGML_NATIVE=OFF, AVX2) is built only
+to test that a lesser CPU's code path runs and agrees (tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ VERSION = "0.3.36"
 #: The sdist carries no git metadata: its hash names the exact source.
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 PATCHES = Path(__file__).with_name("patches")
+#: specdec's own C/C++ sources (sdmm), copied into the patched tree's ggml-cpu/sdmm/.
+NATIVE = Path(__file__).with_name("native")
+NATIVE_DEST = Path("vendor/llama.cpp/ggml/src/ggml-cpu/sdmm")
 #: Flags every flavor shares: none of the tools, examples or servers the Python package never uses.
 _COMMON_FLAGS = (
     "-DLLAVA_BUILD=OFF",
@@ -79,6 +85,11 @@ def patch_files(fixes_only: bool = False) -> list[Path]:
     return sorted(PATCHES.glob("fix-*.patch" if fixes_only else "*.patch"))
 
 
+def native_files() -> list[Path]:
+    """specdec's kernel sources, in a fixed order (they go with the specdec-* patches)."""
+    return sorted(p for p in NATIVE.iterdir() if p.suffix in (".c", ".cpp", ".h"))
+
+
 def fetch_sdist(dest: Path, timeout: float = 600.0) -> Path:
     """The pinned sdist in `dest` (reused if already there), its sha256 checked."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -110,13 +121,18 @@ def fetch_sdist(dest: Path, timeout: float = 600.0) -> Path:
 
 
 def prepare_source(sdist: Path, dest: Path, fixes_only: bool = False) -> Path:
-    """Extract `sdist` into `dest` and apply the patches (patch_files); the package's source
-    directory (llama.cpp is its vendor/llama.cpp)."""
+    """Extract `sdist` into `dest`, add specdec's kernel sources (unless fixes_only) and apply
+    the patches (patch_files); the package's source directory (llama.cpp is its
+    vendor/llama.cpp)."""
     with tarfile.open(sdist) as tar:
         tar.extractall(dest, filter="data")
     roots = [p for p in dest.iterdir() if (p / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file()]
     if len(roots) != 1:
         raise BuildError(f"{sdist.name} has no vendor/llama.cpp with a CMakeLists.txt")
+    if not fixes_only:
+        (roots[0] / NATIVE_DEST).mkdir(parents=True)
+        for f in native_files():
+            shutil.copy2(f, roots[0] / NATIVE_DEST / f.name)
     for patch in patch_files(fixes_only):
         for check in (True, False):
             cmd = ["git", "apply", *(["--check"] if check else []), str(patch)]
@@ -167,8 +183,8 @@ def wheel_key(flavor: str = "native") -> str:
         parts += cpu_flags()
     for part in parts:
         h.update(part.encode() + b"\0")
-    for patch in patch_files():
-        h.update(patch.name.encode() + b"\0" + patch.read_bytes())
+    for f in [*patch_files(), *native_files()]:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -203,6 +219,7 @@ def build_wheel(flavor: str = "native", jobs: int | None = None, log=print) -> P
             "version": VERSION,
             "sdist_sha256": SDIST_SHA256,
             "patches": [p.name for p in patch_files()],
+            "native": [f.name for f in native_files()],
             "flavor": flavor,
             "cmake_flags": list(flags),
             # a native build runs only on CPUs with every one of these (check_build)
@@ -230,9 +247,9 @@ def build_wheel(flavor: str = "native", jobs: int | None = None, log=print) -> P
         shutil.rmtree(out, ignore_errors=True)
         os.replace(built, out)
     log(f"built in {info['build_s']:.0f} s -> {out}")
-    wheel = cached_wheel(flavor)
-    assert wheel is not None
-    return wheel
+    # from `out`, whose key was taken before the sources were copied: a source edited during
+    # the build gets a build of its own next time
+    return next(out.glob("*.whl"))
 
 
 def install(jobs: int | None = None) -> Path:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import Literal, NamedTuple
 
 try:
     import fcntl
@@ -554,7 +554,7 @@ def check_gguf_file(path: Path) -> None:
             if f.read(4) != b"GGUF":
                 raise CorruptModelError(f"{path} is not a GGUF file (no GGUF magic at offset 0)")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                end = _gguf_data_end(buf, gguf)
+                end = max((t.start + t.size for t in _gguf_header(buf, gguf)), default=0)
                 if end > len(buf):
                     raise CorruptModelError(
                         f"{path} is truncated: tensor data needs {end} bytes, file has {len(buf)}; "
@@ -566,8 +566,26 @@ def check_gguf_file(path: Path) -> None:
         raise CorruptModelError(f"{path} is not a readable GGUF file ({e}); fetch it again") from e
 
 
-def _gguf_data_end(buf: mmap.mmap, gguf: ModuleType) -> int:
-    """Offset one past the last tensor byte, per the header; raises struct.error if it is cut."""
+class GGUFTensor(NamedTuple):
+    """One tensor of a GGUF file's header."""
+
+    name: str
+    dims: tuple[int, ...]  # ne[0] (the row length) first, as in ggml
+    type: str  # ggml type name, e.g. "Q4_K"
+    start: int  # file offset of its first byte
+    size: int  # bytes
+
+
+def gguf_tensors(path: Path) -> list[GGUFTensor]:
+    """The tensors a GGUF file's header lists (check_gguf_file has vetted the file)."""
+    import gguf
+
+    with Path(path).open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return _gguf_header(buf, gguf)
+
+
+def _gguf_header(buf: mmap.mmap, gguf: ModuleType) -> list[GGUFTensor]:
+    """The tensors the header lists; raises struct.error if it is cut."""
     VT = gguf.GGUFValueType
     fixed = {VT.UINT8: "B", VT.INT8: "b", VT.UINT16: "H", VT.INT16: "h", VT.UINT32: "I"}
     fixed |= {VT.INT32: "i", VT.FLOAT32: "f", VT.BOOL: "?", VT.UINT64: "Q", VT.INT64: "q"}
@@ -618,11 +636,14 @@ def _gguf_data_end(buf: mmap.mmap, gguf: ModuleType) -> int:
         v = value(take("I"))
         if key == gguf.Keys.General.ALIGNMENT and v:
             align = v
-    end = 0
+    infos = []
     for _ in range(n_tensors):
+        start = pos
         skip_str()
-        dims = [take("Q") for _ in range(take("I"))]
-        block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(take("I"))]
-        end = max(end, take("Q") + math.prod(dims) // block * nbytes)
+        name = bytes(buf[start + 8 : pos]).decode("utf-8", "replace")
+        dims = tuple(take("Q") for _ in range(take("I")))
+        qtype = gguf.GGMLQuantizationType(take("I"))
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        infos.append((name, dims, qtype.name, take("Q"), math.prod(dims) // block * nbytes))
     data_start = -(-pos // align) * align
-    return data_start + end
+    return [GGUFTensor(n, d, t, data_start + off, size) for n, d, t, off, size in infos]

@@ -108,8 +108,10 @@ def _cmd_invariance(args: argparse.Namespace) -> int:
 
 
 def _in_child(job: dict) -> list[dict]:
-    """Run one setting in a fresh process: llama.cpp reads GGML_CPU_TILED_MM once per process."""
-    env = {**os.environ, "GGML_CPU_TILED_MM": SETTINGS[job["setting"]][1]}
+    """Run one setting in a fresh process: llama.cpp reads GGML_CPU_TILED_MM, and sdmm
+    SPECDEC_MM, once per process."""
+    _, tiled, sdmm = SETTINGS[job["setting"]]
+    env = {**os.environ, "GGML_CPU_TILED_MM": tiled, "SPECDEC_MM": sdmm}
     code = "from specdec.cli.invariance import _child; _child()"
     res = subprocess.run(
         [sys.executable, "-c", code], input=json.dumps(job), env=env, capture_output=True, text=True

@@ -65,6 +65,8 @@ def version_line() -> str:
         parts.append(f"llama-cpp-python {k['llama_cpp_python']}")
         isa = [f for f in k["features"] if f not in _NOT_ISA]
         parts.append(f"CPU kernels: {k['build']} ({' '.join(isa)}) on {k['cpu_model']}")
+        sdmm = k.get("sdmm")
+        parts.append(f"verify matmul: sdmm {sdmm}" if sdmm else "verify matmul: ggml's (sdmm off)")
     return " | ".join(parts)
 
 

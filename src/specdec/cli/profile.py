@@ -8,7 +8,7 @@ import sys
 from specdec.cli import args as cli_args
 from specdec.cli.invariance import _ints
 from specdec.study.artifacts import meta_block, named_artifact, write_json
-from specdec.study.profile import SCHEMA, format_table, run_profile
+from specdec.study.profile import SCHEMA, format_kernel_rates, format_table, run_profile
 
 #: --type-k names -> ggml_type
 TYPE_K = {"q8_0": 8, "f16": 1}
@@ -48,6 +48,8 @@ def add(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
+    from specdec.backends.llamacpp import peak_int8_gops, usable_cores
+
     cli_args.check_threads(args.threads)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
@@ -66,10 +68,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "type_k": args.type_k,
         "repeats": args.repeats,
+        "peak_int8_gops": peak_int8_gops(args.threads or usable_cores()),
         "probes": probes,
     }
     out = named_artifact(args.out, "profile", args.target.split(":", 1)[1], args.tag)
     write_json(out, art)
     print(format_table(probes))
+    print(format_kernel_rates(probes, art["peak_int8_gops"]))
     print(f"wrote {out}", file=sys.stderr)
     return 0

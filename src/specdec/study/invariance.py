@@ -7,12 +7,15 @@ float32 node of llama.cpp's graph is captured (backends.llamacpp.OpCapture) in b
 node outputs are compared row by row (row i of the batched node vs the single step of token i).
 
 The settings, each run in a process of its own because llama.cpp reads its tiled-matmul switch
-once per process:
-    default         weights repacked (AMX where the CPU has it), tiled K-quant matmul on
-                    (llama.cpp's defaults, and specdec's)
-    tiled-off       weights repacked, tiled matmul off
-    no-repack       weights not repacked, tiled matmul on
-    deterministic   neither (specdec's deterministic mode)
+and sdmm its switch once per process:
+    default         specdec's: Q4_K and Q6_K weights in sdmm's buffer (backends/native), the
+                    rest as stock llama.cpp has it
+    stock           stock llama.cpp's defaults: weights repacked (AMX where the CPU has it),
+                    tiled K-quant matmul on ($SPECDEC_MM=0)
+    tiled-off       stock, tiled matmul off
+    no-repack       stock, weights not repacked, tiled matmul on
+    ggml-invariant  stock, neither: ggml's slow invariant paths (deterministic mode for a file
+                    sdmm does not cover)
 
 Artifact `specdec.invariance/1`: {schema, settings, batch, contexts, probes: [PROBE]} with
     PROBE = {model, setting, context, batch, repacked_mib, logits_max_abs_diff: [per row],
@@ -32,12 +35,13 @@ from typing import Any
 import numpy as np
 
 SCHEMA = "specdec.invariance/1"
-#: setting -> (repack weights, GGML_CPU_TILED_MM)
-SETTINGS: dict[str, tuple[bool, str]] = {
-    "default": (True, "1"),
-    "tiled-off": (True, "0"),
-    "no-repack": (False, "1"),
-    "deterministic": (False, "0"),
+#: setting -> (repack weights, GGML_CPU_TILED_MM, SPECDEC_MM)
+SETTINGS: dict[str, tuple[bool, str, str]] = {
+    "default": (True, "1", "1"),
+    "stock": (True, "1", "0"),
+    "tiled-off": (True, "0", "0"),
+    "no-repack": (False, "1", "0"),
+    "ggml-invariant": (False, "0", "0"),
 }
 _LAYER = re.compile(r"^(?P<op>.*?)-(?P<layer>\d+)(?P<rest>\|.*)$")
 
@@ -133,13 +137,13 @@ def run_setting(
     spec: str, setting: str, contexts: Sequence[int], batch: int, n_threads: int | None
 ) -> list[dict[str, Any]]:
     """Every context for one model under one setting, in this process. The process's
-    GGML_CPU_TILED_MM must already be the setting's (see `SETTINGS`)."""
+    GGML_CPU_TILED_MM and SPECDEC_MM must already be the setting's (see `SETTINGS`)."""
     from specdec.backends import load_model
     from specdec.backends.llamacpp import OpCapture
 
     if setting not in SETTINGS:
         raise ValueError(f"unknown setting {setting!r}; choose from {', '.join(SETTINGS)}")
-    repack, _ = SETTINGS[setting]
+    repack, _, _ = SETTINGS[setting]
     capture = OpCapture()
     n_ctx = max(contexts) + batch + 8
     model = load_model(
@@ -147,7 +151,7 @@ def run_setting(
         n_ctx=max(512, n_ctx),
         n_threads=n_threads,
         repack=repack,
-        deterministic=setting == "deterministic",
+        deterministic=setting == "ggml-invariant",
         op_capture=capture,
     )
     try:

@@ -9,12 +9,16 @@ the nodes (graph build, input upload, the logits copy-out) is what the profiled 
 the nodes' raw times. The same pass, timed on a second copy of the model loaded without a
 callback, says how well the parts add up (`unaccounted_ms`).
 
-Artifact `specdec.profile/1`: {schema, meta, target, threads, type_k, probes: [PROBE]} with
+Artifact `specdec.profile/1`: {schema, meta, target, threads, type_k, peak_int8_gops,
+probes: [PROBE]} with
     PROBE = {context, batch, pass_ms (no callback, median), profiled_ms, nodes, launch_us,
-             outside_ms, unaccounted_ms, groups: {GROUP: ms}, ops: [{category, ms, nodes}]}
+             outside_ms, unaccounted_ms, groups: {GROUP: ms}, ops: [{category, ms, nodes,
+             gops}]}
 GROUP is one of GROUPS; `ops` lists every category (a matmul's weight role and type, e.g.
 "matmul ffn_down (q6_K)", else the op, e.g. "flash_attn_ext"), heaviest first. Times are the
-median per node over the repeats.
+median per node over the repeats. `gops` (matmuls): 2 x weights x b / time, the kernel's rate
+in situ, beside `peak_int8_gops` (the int8 multiply-accumulate peak of the threads measured by
+sdmm's probe, vpdpbusd; null where the CPU lacks AVX-512 VNNI or the build lacks sdmm).
 """
 
 from __future__ import annotations
@@ -68,9 +72,12 @@ def summarize(
     runs: Sequence[list[tuple[str, str, str | None, str | None, float]]],
     profiled_s: Sequence[float],
     pass_s: float,
+    elements: dict[str, int] | None = None,
+    batch: int = 1,
 ) -> dict[str, Any]:
     """One probe from the node lists of repeated profiled passes (OpTimer.nodes), their wall
-    times, and the median wall time of the same pass without a callback."""
+    times, and the median wall time of the same pass without a callback. `elements`: weight
+    name -> its element count, for the matmuls' GOPS (`batch` rows each)."""
     nodes = runs[0]
     if any(len(r) != len(nodes) for r in runs):
         raise ValueError("the graph changed between repeats of one probe")
@@ -81,9 +88,13 @@ def summarize(
     for (_, op, weight, wtype, _), t in zip(nodes, raw, strict=True):
         if op in NOOP_OPS:
             continue
-        row = ops.setdefault(category(op, weight, wtype), {"ms": 0.0, "nodes": 0})
+        row = ops.setdefault(category(op, weight, wtype), {"ms": 0.0, "nodes": 0, "elems": 0})
         row["ms"] += max(0.0, t - launch) * 1e3
         row["nodes"] += 1
+        row["elems"] += (elements or {}).get(weight or "", 0)
+    for row in ops.values():
+        elems = row.pop("elems")
+        row["gops"] = 2 * elems * batch / row["ms"] / 1e6 if elems and row["ms"] > 0 else None
     profiled = statistics.median(profiled_s)
     outside = max(0.0, profiled - sum(raw))
     groups = dict.fromkeys(GROUPS, 0.0)
@@ -126,6 +137,7 @@ def run_profile(
     timer = OpTimer()
     plain = load_model(spec, **kwargs)
     timed = load_model(spec, op_capture=timer, **kwargs)
+    elements = weight_elements(plain)
     try:
         ids = probe_ids(plain.vocab_size, max(contexts) + max(batches))
         probes = []
@@ -155,12 +167,21 @@ def run_profile(
                         timed.truncate(c)
                 finally:
                     timer.recording = False
-                probe = summarize(runs, profiled, statistics.median(samples))
+                probe = summarize(runs, profiled, statistics.median(samples), elements, b)
                 probes.append({"context": c, "batch": b, **probe})
         return probes
     finally:
         timed.close()
         plain.close()
+
+
+def weight_elements(model: Any) -> dict[str, int]:
+    """Weight name -> element count, from the model's GGUF header."""
+    import math
+
+    from specdec.backends.registry import gguf_tensors
+
+    return {t.name: math.prod(t.dims) for t in gguf_tensors(model.path)}
 
 
 def format_table(probes: Sequence[dict[str, Any]]) -> str:
@@ -173,4 +194,18 @@ def format_table(probes: Sequence[dict[str, Any]]) -> str:
             f"{p['context']:>5} {p['batch']:>4} {p['pass_ms']:8.1f} {cells} "
             f"{p['launch_us']:9.1f}us {p['unaccounted_ms']:9.1f}ms"
         )
+    return "\n".join(lines)
+
+
+def format_kernel_rates(probes: Sequence[dict[str, Any]], peak_gops: float | None) -> str:
+    """GOPS of each matmul group per probe, against the measured int8 peak."""
+    peak = f"{peak_gops:.0f} GOPS" if peak_gops else "not measured"
+    lines = [f"matmul rate (2 x weights x b / time); int8 peak of these threads: {peak}"]
+    for p in probes:
+        rates = [
+            f"{op['category'].removeprefix('matmul ')} {op['gops']:.0f}"
+            for op in p["ops"]
+            if op.get("gops")
+        ]
+        lines.append(f"  ctx {p['context']:>5} b {p['batch']:>4}: " + ", ".join(rates[:6]))
     return "\n".join(lines)

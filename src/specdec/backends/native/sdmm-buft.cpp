@@ -1,0 +1,188 @@
+// The SDMM extra buffer type: ggml-cpu's hook for sdmm (sdmm.h). Weights of the types sdmm
+// multiplies (Q4_K, Q6_K) that llama.cpp places in this buffer are repacked at load, and every
+// MUL_MAT on them -- one token or a verify batch or a prompt -- runs sdmm's kernel, so a row's
+// logits do not depend on the batch it was computed in. Registered by specdec's patch to
+// ggml-cpu.cpp ahead of the other extra buffer types (CPU_REPACK, AMX), so these weights take
+// this path and no other; $SPECDEC_MM=0 leaves it out (stock llama.cpp's kernels).
+#include "sdmm-buft.h"
+
+#include "ggml-backend-impl.h"
+#include "ggml-cpu-impl.h"
+#include "ggml-cpu.h"
+#include "ggml-impl.h"
+#include "sdmm.h"
+#include "traits.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__linux__)
+#    include <sys/mman.h>
+#endif
+
+namespace sdmm_ggml {
+
+// Q8_K rows of the activations, written by every thread before any thread multiplies.
+static size_t act_bytes(const ggml_tensor * op) {
+    const ggml_tensor * src1 = op->src[1];
+    const int64_t rows = src1->ne[1] * src1->ne[2] * src1->ne[3];
+    return (size_t) rows * (size_t) (src1->ne[0] / SDMM_QK) * sizeof(sdmm_act) + 64;
+}
+
+class tensor_traits : public ggml::cpu::tensor_traits {
+    bool work_size(int /* n_threads */, const ggml_tensor * op, size_t & size) override {
+        size = act_bytes(op);
+        return true;
+    }
+
+    bool compute_forward(ggml_compute_params * params, ggml_tensor * op) override {
+        if (op->op != GGML_OP_MUL_MAT) {
+            return false;
+        }
+        const ggml_tensor * src0 = op->src[0];
+        const ggml_tensor * src1 = op->src[1];
+        const int64_t k = src0->ne[0], n = src0->ne[1], nsb = k / SDMM_QK;
+        const int64_t b = src1->ne[1] * src1->ne[2] * src1->ne[3];
+        const int ith = params->ith, nth = params->nth;
+        GGML_ASSERT(params->wsize >= act_bytes(op));
+        GGML_ASSERT(ggml_is_contiguous(op) && op->nb[1] == (size_t) n * sizeof(float));
+        sdmm_act * acts = (sdmm_act *) GGML_PAD((uintptr_t) params->wdata, 64);
+
+        // 1. quantize the activation rows, a row per thread in turn (rows are independent)
+        for (int64_t i = ith; i < b; i += nth) {
+            const int64_t i1 = i % src1->ne[1], i2 = (i / src1->ne[1]) % src1->ne[2];
+            const int64_t i3 = i / (src1->ne[1] * src1->ne[2]);
+            const char * row = (const char *) src1->data + i1 * src1->nb[1] + i2 * src1->nb[2] +
+                               i3 * src1->nb[3];
+            sdmm_quantize_row((const float *) row, k, acts + i * nsb);
+        }
+        ggml_barrier(params->threadpool);
+
+        // 2. each thread takes a contiguous range of 16-row groups with all activation rows:
+        // a row's whole dot product stays in one thread, in one lane
+        const int64_t ngroups = (n + SDMM_R - 1) / SDMM_R;
+        const int64_t g0 = ngroups * ith / nth, g1 = ngroups * (ith + 1) / nth;
+        if (g0 < g1) {
+            const sdmm_kernel_fn kernel = sdmm_kernel(src0->type, sdmm_isa_selected());
+            GGML_ASSERT(kernel != nullptr);
+            const char * w = (const char *) src0->data + g0 * nsb * sdmm_group_bytes(src0->type);
+            kernel(w, (int) nsb, (int) (g1 - g0), (int) (n - g0 * SDMM_R), acts, (int) b,
+                   (float *) op->data + g0 * SDMM_R, (size_t) n);
+        }
+        return true;
+    }
+};
+
+static tensor_traits traits;
+
+static bool weight_ok(const ggml_tensor * t) {
+    return sdmm_supported_type(t->type) && t->ne[0] % SDMM_QK == 0 && t->ne[2] == 1 &&
+           t->ne[3] == 1 && ggml_is_contiguous(t);
+}
+
+class extra_buffer_type : ggml::cpu::extra_buffer_type {
+    bool supports_op(ggml_backend_dev_t, const ggml_tensor * op) override {
+        const ggml_tensor * src0 = op->src[0];
+        const ggml_tensor * src1 = op->src[1];
+        return op->op == GGML_OP_MUL_MAT && src0->buffer &&
+               src0->buffer->buft == ggml_backend_sdmm_buffer_type() && weight_ok(src0) &&
+               src1->type == GGML_TYPE_F32 && src1->nb[0] == sizeof(float) &&
+               (!src1->buffer || ggml_backend_buft_is_host(src1->buffer->buft));
+    }
+
+    ggml::cpu::tensor_traits * get_tensor_traits(const ggml_tensor * op) override {
+        if (op->op == GGML_OP_MUL_MAT && op->src[0]->buffer &&
+            op->src[0]->buffer->buft == ggml_backend_sdmm_buffer_type()) {
+            return (ggml::cpu::tensor_traits *) op->src[0]->extra;
+        }
+        return nullptr;
+    }
+};
+
+}  // namespace sdmm_ggml
+
+static enum ggml_status sdmm_buffer_init_tensor(ggml_backend_buffer_t, ggml_tensor * tensor) {
+    tensor->extra = (void *) &sdmm_ggml::traits;
+    return GGML_STATUS_SUCCESS;
+}
+
+static void sdmm_buffer_set_tensor(ggml_backend_buffer_t, ggml_tensor * tensor, const void * data,
+                                   size_t offset, size_t size) {
+    // llama.cpp's loader writes a weight whole; a part could not be repacked
+    GGML_ASSERT(offset == 0 && size == ggml_nbytes(tensor));
+    GGML_ASSERT(sdmm_ggml::weight_ok(tensor));
+    sdmm_pack(tensor->type, data, tensor->ne[1], tensor->ne[0], tensor->data);
+}
+
+static const char * sdmm_buffer_type_get_name(ggml_backend_buffer_type_t) {
+    return "SDMM";
+}
+
+static ggml_backend_buffer_t sdmm_buffer_type_alloc_buffer(ggml_backend_buffer_type_t buft,
+                                                           size_t size) {
+    ggml_backend_buffer_t buffer = ggml_backend_buft_alloc_buffer(ggml_backend_cpu_buffer_type(), size);
+    if (buffer == nullptr) {
+        return nullptr;
+    }
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    // The weights are streamed once per pass: 2 MiB pages spare the TLB a miss every 4 KiB.
+    const uintptr_t base = (uintptr_t) ggml_backend_buffer_get_base(buffer);
+    const uintptr_t lo = (base + (2u << 20) - 1) & ~(uintptr_t) ((2u << 20) - 1);
+    const uintptr_t hi = (base + size) & ~(uintptr_t) ((2u << 20) - 1);
+    if (hi > lo) {
+        madvise((void *) lo, hi - lo, MADV_HUGEPAGE);
+    }
+#endif
+    buffer->buft = buft;
+    buffer->iface.init_tensor = sdmm_buffer_init_tensor;
+    buffer->iface.set_tensor = sdmm_buffer_set_tensor;
+    buffer->iface.get_tensor = nullptr;
+    buffer->iface.cpy_tensor = nullptr;
+    return buffer;
+}
+
+static size_t sdmm_buffer_type_get_alignment(ggml_backend_buffer_type_t) {
+    return 64;
+}
+
+static size_t sdmm_buffer_type_get_alloc_size(ggml_backend_buffer_type_t, const ggml_tensor * tensor) {
+    return sdmm_supported_type(tensor->type)
+               ? sdmm_packed_size(tensor->type, tensor->ne[1], tensor->ne[0])
+               : ggml_nbytes(tensor);
+}
+
+// On unless $SPECDEC_MM=0. The scalar reference path is slow: it runs only when
+// $SPECDEC_MM_ISA=ref asks for it (tests), never as the fallback of a CPU without AVX2.
+static bool sdmm_enabled() {
+    const char * off = getenv("SPECDEC_MM");
+    const char * isa = getenv("SPECDEC_MM_ISA");
+    if (off != nullptr && strcmp(off, "0") == 0) {
+        return false;
+    }
+    if (sdmm_isa_selected() < 0) {
+        GGML_LOG_WARN("sdmm: SPECDEC_MM_ISA=%s names a path this CPU cannot run; sdmm is off\n", isa);
+        return false;
+    }
+    return sdmm_isa_selected() > SDMM_ISA_REF || (isa != nullptr && *isa != '\0');
+}
+
+ggml_backend_buffer_type_t ggml_backend_sdmm_buffer_type(void) {
+    static ggml_backend_buffer_type buft = {
+        /* .iface   = */ {
+            /* .get_name       = */ sdmm_buffer_type_get_name,
+            /* .alloc_buffer   = */ sdmm_buffer_type_alloc_buffer,
+            /* .get_alignment  = */ sdmm_buffer_type_get_alignment,
+            /* .get_max_size   = */ nullptr,
+            /* .get_alloc_size = */ sdmm_buffer_type_get_alloc_size,
+            /* .is_host        = */ nullptr,
+        },
+        /* .device  = */ ggml_backend_reg_dev_get(ggml_backend_cpu_reg(), 0),
+        /* .context = */ new sdmm_ggml::extra_buffer_type(),
+    };
+    static const bool enabled = sdmm_enabled();
+    return enabled ? &buft : nullptr;
+}
+
+int sdmm_buffer_isa(void) {
+    return ggml_backend_sdmm_buffer_type() != nullptr ? sdmm_isa_selected() : -1;
+}

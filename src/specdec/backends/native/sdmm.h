@@ -1,0 +1,150 @@
+/* sdmm: specdec's matrix multiply for quantized weights (Q4_K, Q6_K) times activations of any
+ * number of rows, written for the 1..64-row batches a speculative verify runs, and batch-invariant
+ * by construction.
+ *
+ * Why: a verify pass scores K+1 tokens at once. ggml's CPU kernels pick a different code path, and
+ * so a different float summation order, for a single row (GEMV) than for a batch (repacked GEMM,
+ * tiled GEMM), so row i of a batch differs from the single step of token i in the last bits and
+ * greedy speculation drifts from greedy target-only decoding at near-ties. Here every output
+ * element y[i][r] is computed by the same instruction sequence whatever the number of rows, the
+ * instruction set or the thread count:
+ *   - integer part: sub-block dot products of u8 weights and s8 activations, exact in any order
+ *     (VNNI's vpdpbusd and AVX2's maddubs+madd give the same 32-bit sums), times the sub-block
+ *     scale, summed in int32;
+ *   - float part, per super-block s in order, in one SIMD lane per weight row:
+ *       Q4_K: acc = fma(float(sumi), d*da, acc); acc = fma(-float(summ), dmin*da, acc)
+ *       Q6_K: acc = fma(float(sumi), d*da, acc)
+ *     (`d*da` rounded once to float); a lane's arithmetic never depends on its neighbours, and a
+ *     row's K loop is never split across threads.
+ * The scalar reference (SDMM_ISA_REF) spells out the same operations with fmaf, so every path
+ * gives the same bits (tests/test_kernels.py checks it).
+ *
+ * Layout: weights are repacked at load into groups of SDMM_R = 16 rows, one SIMD lane per row:
+ * a 64-byte load holds 4 consecutive quants of each of the 16 rows, so one vpdpbusd multiplies
+ * 4 columns of 16 weight rows by 4 columns of one activation row (broadcast). Each weight byte
+ * is read and unpacked once per tile of activation rows and used for all of them.
+ *
+ * Activations are quantized per row to Q8_K (ggml's quantize_row_q8_K_ref, reproduced exactly)
+ * with the sums the kernels need precomputed (sdmm_act).
+ *
+ * Glossary: n = weight rows (outputs per activation row), k = columns (the reduction length, a
+ * multiple of 256), b = activation rows (tokens), nsb = k / 256 super-blocks per row.
+ */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SDMM_QK 256 /* values per super-block (ggml's QK_K) */
+#define SDMM_R 16   /* weight rows per repacked group: one 32-bit SIMD lane each in a zmm */
+/* How far ahead of the block being multiplied the kernels prefetch weights. Past a few rows of
+ * activations a super-block takes long enough that the hardware prefetchers fall behind and
+ * memory latency shows (measured: 8 rows x a 151,936-row Q4_K matrix ran 2.4x slower than the
+ * same work from cache without it). */
+#define SDMM_PREFETCH_BYTES 4096
+
+/* ggml type ids of the weight types sdmm multiplies (ggml.h's enum ggml_type) */
+#define SDMM_TYPE_Q4_K 12
+#define SDMM_TYPE_Q6_K 14
+
+/* instruction paths; sdmm_isa_best() picks the best one this CPU runs */
+enum sdmm_isa { SDMM_ISA_REF = 0, SDMM_ISA_AVX2 = 1, SDMM_ISA_AVX512 = 2 };
+
+typedef uint16_t sdmm_half; /* IEEE binary16 bits */
+
+/* ggml's block layouts (ggml-common.h), mirrored so that the kernels build without ggml */
+typedef struct {
+    sdmm_half d, dmin;
+    uint8_t scales[12]; /* 8 six-bit scales and 8 six-bit mins, packed */
+    uint8_t qs[128];    /* 4-bit quants */
+} sdmm_block_q4_K;
+
+typedef struct {
+    uint8_t ql[128];   /* low 4 bits */
+    uint8_t qh[64];    /* high 2 bits */
+    int8_t scales[16]; /* one per 16 values */
+    sdmm_half d;
+} sdmm_block_q6_K;
+
+/* Q4_K, 16 rows, one super-block: 2,368 bytes (16 ggml blocks: 2,304). Quants are unsigned
+ * 0..15; value = d*sc*q - dmin*m. */
+typedef struct {
+    sdmm_half d[SDMM_R], dmin[SDMM_R];
+    uint8_t sc[8][SDMM_R];   /* sub-block j (32 values) scale of row r */
+    uint8_t m[4][SDMM_R][2]; /* mins of sub-blocks 2i and 2i+1 of row r (an int16 pair per lane) */
+    /* sub-block j, load c (0..3): byte 4r+t = q(r, 32j+4c+t) | q(r, 32j+16+4c+t) << 4 */
+    uint8_t qs[8][4][64];
+} sdmm_q4k_r16;
+
+/* Q6_K, 16 rows, one super-block: 3,360 bytes (16 ggml blocks: 3,360). Quants are stored
+ * unsigned 0..63; value = d*sc*(q - 32). */
+typedef struct {
+    sdmm_half d[SDMM_R];
+    int8_t sc[16][SDMM_R]; /* sub-block j (16 values) scale of row r */
+    /* sub-block j: ql[j][0] byte 4r+t = lo4(16j+t) | lo4(16j+8+t) << 4,
+     *              ql[j][1] byte 4r+t = lo4(16j+4+t) | lo4(16j+12+t) << 4,
+     *              qh[j]    byte 4r+t = hi2(16j+t) | hi2(16j+4+t) << 2 | hi2(16j+8+t) << 4
+     *                                   | hi2(16j+12+t) << 6 */
+    uint8_t ql[16][2][64];
+    uint8_t qh[16][64];
+} sdmm_q6k_r16;
+
+/* One super-block of one activation row: Q8_K quants and the sums the kernels need. 384 bytes. */
+typedef struct {
+    int8_t qs[SDMM_QK];
+    int32_t nb16[16]; /* -32 * (sum of quants 16j..16j+15): Q6_K's offset, folded into the sum */
+    int16_t b32[8];   /* sum of quants 32j..32j+31: Q4_K's mins */
+    float d;          /* Q8_K scale */
+    uint8_t pad_[44];
+} sdmm_act;
+
+/* kernel: y[i*ldy + 16*g + r] = dot(weight row 16*g + r, activation row i) for groups g <
+ * ngroups, activation rows i < b (a[i*nsb + s] is row i's super-block s) and 16*g + r < n_valid
+ * (the lanes past it, padding rows, are not stored). w points at group 0, groups are nsb
+ * super-blocks long. */
+typedef void (*sdmm_kernel_fn)(const void * w, int nsb, int ngroups, int n_valid,
+                               const sdmm_act * a, int b, float * y, size_t ldy);
+
+/* --- repacking (at model load) and activation quantization (per matmul) --- */
+int sdmm_supported_type(int type);
+size_t sdmm_group_bytes(int type); /* one group of 16 rows, one super-block */
+size_t sdmm_packed_size(int type, int64_t n, int64_t k);
+/* src: n rows of k values in ggml's blocks; dst: sdmm_packed_size bytes */
+void sdmm_pack(int type, const void * src, int64_t n, int64_t k, void * dst);
+/* one row of k floats -> k/256 sdmm_act */
+void sdmm_quantize_row(const float * x, int64_t k, sdmm_act * out);
+
+/* --- kernels --- */
+int sdmm_isa_supported(int isa); /* can this CPU run it (and was it compiled in) */
+int sdmm_isa_best(void);
+/* the path the buffer type uses: $SPECDEC_MM_ISA (ref|avx2|avx512) if set and supported,
+ * else sdmm_isa_best(); -1 if the named path cannot run here */
+int sdmm_isa_selected(void);
+const char * sdmm_isa_name(int isa);
+sdmm_kernel_fn sdmm_kernel(int type, int isa);
+
+void sdmm_kernel_q4k_ref(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
+void sdmm_kernel_q6k_ref(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
+void sdmm_kernel_q4k_avx2(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
+void sdmm_kernel_q6k_avx2(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
+void sdmm_kernel_q4k_avx512(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
+void sdmm_kernel_q6k_avx512(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
+
+/* MACs per second of 16 independent vpdpbusd chains on the calling thread (the int8 peak the
+ * kernels are measured against); 0 where the CPU has no AVX-512 VNNI. */
+double sdmm_peak_macs(long iters);
+double sdmm_avx512_peak_macs(long iters);
+
+/* One-call matmul for tests and benchmarks (single-threaded): y[i*n + j] = W[j] . x[i] for
+ * packed weights W (n x k) and float activations x (b x k); returns 0, or -1 if the type or the
+ * path is not available here. */
+int sdmm_matmul(int type, int isa, const void * packed, int64_t n, int64_t k, const float * x,
+                int64_t b, float * y);
+
+#ifdef __cplusplus
+}
+#endif

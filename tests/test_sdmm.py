@@ -1,0 +1,213 @@
+"""sdmm, specdec's matmul for verify batches (backends/native/sdmm.h), called in the built
+libggml-cpu through its C API: exact by construction, and checked here to be.
+
+Every instruction path this build and CPU can run (the scalar reference, AVX2, AVX-512 VNNI),
+each weight type (Q4_K, Q6_K), random and real weights, odd shapes, and every batch size
+b = 1..64:
+  * batch invariance: row i of a b-row product has the bits of row i computed alone;
+  * one answer per build: every path gives the reference path's bits;
+  * the right answer: within float32 rounding of a float64 product of gguf-py's dequantized
+    weights (the field's own reference) and activations that Q8_K represents exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from specdec.backends.llamacpp import SDMM_ISAS, _ggml_cpu, _llama
+
+TYPES = {"Q4_K": 12, "Q6_K": 14}  # ggml type ids
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _ggml_cpu(_llama())
+    if not hasattr(lib, "sdmm_matmul"):
+        pytest.fail("this llama-cpp-python has no sdmm: it is not specdec's build (make venv)")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.sdmm_packed_size.restype = ctypes.c_size_t
+    lib.sdmm_packed_size.argtypes = [ctypes.c_int, i64, i64]
+    lib.sdmm_pack.restype = None
+    lib.sdmm_pack.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+    lib.sdmm_matmul.restype = ctypes.c_int
+    lib.sdmm_matmul.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
+    lib.sdmm_isa_supported.restype = ctypes.c_int
+    lib.sdmm_isa_supported.argtypes = [ctypes.c_int]
+    return lib
+
+
+def _isas(lib: ctypes.CDLL) -> list[int]:
+    return [i for i in range(len(SDMM_ISAS)) if lib.sdmm_isa_supported(i)]
+
+
+def _pack(lib: ctypes.CDLL, qtype: str, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
+    out = np.zeros(lib.sdmm_packed_size(TYPES[qtype], n, k), dtype=np.uint8)
+    src = np.ascontiguousarray(blocks)
+    lib.sdmm_pack(TYPES[qtype], src.ctypes.data, n, k, out.ctypes.data)
+    return out
+
+
+def _matmul(lib, qtype: str, isa: int, packed: np.ndarray, n: int, k: int, x: np.ndarray):
+    """[b, n] float32: sdmm's product of the packed weights with x [b, k] float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = np.empty((x.shape[0], n), dtype=np.float32)
+    args = (packed.ctypes.data, n, k, x.ctypes.data, x.shape[0], y.ctypes.data)
+    assert lib.sdmm_matmul(TYPES[qtype], isa, *args) == 0
+    return y
+
+
+def _random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """n rows of k values in ggml's blocks: random quants and scales, sane fp16 multipliers."""
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    data = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    halves = lambda lo, hi: rng.uniform(lo, hi, size=(n, k // block)).astype(np.float16)  # noqa: E731
+    if qtype == "Q4_K":  # d, dmin lead the block
+        data[:, :, 0:2] = halves(1e-3, 2e-2).view(np.uint8).reshape(n, k // block, 2)
+        data[:, :, 2:4] = halves(1e-4, 5e-3).view(np.uint8).reshape(n, k // block, 2)
+    else:  # Q6_K: d ends the block
+        data[:, :, -2:] = halves(1e-4, 2e-3).view(np.uint8).reshape(n, k // block, 2)
+    return data.reshape(n, -1)
+
+
+def _q8k_exact(b: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Activations Q8_K represents exactly: integers -127..127 times a power of two per 256,
+    each block holding +-127 (its max), so quantizing them loses nothing."""
+    q = rng.integers(-127, 128, size=(b, k // 256, 256))
+    q[:, :, 0] = 127 * np.where(rng.random((b, k // 256)) < 0.5, -1, 1)
+    scale = 2.0 ** rng.integers(-8, 2, size=(b, k // 256, 1))
+    return (q * scale).reshape(b, k).astype(np.float32)
+
+
+def _check(lib, qtype: str, blocks: np.ndarray, n: int, k: int, x: np.ndarray) -> None:
+    packed = _pack(lib, qtype, blocks, n, k)
+    w = dequantize(blocks, GGMLQuantizationType[qtype]).astype(np.float64)  # [n, k]
+    full = {}
+    for isa in _isas(lib):
+        y = _matmul(lib, qtype, isa, packed, n, k, x)  # all rows at once
+        for b in range(1, x.shape[0] + 1):  # every batch size: the first b rows, same bits
+            got = _matmul(lib, qtype, isa, packed, n, k, x[:b])
+            assert np.array_equal(got, y[:b]), f"{qtype} {SDMM_ISAS[isa]} b={b}"
+        for i in (0, x.shape[0] // 2, x.shape[0] - 1):  # a row alone
+            alone = _matmul(lib, qtype, isa, packed, n, k, x[i : i + 1])
+            assert np.array_equal(alone[0], y[i]), f"{qtype} {SDMM_ISAS[isa]} row {i} alone"
+        full[isa] = y
+    for isa, y in full.items():
+        assert np.array_equal(y, full[0]), f"{qtype}: {SDMM_ISAS[isa]} differs from ref"
+    terms = np.abs(x.astype(np.float64)) @ np.abs(w).T  # float32 rounding scales with these
+    err = np.abs(full[0] - x.astype(np.float64) @ w.T) / np.maximum(terms, 1e-30)
+    assert err.max() < 1e-6, f"{qtype}: {err.max():.3g} of sum |terms| from the float64 product"
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("n,k", [(37, 512), (16, 256), (5, 1536)])
+def test_random_weights_every_batch_size_every_path(qtype: str, n: int, k: int) -> None:
+    lib = _lib()
+    rng = np.random.default_rng(n * 1000 + k)
+    _check(lib, qtype, _random_blocks(qtype, n, k, rng), n, k, _q8k_exact(64, k, rng))
+
+
+def test_this_build_runs_the_best_path_the_cpu_has() -> None:
+    from specdec.backends import llamacpp_build
+    from specdec.backends.llamacpp import sdmm_isa
+
+    lib = _lib()
+    flags = set(llamacpp_build.cpu_flags())
+    assert lib.sdmm_isa_supported(0)  # the reference runs anywhere
+    assert bool(lib.sdmm_isa_supported(1)) == ({"avx2", "fma"} <= flags)
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    assert bool(lib.sdmm_isa_supported(2)) == (avx512 <= flags)
+    if "SPECDEC_MM_ISA" not in os.environ and os.environ.get("SPECDEC_MM") != "0":
+        assert sdmm_isa() == SDMM_ISAS[max(_isas(lib))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", TYPES)
+def test_real_weights_every_batch_size_every_path(qtype: str) -> None:
+    """Rows of the Qwen 0.5B's own K-quant weights (real scales and mins), real-looking
+    activations: the same three properties."""
+    from specdec.backends.registry import gguf_tensors, resolve
+
+    path = resolve("qwen2.5-coder-0.5b", progress=False)
+    # the first ffn_down of this type (the file mixes Q4_K and Q6_K ones)
+    info = next(
+        t for t in gguf_tensors(path) if t.name.endswith("ffn_down.weight") and t.type == qtype
+    )
+    k, n = info.dims[0], 41  # 41 rows: two whole groups of 16 and a partial one
+    with path.open("rb") as f:
+        f.seek(info.start)
+        row_bytes = info.size // info.dims[1]
+        blocks = np.frombuffer(f.read(row_bytes * n), dtype=np.uint8).reshape(n, row_bytes)
+    rng = np.random.default_rng(7)
+    _check(_lib(), qtype, blocks.copy(), n, k, _q8k_exact(64, k, rng))
+
+
+_LOGITS = """
+import hashlib, json
+from specdec.backends import load_model
+from specdec.backends.llamacpp import kernels
+m = load_model("llamacpp:qwen2.5-coder-0.5b", n_threads=1, n_ctx=256)
+ids = list(range(1000, 1040))
+m.prefill(ids[:24])
+rows = m.extend(ids[24:40]).numpy()
+print(json.dumps({"sdmm": kernels()["sdmm"], "invariant": m.batch_invariant,
+                  "digest": hashlib.sha256(rows.tobytes()).hexdigest()}))
+"""
+
+
+def _logits_with(env: dict[str, str]) -> dict:
+    res = subprocess.run(
+        [sys.executable, "-c", _LOGITS],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_every_path_gives_the_whole_model_the_same_bits() -> None:
+    """A CPU without AVX-512 takes the AVX2 path: forced here, the 0.5B's logits of a 16-token
+    pass are bit-identical to the best path's, so the AVX2 kernels are not a different model."""
+    lib = _lib()
+    best = _logits_with({})
+    assert best["sdmm"] == SDMM_ISAS[max(_isas(lib))] and best["invariant"]
+    for isa in _isas(lib)[1:]:  # the scalar reference is far too slow for a whole model
+        forced = _logits_with({"SPECDEC_MM_ISA": SDMM_ISAS[isa]})
+        assert forced["sdmm"] == SDMM_ISAS[isa]
+        assert forced["digest"] == best["digest"], f"{SDMM_ISAS[isa]} logits differ"
+    stock = _logits_with({"SPECDEC_MM": "0"})  # control: ggml's kernels are another model
+    assert stock["sdmm"] is None and not stock["invariant"]
+    assert stock["digest"] != best["digest"]
+
+
+def test_a_path_this_cpu_cannot_run_is_a_clear_error(monkeypatch) -> None:
+    from specdec.backends import load_model
+    from specdec.core.model import SpecModelError
+
+    monkeypatch.setenv("SPECDEC_MM_ISA", "avx1024")
+    with pytest.raises(SpecModelError, match=r"SPECDEC_MM_ISA='avx1024': choose one of ref, avx2"):
+        load_model("llamacpp:smollm2-135m", n_threads=1, n_ctx=64)
+    lib = _lib()
+    missing = [name for i, name in enumerate(SDMM_ISAS) if not lib.sdmm_isa_supported(i)]
+    if missing:
+        monkeypatch.setenv("SPECDEC_MM_ISA", missing[0])
+        with pytest.raises(SpecModelError, match="cannot run that instruction path"):
+            load_model("llamacpp:smollm2-135m", n_threads=1, n_ctx=64)
+
+
+def test_packed_sizes() -> None:
+    """16-row groups, one 2,368-byte (Q4_K) or 3,360-byte (Q6_K) record per 256 columns; a
+    partial last group is padded."""
+    lib = _lib()
+    assert lib.sdmm_packed_size(12, 32, 512) == 2 * 2 * 2368
+    assert lib.sdmm_packed_size(14, 33, 256) == 3 * 3360
