@@ -64,6 +64,7 @@ from specdec.study.artifacts import (
     round_log,
     write_json,
 )
+from specdec.study.sessions import PromptCachingServer, format_sessions
 
 #: Named (draft, target) pairs, as in the paper's Table 2 but on the models we have; configs.py
 #: is the one definition (gate and microbench read it too).
@@ -119,6 +120,13 @@ class BenchConfig:
     served: bool = False
 
     @property
+    def sessions(self) -> bool:
+        """A run of multi-turn edit sessions (the "session" category): servers keep their
+        prompt cache on (specdec serve --prompt-cache, llama-server cache_prompt), as an
+        editor's server does between the turns of a conversation."""
+        return SESSION in self.categories
+
+    @property
     def spec(self) -> SpecConfig:
         return SpecConfig(_core_drafter(self.drafter), self.k, self.k_max, self.p_min)
 
@@ -160,6 +168,11 @@ class BenchConfig:
             )
         if self.llama_server:
             anchors.check_modes(self.llama_server, self.target, self.draft, tools=True)
+        if self.sessions and (self.endpoint_api != "chat" or self.compare == "hf-assisted"):
+            raise ValueError(
+                f"the {SESSION!r} category is a chat conversation: it needs --endpoint-api chat "
+                "and no --compare hf-assisted"
+            )
         if self.compare is not None:
             if self.compare not in COMPARES:
                 raise ValueError(f"unknown --compare {self.compare!r}; choose from {COMPARES}")
@@ -179,7 +192,10 @@ def prompt_categories() -> tuple[str, ...]:
     return tuple(dict.fromkeys(p.category for p in prompt_set.load_prompts()))
 
 
-CATEGORIES = prompt_categories()
+#: The categories --category accepts: the prompt set's, and "session" (multi-turn edit sessions:
+#: study/data/sessions.jsonl, run by the session protocol below; alone, not with others)
+SESSION = prompt_set.SESSION
+CATEGORIES = (*prompt_categories(), SESSION)
 
 
 def parse_categories(text: str | None) -> tuple[str, ...]:
@@ -193,9 +209,18 @@ def select_prompts(
     categories: Sequence[str] = (), limit: int | None = None
 ) -> list[prompt_set.Prompt]:
     """The first `limit` vendored prompts of `categories` (all when empty), in file order.
-    ValueError naming the valid categories for an unknown one."""
+    ValueError naming the valid categories for an unknown one. "session" selects the edit
+    sessions, each by its opening turn (Session.opening), and runs alone."""
+    if SESSION in categories:
+        if len(categories) > 1:
+            raise ValueError(
+                f"the {SESSION!r} category runs alone (a session is several requests, with its "
+                "own protocol); bench it in a run of its own"
+            )
+        openings = [s.opening() for s in prompt_set.load_sessions()]
+        return openings[:limit] if limit is not None else openings
     prompts = prompt_set.load_prompts()
-    valid = tuple(dict.fromkeys(p.category for p in prompts))
+    valid = (*dict.fromkeys(p.category for p in prompts), SESSION)
     unknown = [c for c in categories if c not in valid]
     if unknown:
         raise ValueError(
@@ -283,6 +308,8 @@ class Task:
     other_prediction: list[int] | None  # another task's, for the wrong-prediction leg
     text: str = ""  # the prompt as an endpoint receives it (the user turn)
     prediction_text: str | None = None  # the prediction as text, for endpoints
+    # the conversation before the user turn (a session's later turns; `ids` include it)
+    history: tuple[Mapping[str, str], ...] = ()
 
 
 Runner = Callable[[Task], Mapping[str, Any]]  # -> RUN record
@@ -367,6 +394,8 @@ def _engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
                 print(f"starting {name}: {srv.args}", file=sys.stderr)
             stack.enter_context(srv)
             ep = srv.endpoint()
+            if cfg.sessions:  # its prompt cache on, as an editor's server has it
+                ep = replace(ep, extra={**ep.extra, "cache_prompt": True})
             eps[ep.name] = ep
             settings[ep.name] = {**ep.describe(), **srv.describe()}
         clients = {m: stack.enter_context(endpoint.Client(ep)) for m, ep in eps.items()}
@@ -390,11 +419,10 @@ def _specdec_servers(cfg: BenchConfig) -> dict[str, anchors.SpecdecServer]:
     if cfg.deterministic:
         args += ["--deterministic"]
     base = ["--deterministic"] if cfg.deterministic else []
+    server = PromptCachingServer if cfg.sessions else anchors.SpecdecServer
     return {
-        "baseline": anchors.SpecdecServer(Path(), tuple(base), target=cfg.target, name="served"),
-        "speculative": anchors.SpecdecServer(
-            Path(), tuple(args), target=cfg.target, name=f"served-{cfg.drafter}"
-        ),
+        "baseline": server(Path(), tuple(base), target=cfg.target, name="served"),
+        "speculative": server(Path(), tuple(args), target=cfg.target, name=f"served-{cfg.drafter}"),
     }
 
 
@@ -502,10 +530,31 @@ def _endpoint_runner(
             top_p=cfg.top_p,
             top_k=cfg.top_k,
             prediction=t.prediction_text if with_prediction else None,
+            history=t.history,
         )
-        return endpoint.run_record(client.stream(req), client.endpoint, tokenizer)
+        reply = client.stream(req)
+        return {**endpoint.run_record(reply, client.endpoint, tokenizer), **_usage_details(reply)}
 
     return run
+
+
+def _usage_details(reply: endpoint.Reply) -> dict[str, Any]:
+    """What OpenAI's usage details say, when the server sends them: prompt tokens served from
+    its prompt cache (`cached_prompt_tokens`) and the prediction's accepted / rejected tokens
+    (specdec serve; llama-server reports its cache in `server_timings.cache_n`)."""
+    usage = reply.usage or {}
+    out = {}
+    fields = (
+        ("prompt_tokens_details", "cached_tokens", "cached_prompt_tokens"),
+        ("completion_tokens_details", "accepted_prediction_tokens", "accepted_prediction_tokens"),
+        ("completion_tokens_details", "rejected_prediction_tokens", "rejected_prediction_tokens"),
+    )
+    for block, key, name in fields:
+        details = usage.get(block)
+        n = endpoint.count(details.get(key)) if isinstance(details, dict) else None
+        if n is not None:
+            out[name] = n
+    return out
 
 
 def _tool_runner(cfg: BenchConfig, name: str, tool: anchors.LlamaLookup, tokenizer: Any) -> Runner:
@@ -594,17 +643,14 @@ def _run(
             **kw,
         )
 
+    plan = _Plan(runners, methods, variants, predictions, tokenizer, vocab, failed)
     try:
         for i, prompt in enumerate(bar):
-            ids = _prompt_ids(tokenizer, prompt.text, vocab)
-            other = another_prediction(predictions, i)
-            task = Task(ids, i, predictions[i], other, prompt.text, prompt.prediction)
-            sequence = methods if i % 2 == 0 else methods[::-1]
-            runs = _run_methods(runners, sequence, task, i, prompt.id, failed)
-            if runs is not None and i >= cfg.warmup:
-                rows.append(_row(i, prompt, ids, sequence, runs, variants))
-            art = snapshot()
-            write_json(path, art)
+            for row in _prompt_rows(plan, i, prompt):
+                if row is not None and i >= cfg.warmup:
+                    rows.append(row)
+                art = snapshot()
+                write_json(path, art)
             bar.set_postfix_str(_postfix(art.aggregates) if rows else "warm-up")
     except KeyboardInterrupt:
         art = snapshot()
@@ -616,6 +662,81 @@ def _run(
     art = snapshot(complete=True)
     write_json(path, art)
     return art
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every prompt of a run is run with (`_run`'s loop)."""
+
+    runners: dict[str, Runner]
+    methods: list[str]
+    variants: tuple[str, ...]
+    predictions: list[list[int] | None]  # each selected prompt's, tokenized
+    tokenizer: Any
+    vocab: int
+    failed: list[dict[str, Any]]  # endpoint failures, appended as they happen
+
+
+def _prompt_rows(plan: _Plan, i: int, prompt: prompt_set.Prompt) -> Iterator[BenchRow | None]:
+    """Prompt i's row (None when an endpoint failed on it); a session's rows, turn by turn."""
+    if prompt.category == SESSION:
+        yield from _session_rows(plan, i, prompt)
+        return
+    ids = _prompt_ids(plan.tokenizer, prompt.text, plan.vocab)
+    other = another_prediction(plan.predictions, i)
+    task = Task(ids, i, plan.predictions[i], other, prompt.text, prompt.prediction)
+    sequence = plan.methods if i % 2 == 0 else plan.methods[::-1]
+    runs = _run_methods(plan.runners, sequence, task, i, prompt.id, plan.failed)
+    yield None if runs is None else _row(i, prompt, ids, sequence, runs, plan.variants)
+
+
+def _session_rows(plan: _Plan, i: int, opening: prompt_set.Prompt) -> Iterator[BenchRow | None]:
+    """The session protocol: its turns in order, every method on the same turn, back to back
+    (the order alternating turn by turn). A turn is the conversation so far, its assistant
+    turns the reference answers (target-only's: "baseline"), so every method gets the same
+    request; the prediction is the file as the last answer left it (its first code block), as
+    an editor applies the answer and sends the file. Rows: "<session>/t<n>", category
+    session-t1 for the opening turn and session-t2+ for the later ones (by_category then
+    compares the turns a prompt cache serves). A failed turn ends its session."""
+    session = next(s for s in prompt_set.load_sessions() if s.id == opening.id)
+    history: list[dict[str, str]] = []
+    file = session.file
+    other = another_prediction(plan.predictions, i)
+    for n in range(len(session.turns)):
+        user = session.user_turn(n)
+        messages = [*history, {"role": "user", "content": user}]
+        ids = _conversation_ids(plan.tokenizer, messages, plan.vocab)
+        pred = _prediction_ids(plan.tokenizer, file)
+        task = Task(ids, i, pred, other, user, file, tuple(history))
+        category = "session-t1" if n == 0 else "session-t2+"
+        turn = prompt_set.Prompt(f"{session.id}/t{n + 1}", category, user, file)
+        sequence = plan.methods if (i + n) % 2 == 0 else plan.methods[::-1]
+        runs = _run_methods(plan.runners, sequence, task, i, turn.id, plan.failed)
+        if runs is None:
+            yield None
+            return
+        answer = _answer_text(runs["baseline"], plan.tokenizer)
+        runs = {
+            m: {**r, "same_as_reference": _answer_text(r, plan.tokenizer) == answer}
+            for m, r in runs.items()
+        }
+        yield _row(i, turn, ids, sequence, runs, plan.variants)
+        history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        file = prompt_set.edited_file(answer)
+
+
+def _conversation_ids(tokenizer: Any, messages: list[dict[str, str]], vocab_size: int) -> list[int]:
+    """A conversation's ids, as the target's chat template renders it (a tokenizer-less mock
+    pair: its texts folded into the vocabulary, as _prompt_ids does)."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return prompting.encode_messages(tokenizer, messages)
+    return _prompt_ids(tokenizer, "\n".join(m["content"] for m in messages), vocab_size)
+
+
+def _answer_text(run: Mapping[str, Any], tokenizer: Any) -> str:
+    """The text of a RUN's answer: an endpoint's own, else its tokens decoded."""
+    text = run.get("text")
+    return text if isinstance(text, str) else prompting.decode(tokenizer, list(run["tokens"]))
 
 
 def _run_methods(
@@ -883,6 +1004,9 @@ def _notes(a: BenchArtifact) -> list[str]:
             f"{fmt.num(v.tokens_per_round, '.2f', plain=True)} tokens/round"
             + ("" if mal is None else f", mean acceptance length {mal:.2f}")
         )
+    sessions = format_sessions(a)
+    if sessions is not None:
+        notes.append(sessions)
     cats = agg.by_category
     if cats:
         methods = list(next(iter(cats.values())))

@@ -123,6 +123,8 @@ class Request:
     top_p: float | None = None
     top_k: int | None = None
     prediction: str | None = None  # OpenAI's Predicted Outputs; sent only when given
+    # chat only: the conversation before this user turn ({"role", "content"} messages)
+    history: tuple[Mapping[str, str], ...] = ()
 
 
 @dataclass
@@ -199,7 +201,7 @@ class Client:
             "stream_options": {"include_usage": True},
         }
         if e.api == "chat":
-            body["messages"] = [{"role": "user", "content": req.prompt}]
+            body["messages"] = [*map(dict, req.history), {"role": "user", "content": req.prompt}]
         else:
             body["prompt"] = req.prompt
         if req.top_p is not None:
