@@ -106,6 +106,7 @@ ANCHOR_BENCH := --category rewrite --drafter prediction -k auto --max-new-tokens
   --compare llama-server --out $(ANCHORS)
 anchors: venv
 	$(BIN)/specdec anchors build
+	$(BIN)/specdec anchors build --twin
 
 study-anchors: anchors
 	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b

