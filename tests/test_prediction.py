@@ -23,7 +23,7 @@ from specdec.core.drafters import (
     PredictionDrafter,
     PredictionIndex,
 )
-from specdec.core.edits import MAX_NEW, MAX_RULES, Rewrites
+from specdec.core.edits import MAX_NEW, MAX_RULES, Rewrites, hint_ids, named_rewrites
 from specdec.core.metrics import Round
 from specdec.core.policy import CostModelK
 from specdec.study.significance import paired_permutation_p
@@ -112,7 +112,7 @@ def test_a_fresh_realignment_is_its_own_source_until_the_copy_is_under_way() -> 
     out = [*pred[:8], 99, *pred[10:13]]
     assert _next(d2, out, 1) == ("prediction-realigned", [pred[13]])
     d2.observe(1)
-    assert d2.source(PROMPT + [*out, pred[13], pred[14]]) == "prediction"
+    assert d2.source([*PROMPT, *out, pred[13], pred[14]]) == "prediction"
 
 
 def test_prediction_shorter_and_longer_than_the_output() -> None:
@@ -420,3 +420,24 @@ def test_rewrites_are_lossless_at_t1_even_when_learned_wrongly(target, predictio
     chi2, dof, p_table = two_sample_chi2(count(seqs), count(base))
     p = paired_permutation_p(seqs, base, n_perm=1000)
     assert p > P_MIN, f"chi2={chi2:.1f} dof={dof} p_perm={p:.4f} p_table={p_table:.4f}"
+
+
+def test_instructions_name_their_rewrites() -> None:
+    named = named_rewrites(
+        "Rename the class `RateLimiter` to `TokenBucket` everywhere. `NewCounter` becomes "
+        "`NewRegistry`. Replace every `var` with `const`, change `Load` to `Read` and move "
+        "from `1.4` to `1.5`. Rename the field `balance` of `Account` to `cents`.\n\n"
+        "```python\nrename `a` to `b`\n```"
+    )
+    assert named == [
+        ("RateLimiter", "TokenBucket"),
+        ("NewCounter", "NewRegistry"),
+        ("var", "const"),
+        ("Load", "Read"),
+        ("1.4", "1.5"),
+    ]  # not the ambiguous "balance of Account to cents", nor anything inside the code
+    encode = lambda s: [ord(c) for c in s.replace(" ", "_")]  # noqa: E731 - a toy tokenizer
+    assert hint_ids([("ab", "c"), ("x", "x")], encode) == [
+        ((97, 98), (99,)),
+        ((95, 97, 98), (95, 99)),
+    ]

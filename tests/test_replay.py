@@ -222,3 +222,22 @@ def test_cli_replays_a_jsonl_with_a_microbench_curve(tmp_path, capsys) -> None:
     assert art["policies"]["oracle"]["tasks"]["x"]["generated"] == len(out)
     assert main(["replay", str(f), "--curve", str(f)]) == 2  # not a microbench: a clear error
     assert "error:" in capsys.readouterr().err
+
+
+def test_record_writes_greedy_outputs_that_replay_reads_back(tmp_path) -> None:
+    """`specdec replay --record`: greedy outputs (here drafted by lookup at k=auto on a mock
+    pair, greedy-exact) written as JSONL; read back, they are the target-only outputs."""
+    from specdec.core.config import Warp
+    from specdec.core.decode import generate
+    from specdec.study.bench import select_prompts, task_ids
+
+    target = MockModel(16, seed=0, scale=3.0)
+    prompts = select_prompts(("rewrite",), 2)
+    path = tmp_path / "out.jsonl"
+    recs = rp.record(target, prompts, 20, path, progress=False)
+    back = rp.from_jsonl(path, tokenizer=None)
+    assert back == recs and [r.id for r in back] == [p.id for p in prompts]
+    for r, p in zip(back, prompts, strict=True):
+        ids = task_ids(None, p, 16)[0]
+        assert list(r.prompt) == ids
+        assert list(r.output) == generate(target, ids, max_new_tokens=20, warp=Warp(0.0)).tokens

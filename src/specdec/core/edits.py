@@ -21,7 +21,8 @@ target then verifies (core.drafters' protocol: drafts that depend on the context
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 #: Longest spans learned: an edit replacing more than this is a rewritten block, not a pattern
@@ -131,3 +132,42 @@ class Rewrites:
         self._rules.remove(rule)
         key = rule.old[0] if rule.old else rule.after[0]
         self._by_first[key].remove(rule)
+
+
+#: How instructions name an edit: "rename (the column) `X` to `Y`", "`X` becomes `Y`", "replace
+#: (every) `X` (calls) with `Y`", "change `X` to `Y`", "from `X` to `Y`" (backticks required:
+#: prose words are too loose to rewrite a file with).
+_NAMED = tuple(
+    re.compile(p)
+    for p in (
+        r"(?i)\brename\b[^`\n]{0,40}`([^`\n]+)`[^`\n]{0,40}?\b(?:to|into|as)\s+`([^`\n]+)`",
+        r"`([^`\n]+)`\s*(?:\([^)\n]*\)\s*)?becomes\s+`([^`\n]+)`",
+        r"(?i)\breplace\b[^`\n]{0,20}`([^`\n]+)`[^`\n]{0,20}?\bwith\s+`([^`\n]+)`",
+        r"(?i)\bchange\b[^`\n]{0,20}`([^`\n]+)`\s+to\s+`([^`\n]+)`",
+        r"(?i)\bfrom\s+`([^`\n]+)`\s+to\s+`([^`\n]+)`",
+    )
+)
+_FENCE = re.compile(r"```.*?```", re.DOTALL)
+
+
+def named_rewrites(instruction: str) -> list[tuple[str, str]]:
+    """The (old, new) text pairs an instruction names (_NAMED), outside its fenced code, in
+    order of appearance, without repeats."""
+    text = _FENCE.sub("", instruction)
+    found = sorted((m.start(), m.group(1), m.group(2)) for rx in _NAMED for m in rx.finditer(text))
+    return list(dict.fromkeys((old, new) for _, old, new in found if old != new))
+
+
+def hint_ids(
+    pairs: Sequence[tuple[str, str]], encode: Callable[[str], list[int]]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Token-id rewrites for named text pairs, as the prediction tokenizes them: each pair
+    alone and after a space (a BPE tokenizer spells `X` and ` X` differently). `encode`: the
+    target's tokenizer, text -> ids without special tokens."""
+    out: dict[tuple[tuple[int, ...], tuple[int, ...]], None] = {}
+    for old, new in pairs:
+        for lead in ("", " "):
+            o, n = tuple(encode(lead + old)), tuple(encode(lead + new))
+            if o and o != n:
+                out[(o, n)] = None
+    return list(out)

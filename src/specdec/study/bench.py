@@ -41,6 +41,8 @@ from specdec.backends.configs import CONFIGS as PAIRS
 from specdec.core.config import DRAFTERS, SpecConfig, Warp, check_k
 from specdec.core.config import check_int as _check_int
 from specdec.core.decode import generate
+from specdec.core.drafters import PredictionDrafter, PredictionIndex
+from specdec.core.edits import hint_ids, named_rewrites
 from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
 from specdec.study import anchors, endpoint, fmt
@@ -472,7 +474,9 @@ def _runners(
             if name == "prediction" and pred is None:
                 name = "lookup"  # a prompt without a prediction: what the drafter falls back to
             spec = SpecConfig(name, k, cfg.k_max, cfg.p_min)
-            kw = {"prediction": pred} if name == "prediction" else {}
+            kw = (
+                {"prediction": _with_hints(tokenizer, pred, t.text)} if name == "prediction" else {}
+            )
             rounds: list[Round] = []
             result = generate(
                 target,
@@ -513,6 +517,16 @@ def _runners(
     for v in cfg.variants:
         runners[variant_name(*parse_variant(v))] = speculative(*parse_variant(v))
     return runners
+
+
+def _with_hints(tokenizer: Any, pred: list[int], text: str) -> list[int] | PredictionIndex:
+    """The prediction with the rewrites its instruction names (core.edits.named_rewrites: a
+    "rename `X` to `Y`" is drafted as Y from the first occurrence on)."""
+    if tokenizer is None:
+        return pred
+    encode = lambda s: prompting.encode_prediction(tokenizer, s)  # noqa: E731
+    hints = hint_ids(named_rewrites(text), encode)
+    return PredictionIndex(pred, PredictionDrafter.N_MAX, hints) if hints else pred
 
 
 def _endpoint_runner(

@@ -45,7 +45,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdec.core.drafters import CompositeDrafter, Drafter, LookupDrafter, PredictionDrafter
+from specdec.core.drafters import (
+    CompositeDrafter,
+    Drafter,
+    LookupDrafter,
+    PredictionDrafter,
+    PredictionIndex,
+)
+from specdec.core.edits import hint_ids, named_rewrites
 from specdec.core.metrics import GenerationStats, Round
 from specdec.core.policy import LOADED_WEIGHT, POLICIES, CostModelK, KPolicy, make_policy
 from specdec.study import artifacts
@@ -55,8 +62,10 @@ SCHEMA = "specdec.replay/1"
 FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 15, 16, 24, 31, 32, 48, 63, 64)
 ORACLES = ("oracle", "oracle-plan")
 #: The model-free drafters a replay runs (bench's names; no draft model: nothing to replay it
-#: on), and "prediction-static": the prediction drafter without learned rewrites (core.edits)
-DRAFTERS = ("prediction", "lookup", "wrong-prediction", "prediction-static")
+#: on); "prediction-static": the prediction drafter without rewrites (core.edits), as before
+#: issue 22; "prediction-nohints": learned rewrites, none from the instruction
+DRAFTERS = ("prediction", "lookup", "wrong-prediction", "prediction-static", "prediction-nohints")
+Hint = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -71,6 +80,7 @@ class Recorded:
     stopped: bool  # the output ended on a stop token (else it ran to the budget)
     max_new_tokens: int
     other_prediction: tuple[int, ...] | None = None  # another task's: the wrong-prediction leg
+    hints: tuple[Hint, ...] = ()  # rewrites the instruction names (core.edits.named_rewrites)
     rounds: tuple[Round, ...] | None = None  # the run's own rounds, when its artifact logs them
     drafter: str | None = None  # the drafter those rounds came from (bench's name)
     k: int | str | None = None  # and their K setting
@@ -156,6 +166,7 @@ def from_bench(path: str | Path, method: str = "baseline", tokenizer: Any = None
                 output=tuple(run["tokens"]),
                 prediction=None if pred is None else tuple(pred),
                 other_prediction=_tuple(bench.another_prediction(preds, row.index)),
+                hints=_hints(tokenizer, prompt.text),
                 stopped=run.get("stop_reason") == "stop",
                 max_new_tokens=art.max_new_tokens or len(run["tokens"]),
                 rounds=None if log is None else artifacts.read_round_log(log, str(path)),
@@ -164,6 +175,16 @@ def from_bench(path: str | Path, method: str = "baseline", tokenizer: Any = None
             )
         )
     return out
+
+
+def _hints(tokenizer: Any, text: str) -> tuple[Hint, ...]:
+    """The instruction's named rewrites as the prediction tokenizes them (none without a
+    tokenizer)."""
+    if tokenizer is None:
+        return ()
+    from specdec.backends import chat
+
+    return tuple(hint_ids(named_rewrites(text), lambda t: chat.encode_prediction(tokenizer, t)))
 
 
 def _run_of(row: artifacts.BenchRow, method: str, path: Path) -> Mapping[str, Any]:
@@ -201,8 +222,9 @@ def _tokenizer(spec: str, given: Any) -> tuple[Any, int]:
 def from_jsonl(path: str | Path, tokenizer: Any) -> list[Recorded]:
     """Recorded generations from a JSONL file, one object per line: `id`, `prompt` (text, put
     in the chat template) or `prompt_ids`, `output` (text) or `output_ids`, optional
-    `prediction` / `prediction_ids`, `stopped` (false) and `max_new_tokens` (the output's
-    length). Text needs `tokenizer` (the target's)."""
+    `prediction` / `prediction_ids`, `stopped` (false), `max_new_tokens` (the output's
+    length) and `hint_ids` ([[old ids], [new ids]] pairs: the rewrites the instruction names).
+    Text needs `tokenizer` (the target's)."""
     from specdec.backends import chat
 
     out = []
@@ -224,6 +246,7 @@ def from_jsonl(path: str | Path, tokenizer: Any) -> list[Recorded]:
                 prediction=None if pred is None else tuple(pred),
                 stopped=bool(r.get("stopped", False)),
                 max_new_tokens=int(r.get("max_new_tokens", len(output))),
+                hints=tuple((tuple(o), tuple(h)) for o, h in r.get("hint_ids", ())),
             )
         except (json.JSONDecodeError, TypeError, AttributeError) as e:
             raise ValueError(f"{where}: not a replay record ({e})") from None
@@ -291,6 +314,7 @@ def record(
             _tuple(pred),
             res.stop_reason == "stop",
             max_new_tokens,
+            hints=_hints(target.tokenizer, prompt.text),
         )
         out.append(rec)
         lines.append(json.dumps(_jsonl_record(rec, target.name, drafter)))
@@ -306,6 +330,8 @@ def _jsonl_record(rec: Recorded, target: str, drafter: str | None) -> dict[str, 
     if rec.prediction is not None:
         d["prediction_ids"] = list(rec.prediction)
     d.update(stopped=rec.stopped, max_new_tokens=rec.max_new_tokens)
+    if rec.hints:
+        d["hint_ids"] = [[list(o), list(n)] for o, n in rec.hints]
     return d
 
 
@@ -319,7 +345,9 @@ def make_drafter(kind: str, task: Recorded) -> Drafter:
     pred = task.other_prediction if kind == "wrong-prediction" else task.prediction
     if kind == "lookup" or pred is None:
         return LookupDrafter()
-    first = PredictionDrafter(list(pred), len(task.prompt), learn=kind != "prediction-static")
+    hints = task.hints if kind in ("prediction", "wrong-prediction") else ()
+    index = PredictionIndex(list(pred), PredictionDrafter.N_MAX, hints)
+    first = PredictionDrafter(index, len(task.prompt), learn=kind != "prediction-static")
     return CompositeDrafter(first, LookupDrafter())
 
 
