@@ -204,3 +204,18 @@ def test_pool_drafter_is_lossless_at_t1(target, pool) -> None:
     chi2, dof, p_table = two_sample_chi2(count(seqs), count(base))
     p = paired_permutation_p(seqs, base, n_perm=1000)
     assert p > 0.01, f"chi2={chi2:.1f} dof={dof} p_perm={p:.4f} p_table={p_table:.4f}"
+
+
+def test_generate_drafts_from_a_pool_of_earlier_requests(target) -> None:
+    """stream(pool=...): prompt lookup drafts from earlier requests too. A request repeated
+    after its answer went into the pool is drafted from it from the first round (sources
+    pool*), and greedy output is unchanged."""
+    p = DraftPool(capacity=1024)
+    spec = SpecConfig(drafter="lookup", k=8)
+    base = generate(target, PROMPT, max_new_tokens=40, warp=Warp(0.0), spec=spec, pool=p)
+    p.add([*PROMPT, *base.tokens])
+    again = generate(target, PROMPT, max_new_tokens=40, warp=Warp(0.0), spec=spec, pool=p)
+    assert again.tokens == base.tokens
+    pooled = {s: n for s, n in again.stats.accepted_by_source.items() if s.startswith("pool")}
+    assert sum(pooled.values()) >= 30 and p.stats.accepted == sum(pooled.values())
+    assert again.stats.rounds < base.stats.rounds

@@ -37,6 +37,7 @@ from specdec.core.metrics import GenerationResult, GenerationStats, Round
 from specdec.core.model import SpecModel, as_token_list
 from specdec.core.pair import check_pair
 from specdec.core.policy import KPolicy, make_policy
+from specdec.core.pool import DraftPool, PoolDrafter
 from specdec.core.sampling import greedy_verify, rejection_sample
 
 #: Prompt prefill runs in chunks of this many tokens, with the cancellation check between them,
@@ -129,6 +130,7 @@ def stream(
     debug: bool = False,
     reuse_prefix: int = 0,
     on_round: Callable[[Round], None] | None = None,
+    pool: DraftPool | None = None,
 ) -> SpecStream:
     """Like `generate`, but yields each round's committed tokens as they are accepted.
 
@@ -145,7 +147,9 @@ def stream(
     batch-invariant (mock, llama.cpp deterministic); elsewhere the reused rows were computed
     in another batch shape, which can flip a greedy near-tie against a fresh prefill.
     `on_round`, if given, receives every round's `Round` record (what a replay reproduces:
-    study.replay), after the stats and the K policy have seen it.
+    study.replay), after the stats and the K policy have seen it. `pool`: a draft pool of
+    earlier requests (core.pool); prompt lookup then drafts from it too (PoolDrafter), and the
+    caller adds this request's text to it once the stream ends.
     """
     prompt = as_token_list(prompt_ids)
     kind = spec.drafter_for(draft is not None)
@@ -161,9 +165,9 @@ def stream(
     elif prediction is not None:
         pred = _check_ids("prediction", prediction, width)
     generator = torch.Generator().manual_seed(seed)
-    drafter = _make_drafter(kind, draft, spec, warp, generator, width)
+    drafter = _make_drafter(kind, draft, spec, warp, generator, width, pool)
     if pred is not None:  # the prediction first, then the configured drafter (else lookup)
-        rest = drafter if drafter is not None else LookupDrafter()
+        rest = drafter if drafter is not None else _lookup(pool)
         drafter, kind = CompositeDrafter(PredictionDrafter(pred, len(prompt)), rest), "prediction"
     policy = _policy(spec, target, drafter, kind) if drafter is not None else None
     run = _Run(
@@ -344,14 +348,20 @@ def _make_drafter(
     warp: Warp,
     generator: torch.Generator,
     width: int,
+    pool: DraftPool | None = None,
 ) -> Drafter | None:
     if kind is None or not isinstance(kind, str):
         return kind
     if kind in ("lookup", "prediction"):  # "prediction": `stream` puts the prediction first
-        return LookupDrafter()
+        return _lookup(pool)
     assert draft is not None  # SpecConfig.drafter_for: "model" and "composite" have one
     model = ModelDrafter(draft, warp, generator, width, spec.p_min)
-    return model if kind == "model" else CompositeDrafter(LookupDrafter(), model)
+    return model if kind == "model" else CompositeDrafter(_lookup(pool), model)
+
+
+def _lookup(pool: DraftPool | None) -> Drafter:
+    """Prompt lookup, over the pool's earlier requests too when there is one."""
+    return LookupDrafter() if pool is None else PoolDrafter(pool)
 
 
 #: k="auto" policies, kept per target model for the life of the process: what one generation
