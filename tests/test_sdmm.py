@@ -1,5 +1,6 @@
-"""sdmm, specdec's matmul for verify batches (backends/native/sdmm.h), called in the built
-libggml-cpu through its C API: exact by construction, and checked here to be.
+"""sdmm and sdfa, specdec's matmul and attention for verify batches (backends/native/sdmm.h,
+sdfa.h), called in the built libggml-cpu through their C API: exact by construction, and checked
+here to be.
 
 Every instruction path this build and CPU can run (the scalar reference, AVX2, AVX-512 VNNI),
 each weight type (Q4_K, Q6_K), random and real weights, odd shapes, and every batch size
@@ -41,6 +42,10 @@ def _lib() -> ctypes.CDLL:
     lib.sdmm_matmul.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.sdmm_isa_supported.restype = ctypes.c_int
     lib.sdmm_isa_supported.argtypes = [ctypes.c_int]
+    lib.sdfa_attend.restype = ctypes.c_int
+    lib.sdfa_attend.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
+    lib.sdfa_attend.argtypes += [ptr, ctypes.c_size_t, ptr, ctypes.c_size_t, ptr, ptr]
+    lib.sdfa_attend.argtypes += [ctypes.c_int, ptr]
     return lib
 
 
@@ -116,7 +121,7 @@ def test_random_weights_every_batch_size_every_path(qtype: str, n: int, k: int) 
 
 def test_this_build_runs_the_best_path_the_cpu_has() -> None:
     from specdec.backends import llamacpp_build
-    from specdec.backends.llamacpp import sdmm_isa
+    from specdec.backends.llamacpp import sdfa_isa, sdmm_isa
 
     lib = _lib()
     flags = set(llamacpp_build.cpu_flags())
@@ -126,6 +131,8 @@ def test_this_build_runs_the_best_path_the_cpu_has() -> None:
     assert bool(lib.sdmm_isa_supported(2)) == (avx512 <= flags)
     if "SPECDEC_MM_ISA" not in os.environ and os.environ.get("SPECDEC_MM") != "0":
         assert sdmm_isa() == SDMM_ISAS[max(_isas(lib))]
+        if os.environ.get("SPECDEC_FA") != "0":
+            assert sdfa_isa() == sdmm_isa()
 
 
 @pytest.mark.slow
@@ -157,7 +164,8 @@ m = load_model("llamacpp:qwen2.5-coder-0.5b", n_threads=1, n_ctx=256)
 ids = list(range(1000, 1040))
 m.prefill(ids[:24])
 rows = m.extend(ids[24:40]).numpy()
-print(json.dumps({"sdmm": kernels()["sdmm"], "invariant": m.batch_invariant,
+k = kernels()
+print(json.dumps({"sdmm": k["sdmm"], "sdfa": k["sdfa"], "invariant": m.batch_invariant,
                   "digest": hashlib.sha256(rows.tobytes()).hexdigest()}))
 """
 
@@ -176,17 +184,18 @@ def _logits_with(env: dict[str, str]) -> dict:
 
 @pytest.mark.slow
 def test_every_path_gives_the_whole_model_the_same_bits() -> None:
-    """A CPU without AVX-512 takes the AVX2 path: forced here, the 0.5B's logits of a 16-token
-    pass are bit-identical to the best path's, so the AVX2 kernels are not a different model."""
+    """A CPU without AVX-512 takes the AVX2 path: forced here (matmul and attention), the
+    0.5B's logits of a 16-token pass are bit-identical to the best path's, so the AVX2 kernels
+    are not a different model."""
     lib = _lib()
     best = _logits_with({})
     assert best["sdmm"] == SDMM_ISAS[max(_isas(lib))] and best["invariant"]
     for isa in _isas(lib)[1:]:  # the scalar reference is far too slow for a whole model
         forced = _logits_with({"SPECDEC_MM_ISA": SDMM_ISAS[isa]})
-        assert forced["sdmm"] == SDMM_ISAS[isa]
+        assert forced["sdmm"] == forced["sdfa"] == SDMM_ISAS[isa]
         assert forced["digest"] == best["digest"], f"{SDMM_ISAS[isa]} logits differ"
     stock = _logits_with({"SPECDEC_MM": "0"})  # control: ggml's kernels are another model
-    assert stock["sdmm"] is None and not stock["invariant"]
+    assert stock["sdmm"] is None and stock["sdfa"] is None and not stock["invariant"]
     assert stock["digest"] != best["digest"]
 
 
@@ -211,3 +220,56 @@ def test_packed_sizes() -> None:
     lib = _lib()
     assert lib.sdmm_packed_size(12, 32, 512) == 2 * 2 * 2368
     assert lib.sdmm_packed_size(14, 33, 256) == 3 * 3360
+
+
+# ------------------------------------------------------------------------------------- sdfa
+def _attend(lib, isa: int, q, k_blocks, v, mask, n_kv: int) -> np.ndarray:
+    """sdfa's attention of q [rows, d] over the first n_kv positions of one KV head."""
+    rows, d = q.shape
+    out = np.empty((rows, d), dtype=np.float32)
+    m = None if mask is None else np.ascontiguousarray(mask[:, :n_kv])
+    args = (isa, d, n_kv, 1.0 / np.sqrt(d), k_blocks.ctypes.data, k_blocks.shape[1])
+    args += (v.ctypes.data, v.shape[1] * 2, q.ctypes.data, None if m is None else m.ctypes.data)
+    assert lib.sdfa_attend(*args, rows, out.ctypes.data) == 0
+    return out
+
+
+@pytest.mark.parametrize("d,n_kv,rows", [(128, 300, 37), (64, 33, 20), (128, 1, 5), (256, 70, 17)])
+def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int) -> None:
+    """sdfa: every path gives the reference's bits; a row alone, and a row whose cache ends
+    where its mask does (a single step sees a shorter cache than the batch it verifies), give
+    its bits in a tile; within float32 rounding of a float64 softmax attention."""
+    lib = _lib()
+    rng = np.random.default_rng(d + n_kv + rows)
+    k = np.zeros((n_kv, d // 32, 34), dtype=np.uint8)  # ggml's block_q8_0: fp16 d, 32 int8
+    k[:, :, :2] = (
+        rng.uniform(0.01, 0.03, (n_kv, d // 32))
+        .astype(np.float16)
+        .view(np.uint8)
+        .reshape(n_kv, -1, 2)
+    )
+    k[:, :, 2:] = rng.integers(-127, 128, (n_kv, d // 32, 32)).astype(np.int8).view(np.uint8)
+    k = k.reshape(n_kv, -1)
+    v = rng.uniform(-1, 1, (n_kv, d)).astype(np.float16)
+    q = rng.uniform(-3, 3, (rows, d)).astype(np.float32)
+    # row r sees positions before n_kv - 3 (r % 7); every fifth row also not the first 20
+    limit = n_kv - 3 * (np.arange(rows) % 7)
+    seen = np.arange(n_kv)[None, :] < limit[:, None]
+    seen &= ~((np.arange(rows)[:, None] % 5 == 0) & (np.arange(n_kv)[None, :] < 20))
+    mask = np.where(seen, np.float16(0), np.float16(-np.inf))
+    outs = {isa: _attend(lib, isa, q, k, v, mask, n_kv) for isa in _isas(lib)}
+    for isa, out in outs.items():
+        assert np.array_equal(out, outs[0]), f"sdfa {SDMM_ISAS[isa]} differs from ref"
+        for r in range(rows):
+            alone = _attend(lib, isa, q[r : r + 1], k, v, mask[r : r + 1], n_kv)
+            assert np.array_equal(alone[0], out[r]), f"{SDMM_ISAS[isa]} row {r} alone"
+            if limit[r] >= 1 and r % 5:
+                short = _attend(lib, isa, q[r : r + 1], k, v, mask[r : r + 1], int(limit[r]))
+                assert np.array_equal(short[0], out[r]), f"{SDMM_ISAS[isa]} row {r}, shorter cache"
+    kf = dequantize(k, GGMLQuantizationType.Q8_0).astype(np.float64)  # [n_kv, d]
+    scores = np.where(seen, q.astype(np.float64) @ kf.T / np.sqrt(d), -np.inf)
+    top = np.max(scores, axis=1, keepdims=True)
+    w = np.where(seen, np.exp(scores - np.where(np.isfinite(top), top, 0)), 0.0)
+    total = w.sum(1, keepdims=True)
+    ref = np.where(total > 0, (w @ v.astype(np.float64)) / np.where(total > 0, total, 1), 0)
+    assert np.abs(outs[0] - ref).max() < 1e-5

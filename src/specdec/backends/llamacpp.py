@@ -194,6 +194,16 @@ def peak_int8_gops(threads: int, seconds: float = 0.5) -> float | None:
     return 2 * sum(rates) / 1e9
 
 
+def sdfa_isa() -> str | None:
+    """The instruction path of sdfa, specdec's attention for a q8_0 K cache (native/sdfa.h),
+    or None: off ($SPECDEC_FA=0, or sdmm off) or not in this build."""
+    lib = _ggml_cpu(_llama())
+    if not hasattr(lib, "sdfa_op_isa"):
+        return None
+    isa = int(lib.sdfa_op_isa())
+    return SDMM_ISAS[isa] if 0 <= isa < len(SDMM_ISAS) else None
+
+
 def _check_sdmm_env() -> None:
     """A forced instruction path this CPU cannot run is a clear error, not sdmm silently off."""
     want = os.environ.get(SDMM_ISA_ENV, "")
@@ -257,6 +267,7 @@ def kernels() -> dict[str, Any]:
         "patches": info.get("patches", []) if info else [],
         "features": features,
         "sdmm": sdmm_isa(),
+        "sdfa": sdfa_isa(),
         "cpu_model": llamacpp_build.cpu_model(),
         "llama_cpp_python": llama_cpp.__version__,
     }
@@ -396,6 +407,7 @@ def _cost_store(path: Path, model: LlamaCppModel) -> Path:
         "det" if model.deterministic else "def",
         f"tiled{os.environ.get(TILED_MM_ENV, '1')}",
         f"mm{sdmm_isa() or 'off'}",
+        f"fa{sdfa_isa() or 'off'}",
     ]
     return specdec_home() / "costs" / ("-".join(parts) + ".json")
 

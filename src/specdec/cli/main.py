@@ -65,8 +65,9 @@ def version_line() -> str:
         parts.append(f"llama-cpp-python {k['llama_cpp_python']}")
         isa = [f for f in k["features"] if f not in _NOT_ISA]
         parts.append(f"CPU kernels: {k['build']} ({' '.join(isa)}) on {k['cpu_model']}")
-        sdmm = k.get("sdmm")
+        sdmm, sdfa = k.get("sdmm"), k.get("sdfa")
         parts.append(f"verify matmul: sdmm {sdmm}" if sdmm else "verify matmul: ggml's (sdmm off)")
+        parts.append(f"attention: sdfa {sdfa}" if sdfa else "attention: ggml's (sdfa off)")
     return " | ".join(parts)
 
 

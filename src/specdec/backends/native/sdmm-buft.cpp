@@ -10,6 +10,7 @@
 #include "ggml-cpu-impl.h"
 #include "ggml-cpu.h"
 #include "ggml-impl.h"
+#include "sdfa.h"
 #include "sdmm.h"
 #include "traits.h"
 
@@ -185,4 +186,77 @@ ggml_backend_buffer_type_t ggml_backend_sdmm_buffer_type(void) {
 
 int sdmm_buffer_isa(void) {
     return ggml_backend_sdmm_buffer_type() != nullptr ? sdmm_isa_selected() : -1;
+}
+
+// ---------------------------------------------------------------------------------- attention
+
+int sdfa_op_isa(void) {
+    static const int isa = [] {
+        const char * off = getenv("SPECDEC_FA");
+        return off != nullptr && strcmp(off, "0") == 0 ? -1 : sdmm_buffer_isa();
+    }();
+    return isa;
+}
+
+static bool sdfa_takes(const ggml_tensor * dst) {
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * k = dst->src[1];
+    const ggml_tensor * v = dst->src[2];
+    const ggml_tensor * mask = dst->src[3];
+    float max_bias = 0.0f, softcap = 0.0f;
+    memcpy(&max_bias, (const float *) dst->op_params + 1, sizeof(float));
+    memcpy(&softcap, (const float *) dst->op_params + 2, sizeof(float));
+    const int64_t d = k->ne[0];
+    return q->type == GGML_TYPE_F32 && k->type == GGML_TYPE_Q8_0 && v->type == GGML_TYPE_F16 &&
+           (mask == nullptr || (mask->type == GGML_TYPE_F16 && mask->nb[0] == sizeof(uint16_t))) &&
+           dst->src[4] == nullptr && max_bias == 0.0f && softcap == 0.0f && v->ne[0] == d &&
+           q->ne[0] == d && d % 32 == 0 && d <= SDFA_MAX_D && q->ne[3] == 1 && k->ne[3] == 1 &&
+           v->ne[3] == 1 && k->ne[2] == v->ne[2] && q->ne[2] % k->ne[2] == 0 &&
+           q->nb[0] == sizeof(float) && v->nb[0] == sizeof(uint16_t) &&
+           dst->type == GGML_TYPE_F32 && dst->nb[0] == sizeof(float);
+}
+
+bool ggml_sdfa_forward(const ggml_compute_params * params, ggml_tensor * dst) {
+    const int isa = sdfa_op_isa();
+    if (isa < 0 || !sdfa_takes(dst)) {
+        return false;
+    }
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * k = dst->src[1];
+    const ggml_tensor * v = dst->src[2];
+    const ggml_tensor * mask = dst->src[3];
+    float scale = 1.0f;
+    memcpy(&scale, (const float *) dst->op_params + 0, sizeof(float));
+    const sdfa_kernel_fn kernel = sdfa_kernel(isa);
+    GGML_ASSERT(kernel != nullptr);
+    // Rows sharing a KV head (its query heads, for every token of the pass), `w` to a tile;
+    // tiles go to the threads in contiguous ranges. A row's output never depends on its tile.
+    const int64_t n_tokens = q->ne[1], n_kv_head = k->ne[2], group = q->ne[2] / k->ne[2];
+    const int64_t rows = n_tokens * group, w = sdfa_tile_width(isa);
+    const int64_t tiles = (rows + w - 1) / w, units = n_kv_head * tiles;
+    const int64_t u0 = units * params->ith / params->nth, u1 = units * (params->ith + 1) / params->nth;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t g = u / tiles, r0 = (u % tiles) * w;
+        sdfa_tile t = {};
+        t.d = (int) k->ne[0];
+        t.n_kv = (int) k->ne[1];
+        t.scale = scale;
+        t.k = (const char *) k->data + g * k->nb[2];
+        t.k_stride = k->nb[1];
+        t.v = (const uint16_t *) ((const char *) v->data + g * v->nb[2]);
+        t.v_stride = v->nb[1];
+        t.rows = (int) (rows - r0 < w ? rows - r0 : w);
+        for (int r = 0; r < t.rows; r++) {
+            const int64_t tok = (r0 + r) / group, head = g * group + (r0 + r) % group;
+            t.q[r] = (const float *) ((const char *) q->data + tok * q->nb[1] + head * q->nb[2]);
+            t.mask[r] = mask == nullptr
+                            ? nullptr
+                            : (const uint16_t *) ((const char *) mask->data + tok * mask->nb[1] +
+                                                  (head % mask->ne[2]) * mask->nb[2]);
+            // dst is [d, heads, tokens]: the permuted layout ggml's kernel writes
+            t.out[r] = (float *) ((char *) dst->data + (head + tok * dst->ne[1]) * dst->nb[1]);
+        }
+        kernel(&t);
+    }
+    return true;
 }

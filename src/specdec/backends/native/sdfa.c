@@ -1,0 +1,161 @@
+/* sdfa: the scalar reference kernel, which spells out every lane's operations in the order the
+ * SIMD kernels do them, and the dispatch. The contract is in sdfa.h. */
+#include "sdfa.h"
+
+#include "sdmm.h"
+
+#include <math.h>
+#include <string.h>
+
+typedef struct {
+    uint16_t d;
+    int8_t qs[32];
+} sdfa_block_q8_0; /* ggml's block_q8_0 */
+
+_Static_assert(sizeof(sdfa_block_q8_0) == 34, "ggml's block_q8_0 is 34 bytes");
+
+static float h2f(uint16_t h) { /* exact; sdmm.c has the same */
+    const uint32_t sign = (uint32_t) (h & 0x8000) << 16;
+    const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        int e = -1;
+        uint32_t m = man;
+        do {
+            e++;
+            m <<= 1;
+        } while ((m & 0x400) == 0);
+        bits = sign | ((uint32_t) (112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* sdfa's exp: 0 below -87 (and for -inf); the SIMD kernels do these operations per lane. */
+static float sdfa_exp(float x) {
+    if (!(x >= -87.0f)) {
+        return 0.0f;
+    }
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float y = 1.9875691500e-4f;
+    y = fmaf(y, r, 1.3981999507e-3f);
+    y = fmaf(y, r, 8.3334519073e-3f);
+    y = fmaf(y, r, 4.1665795894e-2f);
+    y = fmaf(y, r, 1.6666665459e-1f);
+    y = fmaf(y, r, 5.0000001201e-1f);
+    y = fmaf(y, r * r, r);
+    y = y + 1.0f;
+    const int32_t bits = ((int32_t) n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return y * two_n;
+}
+
+void sdfa_kernel_ref(const sdfa_tile * t) {
+    const int d = t->d, nblk = (t->n_kv + SDFA_P - 1) / SDFA_P;
+    for (int r = 0; r < t->rows; r++) {
+        float acc[SDFA_MAX_D] = {0};
+        float M = -INFINITY, S = 0.0f;
+        for (int b = 0; b < nblk; b++) {
+            float s[SDFA_P];
+            for (int j = 0; j < SDFA_P; j++) {
+                const int p = b * SDFA_P + j;
+                if (p >= t->n_kv) {
+                    s[j] = -INFINITY;
+                    continue;
+                }
+                const sdfa_block_q8_0 * k =
+                    (const sdfa_block_q8_0 *) ((const char *) t->k + (size_t) p * t->k_stride);
+                float dot = 0.0f;
+                for (int i = 0; i < d; i++) {
+                    const float kf = (float) k[i / 32].qs[i % 32] * h2f(k[i / 32].d); /* exact */
+                    dot = fmaf(t->q[r][i], kf, dot);
+                }
+                const float mv = t->mask[r] ? h2f(t->mask[r][p]) : 0.0f;
+                s[j] = fmaf(dot, t->scale, mv);
+            }
+            float mb = s[0];
+            for (int j = 1; j < SDFA_P; j++) {
+                mb = s[j] > mb ? s[j] : mb;
+            }
+            const float Mn = mb > M ? mb : M;
+            const int none = Mn == -INFINITY; /* nothing unmasked yet: alpha 1, p 0 */
+            const float alpha = none ? 1.0f : sdfa_exp(M - Mn);
+            float p[SDFA_P];
+            for (int j = 0; j < SDFA_P; j++) {
+                p[j] = none ? 0.0f : sdfa_exp(s[j] - Mn);
+            }
+            S = S * alpha;
+            for (int j = 0; j < SDFA_P; j++) {
+                S = S + p[j];
+            }
+            for (int i = 0; i < d; i++) {
+                acc[i] = acc[i] * alpha;
+            }
+            for (int j = 0; j < SDFA_P; j++) {
+                const int pos = b * SDFA_P + j;
+                const uint16_t * v = (const uint16_t *) ((const char *) t->v + (size_t) pos * t->v_stride);
+                for (int i = 0; i < d; i++) { /* a position past the cache has v = 0 */
+                    acc[i] = fmaf(p[j], pos < t->n_kv ? h2f(v[i]) : 0.0f, acc[i]);
+                }
+            }
+            M = Mn;
+        }
+        const float inv = S == 0.0f ? 0.0f : 1.0f / S;
+        for (int i = 0; i < d; i++) {
+            t->out[r][i] = acc[i] * inv;
+        }
+    }
+}
+
+int sdfa_tile_width(int isa) {
+    return isa == SDMM_ISA_AVX512 ? 16 : isa == SDMM_ISA_AVX2 ? 8 : 1;
+}
+
+sdfa_kernel_fn sdfa_kernel(int isa) {
+    if (!sdmm_isa_supported(isa)) {
+        return NULL;
+    }
+    switch (isa) {
+        case SDMM_ISA_REF:
+            return sdfa_kernel_ref;
+#if defined(__x86_64__)
+        case SDMM_ISA_AVX2:
+            return sdfa_kernel_avx2;
+        case SDMM_ISA_AVX512:
+            return sdfa_kernel_avx512;
+#endif
+        default:
+            return NULL;
+    }
+}
+
+int sdfa_attend(int isa, int d, int n_kv, float scale, const void * k, size_t k_stride,
+                const uint16_t * v, size_t v_stride, const float * q, const uint16_t * mask,
+                int rows, float * out) {
+    const sdfa_kernel_fn kernel = sdfa_kernel(isa);
+    if (kernel == NULL || d < 16 || d > SDFA_MAX_D || d % 32 != 0 || n_kv < 1 || rows < 1) {
+        return -1;
+    }
+    const int w = sdfa_tile_width(isa);
+    for (int r0 = 0; r0 < rows; r0 += w) {
+        sdfa_tile t = {d, n_kv, scale, k, k_stride, v, v_stride, 0, {0}, {0}, {0}};
+        t.rows = rows - r0 < w ? rows - r0 : w;
+        for (int r = 0; r < t.rows; r++) {
+            t.q[r] = q + (size_t) (r0 + r) * d;
+            t.mask[r] = mask ? mask + (size_t) (r0 + r) * n_kv : NULL;
+            t.out[r] = out + (size_t) (r0 + r) * d;
+        }
+        kernel(&t);
+    }
+    return 0;
+}

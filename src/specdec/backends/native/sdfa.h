@@ -1,0 +1,65 @@
+/* sdfa: specdec's flash attention for a q8_0 K cache and an f16 V cache, one walk of the cache
+ * for a whole tile of query rows, and batch-invariant by construction.
+ *
+ * Why: ggml's CPU flash attention walks the KV cache once per query row and head, with a
+ * scalar exp and one dot product reduced per position; a verify of b tokens over c cached
+ * positions pays b x heads walks. Here the rows sharing a KV head (its query heads, for every
+ * token of the pass) are tiled W at a time (W = 16 on AVX-512, 8 on AVX2), one SIMD lane per
+ * row for the scores, and each K and V row is read once per tile.
+ *
+ * Each row's arithmetic is fixed whatever the tile, the batch or the instruction set:
+ *   score  s_p = fma(sum_d fma(q_d, k_pd), scale, mask_p): the dot accumulated over d in order,
+ *          in float, from the f32 query and the exactly dequantized q8_0 key;
+ *   blocks of P = 16 positions from position 0: M' = max(M, max_j s_j), alpha = exp(M - M'),
+ *          p_j = exp(s_j - M') (0 where s_j or M' is -inf), S = S*alpha + p_0 + p_1 + ...,
+ *          acc = acc*alpha, then acc = fma(p_j, v_j, acc) for j in order (v in f32);
+ *   output acc * (1 / S).
+ * exp is sdfa's own (Cody-Waite reduction and a degree-5 polynomial, the same operations on
+ * every path). Positions past the cache or masked to -inf add exactly nothing, so a single step
+ * and a row of a batch, whose caches end in different places, get the same bits.
+ */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SDFA_P 16       /* positions per softmax block */
+#define SDFA_MAX_D 256  /* largest head dimension (DK = DV) */
+#define SDFA_MAX_W 16   /* rows per tile on the widest path */
+
+/* One tile of query rows against one KV head. */
+typedef struct {
+    int d;                      /* head dimension of K, V and the queries: 16 <= d <= 256, %32 */
+    int n_kv;                   /* cached positions */
+    float scale;                /* KQ scale (1/sqrt(d) for these models) */
+    const void * k;             /* q8_0 rows: position p at (char *) k + p * k_stride */
+    size_t k_stride;
+    const uint16_t * v;         /* f16 rows: position p at (char *) v + p * v_stride */
+    size_t v_stride;
+    int rows;                   /* rows in this tile, 1..W */
+    const float * q[SDFA_MAX_W];      /* row r's f32 query (d values) */
+    const uint16_t * mask[SDFA_MAX_W];/* row r's f16 mask over positions (NULL: no mask) */
+    float * out[SDFA_MAX_W];          /* row r's output (d values) */
+} sdfa_tile;
+
+/* Rows per tile on a path, and the kernels (sdmm.h's enum sdmm_isa names the paths). */
+int sdfa_tile_width(int isa);
+typedef void (*sdfa_kernel_fn)(const sdfa_tile * t);
+sdfa_kernel_fn sdfa_kernel(int isa);
+void sdfa_kernel_ref(const sdfa_tile * t);
+void sdfa_kernel_avx2(const sdfa_tile * t);
+void sdfa_kernel_avx512(const sdfa_tile * t);
+
+/* For tests: attention of `rows` query rows (row r's query at q + r*d, mask row at
+ * mask + r*n_kv or none) against one KV head, tiled at the path's width; out: rows x d. */
+int sdfa_attend(int isa, int d, int n_kv, float scale, const void * k, size_t k_stride,
+                const uint16_t * v, size_t v_stride, const float * q, const uint16_t * mask,
+                int rows, float * out);
+
+#ifdef __cplusplus
+}
+#endif
