@@ -45,9 +45,11 @@ DRAFTER_HELP = (
     "when --draft is given, else none; a --prediction is drafted from first in any case)"
 )
 DETERMINISTIC_HELP = (
-    "batch-invariant llama.cpp numerics: a verify pass computes exactly the single-step "
-    "logits, so greedy speculative output equals greedy target-only output (flag; default off; "
-    "costs speed, see the README)"
+    "require batch-invariant llama.cpp numerics: a verify pass computes exactly the "
+    "single-step logits, so greedy speculative output equals greedy target-only output. Free "
+    "where specdec's kernels hold every weight (Q4_K/Q6_K and per-row types, e.g. the default "
+    "models: the default mode is already invariant there); elsewhere ggml's slower invariant "
+    "paths (flag; default off; docs/kernels.md)"
 )
 P_MIN_HELP = (
     "stop drafting when the draft's top probability is below this, in [0, 1) (float; default off)"
