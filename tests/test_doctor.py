@@ -193,6 +193,7 @@ def test_report_table_names_every_number(monkeypatch) -> None:
         "ceiling",
         "break-even",
         "verdict",
+        "cpu flags",
     ):
         assert needle in text, needle
     assert text.count("\n   ") >= len(BATCHES) - 1  # a break-even row per K
@@ -228,7 +229,7 @@ def test_cli_doctor_json_on_mock_models(tmp_path: Path) -> None:
     assert rep["batches"] == [1, 2, 8] and list(rep["verify_ms"]) == ["1", "2", "8"]
     assert rep["diagnosis"]["v"]["1"] == 1.0 and len(rep["diagnosis"]["verdict"]) == 2
     assert rep["target"]["spec"] == "mock:vocab=48,seed=0" and rep["repeats"] >= 3
-    assert "machine" in rep["meta"]
+    assert "machine" in rep["meta"] and isinstance(rep["cpu_flags"], list)
     bad = subprocess.run(
         [
             sys.executable,

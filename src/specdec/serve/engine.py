@@ -55,6 +55,7 @@ from specdec.serve.protocol import (
     Speculation,
     bad,
     cancelled_error,
+    resolve_speculation,
     timeout_error,
     unavailable_error,
 )
@@ -303,7 +304,7 @@ class Engine:
         default = self.defaults.speculation()
         runs = [default]
         if self.draft is not None and not default.uses_draft:
-            runs.append(Speculation("model", default.k or "auto", None, self.defaults.p_min))
+            runs.append(resolve_speculation({"drafter": "model"}, self.defaults, False))
         with self.lock:
             for sp in runs:
                 s = stream(

@@ -206,6 +206,7 @@ class DoctorReport:
 
     schema: str  # SCHEMA
     meta: dict[str, Any]  # artifacts.meta_block(): machine, CPU, load average, llama.cpp kernels
+    cpu_flags: tuple[str, ...]  # this CPU's vector instruction sets (beside the kernels' own)
     target: Model
     draft: Model | None
     prefix_tokens: int
@@ -293,6 +294,7 @@ def run(
     return DoctorReport(
         schema=SCHEMA,
         meta=meta_block(),
+        cpu_flags=vector_flags(),
         target=models["target"],
         draft=models.get("draft"),
         prefix_tokens=prefix,
@@ -309,6 +311,18 @@ def run(
     )
 
 
+def vector_flags() -> tuple[str, ...]:
+    """The CPU's vector instruction sets (/proc/cpuinfo flags of the families ggml has kernels
+    for): beside the kernels' compiled-in set, they show a build that leaves some unused."""
+    from specdec.backends.llamacpp_build import cpu_flags
+
+    return tuple(f for f in cpu_flags() if f.startswith(VECTOR_FLAG_PREFIXES))
+
+
+#: /proc/cpuinfo flag families of vector units llama.cpp's CPU kernels use
+VECTOR_FLAG_PREFIXES = ("sse4", "ssse3", "avx", "fma", "f16c", "amx", "bmi2")
+
+
 # ------------------------------------------------------------------------------ the table
 def _pct(x: float | None) -> str:
     return "never" if x is None else f"{x:.0%}"
@@ -321,7 +335,8 @@ def format_report(rep: DoctorReport) -> str:
     load = machine.get("load_avg")
     lines = [
         f"machine   {machine.get('cpu_model', '?')}, {machine.get('cpu_count', '?')} cores"
-        + (f", load {load[0]:.2f}" if load else "")
+        + (f", load {load[0]:.2f}" if load else ""),
+        f"cpu flags {' '.join(rep.cpu_flags) or '(not reported by this OS)'}",
     ]
     lines.append(
         f"target    {rep.target.name}: one step {rep.target_step_ms:.1f} ms on "
