@@ -385,3 +385,41 @@ def test_auto_recovers_from_a_cost_curve_measured_on_a_busy_machine() -> None:
         rounds += 1
         assert rounds < 2000, "never retried"
     assert 50 < rounds < 1000
+
+
+AMX_1024 = {1: 1.0, 2: 1.83, 3: 2.0, 4: 2.11, 5: 2.3, 6: 2.51, 7: 2.81, 8: 2.95, 16: 3.77, 32: 5.82}
+
+
+def test_auto_explores_deeper_where_a_one_token_probe_is_the_dearest() -> None:
+    """A source never seen is explored as deep as a failure costs at most EXPLORE failed K = 1
+    rounds: on a front-loaded curve (AMX, v(2) = 1.83 and v(4) = 2.11 steps) that is K = 3,
+    where the 60% prior pays (a K = 1 probe never did); on a linear curve, K = 1; with a dear
+    draft step, shallower."""
+    p = CostModelK(k_max=64, verify_s={b: 0.065 * v for b, v in AMX_1024.items()})
+    assert p.choose("lookup4+", 100) == 3
+    assert CostModelK(k_max=64, verify_s=dict(p.verify_s), explore=0.0).choose("x", 100) == 0
+    linear = CostModelK(k_max=64, verify_s={b: 0.05 * (1 + 0.5 * (b - 1)) for b in range(1, 40)})
+    assert linear.depth_cap("lookup4+") == 1
+    p.observe(_round("model", 1, 1, draft_s=0.065 * 0.5, verify_s=0.065 * 1.83))
+    assert p._explore_depth("model") < p._explore_depth("lookup4+")
+
+
+def test_a_stale_cost_fades_only_toward_a_cheaper_prior() -> None:
+    """Unconfirmed measurements fade toward the prior (a curve measured on a busy machine must
+    not switch drafting off for good), but one below the prior stays: fading a flat curve's
+    b = 32 (5.8 steps against the prior's 16.5) made long drafts look dear after a few requests."""
+    p = CostModelK(k_max=64, verify_s={b: 0.065 * v for b, v in AMX_1024.items()})
+    p.verify_n = {b: 1.0 for b in p.verify_s}
+    for _ in range(600):
+        p.observe(_round("none", 0, 0, verify_s=0.065))  # only b = 1 measured again
+    assert p.v(32) == pytest.approx(0.065 * 5.82)  # cheaper than the prior: kept
+    both = CostModelK(k_max=64, verify_s=dict(p.verify_s), fade_down_only=False)
+    both.verify_n = {b: 1.0 for b in p.verify_s}
+    for _ in range(600):
+        both.observe(_round("none", 0, 0, verify_s=0.065))
+    assert both.v(32) > 2 * 0.065 * 5.82  # the old rule: drawn toward 0.5 steps per token
+    dear = CostModelK(k_max=8, verify_s={1: 0.05, 2: 0.12})  # busy: 2.4 steps
+    dear.verify_n = {1: 1.0, 2: 1.0}
+    for _ in range(600):
+        dear.observe(_round("none", 0, 0, verify_s=0.05))
+    assert dear.v(2) < 0.05 * 1.6  # fades toward the prior's 1.5 steps

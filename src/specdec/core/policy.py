@@ -110,6 +110,14 @@ PRIOR_SLOPE = 0.5
 #: any evidence). A prediction aligned with the output is the file being re-emitted; its drafts
 #: run to the next edit (measured on the rewrite tasks: most rounds accept every drafted token).
 STRONG_SOURCES = {"prediction": (0.9, 8)}
+#: How deep a source without evidence is explored: the deepest K whose failed round costs at
+#: most EXPLORE times a failed K = 1 (v(K + 1) - v(1) + K t_d <= EXPLORE (v(2) - v(1) + t_d)).
+#: Why: where the verify curve is front-loaded (AMX: v(2) = 1.83 steps, v(4) = 2.11) a K = 1
+#: probe is the dearest per token, and at the 60% prior it never pays, so lookup was never
+#: tried (`specdec replay` of 28 recorded rewrite outputs on the 1,024-token curve, decode
+#: phase: lookup alone 1.90x -> 2.25x with this rule, 2.50x with fade_down_only too; on a
+#: linear curve it stays at K = 1).
+EXPLORE = 1.5
 #: The weight of a persisted v(b) read from the cost store, in measurements (see `_measured`):
 #: one, so it fades toward the prior (IDLE_DECAY per round) only where this run does not
 #: confirm it. At 0.5 every b the run had not yet used was half the prior's 0.5 steps per
@@ -132,6 +140,9 @@ class CostModelK:
     # b -> decayed count of measurements; a b given in verify_s without one is trusted as is
     verify_n: dict[int, float] = field(default_factory=dict)
     sources: dict[str, _SourceStats] = field(default_factory=dict)
+    explore: float = EXPLORE  # 0: explore at K = 1 (before issue 22)
+    # a stale v(b) fades toward the prior only where the prior is cheaper (False: both ways)
+    fade_down_only: bool = True
     _known: list[int] = field(default_factory=list, repr=False)  # sorted keys of verify_s
     _dirty: bool = field(default=False, repr=False)  # verify_s changed since the last save
 
@@ -144,9 +155,17 @@ class CostModelK:
         """The measurement of v(b), drawn back to the prior as it goes stale: its weight is its
         decayed count, capped at 1. Why: a curve measured on a busy machine (or read from the
         store) can make every K > 0 look dear, and then K = 0 forever never re-measures it;
-        fading it lets a source's retry (IDLE_DECAY) find the real cost again."""
+        fading it lets a source's retry (IDLE_DECAY) find the real cost again. Only toward a
+        cheaper prior: a measurement below the prior (a flat curve: 0.2 steps per token at
+        b = 32 on AMX, against the prior's 0.5) is not what fading is for, and fading it made
+        the long drafts a copy needs look twice as dear within a few requests (replayed on 28
+        rewrite outputs in one process, 1,024-token curve, decode phase: the prediction drafter
+        2.57x -> 2.85x, lookup alone 1.90x -> 2.41x)."""
         n = min(1.0, self.verify_n.get(b, 1.0))
-        return n * self.verify_s[b] + (1 - n) * self._prior(b)
+        prior = self._prior(b)
+        if self.fade_down_only:
+            prior = min(prior, self.verify_s[b])
+        return n * self.verify_s[b] + (1 - n) * prior
 
     def v(self, b: int) -> float:
         """Seconds for a target pass over b tokens: measured, else interpolated linearly
@@ -228,16 +247,30 @@ class CostModelK:
         """Draft at most about twice as deep as the positions with evidence: 2 * (leading
         positions judged at least once, decayed count >= 0.5) + 1. Why: position i's
         acceptance is guessed from position i-1's until it is judged, so an untried source is
-        explored at K = 1 (a failed exploration then costs v(2) - v(1), not v(4) - v(1)); and
-        doubling reaches the long drafts a copy needs (K = 31+, where a verify pass costs ~0.46
-        steps per token on this CPU) in five fully accepted rounds, where one position per
-        round took thirty."""
-        floor = STRONG_SOURCES.get(source, (PRIOR_ALPHA, 1))[1]
+        explored shallow: at K = 1, or as deep as a failure costs at most EXPLORE failed K = 1
+        rounds (`_explore_depth`); and doubling reaches the long drafts a copy needs (K = 31+,
+        where a verify pass costs ~0.46 steps per token on this CPU) in five fully accepted
+        rounds, where one position per round took thirty."""
+        floor = max(STRONG_SOURCES.get(source, (PRIOR_ALPHA, 1))[1], self._explore_depth(source))
         st = self.sources.get(source)
         depth = 0
         while st is not None and depth < self.k_max and st.tried[depth] >= 0.5:
             depth += 1
         return min(self.k_max, max(floor, 2 * depth + 1))
+
+    def _explore_depth(self, source: str) -> int:
+        """The deepest k whose failed round (every draft rejected) costs at most `explore`
+        times a failed K = 1 round, drafting included (EXPLORE's rule)."""
+        if self.explore <= 0:
+            return 1
+        st = self.sources.get(source)
+        t_d = st.draft_s_per_token if st and st.draft_s_per_token is not None else 0.0
+        v1 = self.v(1)
+        budget = self.explore * (self.v(2) - v1 + t_d)
+        k = 1
+        while k < self.k_max and self.v(k + 2) - v1 + (k + 1) * t_d <= budget:
+            k += 1
+        return k
 
     def choose(self, source: str, remaining: int) -> int:
         k_top = min(self.k_max, remaining, self.depth_cap(source))
@@ -296,8 +329,11 @@ def save_curve(path: str | os.PathLike[str], verify_s: dict[int, float]) -> bool
 
 
 #: Named K policies beside make_policy's, for replays and comparisons (study.replay, `specdec
-#: replay --policy NAME`): name -> (k_max) -> a fresh policy.
-POLICIES: dict[str, Callable[[int], KPolicy]] = {}
+#: replay --policy NAME`): name -> (k_max) -> a fresh policy. "auto-issue21": k=auto as it was
+#: before issue 22 (untried sources explored at K = 1, stale costs fading both ways).
+POLICIES: dict[str, Callable[[int], KPolicy]] = {
+    "auto-issue21": lambda k_max: CostModelK(k_max, explore=0.0, fade_down_only=False),
+}
 
 
 def make_policy(k: int | str, k_max: int) -> KPolicy:

@@ -41,7 +41,7 @@ import importlib
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +226,7 @@ def from_jsonl(path: str | Path, tokenizer: Any) -> list[Recorded]:
     length) and `hint_ids` ([[old ids], [new ids]] pairs: the rewrites the instruction names).
     Text needs `tokenizer` (the target's)."""
     from specdec.backends import chat
+    from specdec.study.bench import another_prediction as bench_another
 
     out = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
@@ -255,7 +256,10 @@ def from_jsonl(path: str | Path, tokenizer: Any) -> list[Recorded]:
                 f"{where}: needs a prompt, an output, and max_new_tokens >= its length"
             )
         out.append(rec)
-    return out
+    # the wrong-prediction leg drafts from the next record's prediction, as bench's does
+    preds = [list(r.prediction) if r.prediction is not None else None for r in out]
+    others = [_tuple(bench_another(preds, i)) for i in range(len(out))]
+    return [replace(r, other_prediction=o) for r, o in zip(out, others, strict=True)]
 
 
 def _tuple(ids: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -457,6 +461,8 @@ def replay_task(
     target's answer read from the record."""
     if isinstance(policy, PlanOracle):
         policy.plan(accept_lengths(task, make_drafter(drafter, task), policy.k_max))
+    if not isinstance(policy, Oracle):  # a new generation, as decode._loop starts one
+        policy.prepare(_NO_STORE, list(task.prompt))
     drafter_ = make_drafter(drafter, task)
     seq, made, out = list(task.prompt), 0, task.output
     run = ReplayRun(task.id, GenerationStats(prompt_tokens=len(task.prompt)), 0.0)
@@ -483,6 +489,15 @@ def replay_task(
         if not isinstance(policy, Oracle):
             policy.observe(r)
     return run
+
+
+class _NoStore:
+    """The target a replayed policy prepares for: no cost store (the curve is seeded)."""
+
+    cost_store = None
+
+
+_NO_STORE: Any = _NoStore()
 
 
 def _choose(
