@@ -107,7 +107,7 @@ def test_the_session_protocol_on_mock_models(tmp_path, monkeypatch) -> None:
             assert task.prediction_text == prompt_set.edited_file(ref)
         assert row.prompt_tokens == len(task.ids)
         for m in ("baseline", "speculative", "lookup-kauto"):
-            assert row.run(m)["same_as_reference"] is True  # greedy: identical answers
+            assert row.run(m)["agrees_with_reference"] is True  # greedy: identical answers
     assert [r.prompt_tokens for r in art.rows[:first]] == sorted(
         r.prompt_tokens for r in art.rows[:first]
     )  # the conversation grows
@@ -187,6 +187,6 @@ def test_a_served_session_end_to_end(tmp_path) -> None:
     later = art.rows[1:]
     assert all(r.speculative["cached_prompt_tokens"] >= 256 for r in later)
     assert all(r.baseline["cached_prompt_tokens"] >= 256 for r in later)
-    assert all(r.speculative["same_as_reference"] for r in art.rows)
+    assert all(r.speculative["agrees_with_reference"] for r in art.rows)
     on_disk = json.loads(art.path.read_text())
     assert on_disk["config"]["categories"] == ["session"]

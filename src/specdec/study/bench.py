@@ -731,8 +731,7 @@ def _session_rows(plan: _Plan, i: int, opening: prompt_set.Prompt) -> Iterator[B
             return
         answer = _answer_text(runs["baseline"], plan.tokenizer)
         runs = {
-            m: {**r, "same_as_reference": _answer_text(r, plan.tokenizer) == answer}
-            for m, r in runs.items()
+            m: {**r, "agrees_with_reference": _agrees(r, answer, plan)} for m, r in runs.items()
         }
         yield _row(i, turn, ids, sequence, runs, plan.variants)
         history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
@@ -745,6 +744,13 @@ def _conversation_ids(tokenizer: Any, messages: list[dict[str, str]], vocab_size
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return prompting.encode_messages(tokenizer, messages)
     return _prompt_ids(tokenizer, "\n".join(m["content"] for m in messages), vocab_size)
+
+
+def _agrees(run: Mapping[str, Any], reference: str, plan: _Plan) -> bool:
+    """Does a method's answer to a turn agree with the reference's as far as both go (one a
+    prefix of the other: llama-lookup stops at another length)?"""
+    text = _answer_text(run, plan.tokenizer)
+    return text.startswith(reference) or reference.startswith(text)
 
 
 def _answer_text(run: Mapping[str, Any], tokenizer: Any) -> str:

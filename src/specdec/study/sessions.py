@@ -77,7 +77,7 @@ def _row(art: BenchArtifact, method: str, kind: str) -> list[str]:
         if peer:
             ratios.append(r.run(method)["tokens_per_s"] / peer)
     cached = [r.get("cached_prompt_tokens") for r in runs]
-    same = [r.get("same_as_reference") for r in runs]
+    same = [r.get("agrees_with_reference") for r in runs]
     return [
         method,
         kind,
@@ -96,7 +96,7 @@ def format_sessions(art: BenchArtifact) -> str | None:
     if not is_session_run(art):
         return None
     header = ["method", "turns", "n", "TTFT (s)", "tok/s", "vs best llama.cpp"]
-    header += ["accepted/drafted", "cached prompt", "same as ref."]
+    header += ["accepted/drafted", "cached prompt", "agrees w/ ref."]
     lines = [
         _row(art, m, kind)
         for m in _methods(art)
