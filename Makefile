@@ -2,6 +2,7 @@
 #   make test    the test suite (what CI runs)
 #   make demo    the main job: fetch the default models, a short bench on all_gguf, figures
 #   make study   regenerate the committed results/ (takes a while; run on an idle machine)
+#   make study-kernels  specdec's kernels against stock llama.cpp's: verify curves, profile, c
 #   make study-anchors  stock llama.cpp's servers beside specdec's (builds them once, ~4 min)
 #   make soak-hostile  the server's hostile soak (results/cpu/loadtest_hostile.json)
 #   make lint    ruff check + format check
@@ -21,7 +22,7 @@ LLAMA_BUILD := src/specdec/backends/llamacpp_build.py $(wildcard src/specdec/bac
 TARGET ?= llamacpp:qwen2.5-coder-1.5b
 DRAFT  ?= llamacpp:qwen2.5-coder-0.5b
 
-.PHONY: venv test lint demo study anchors study-anchors soak-hostile clean
+.PHONY: venv browser test lint demo study study-kernels anchors study-anchors soak-hostile clean
 
 venv: $(STAMP) $(LLAMA_STAMP)
 
@@ -37,7 +38,18 @@ $(LLAMA_STAMP): $(STAMP) $(LLAMA_BUILD)
 	$(BIN)/python -m specdec.backends.llamacpp_build install
 	touch $@
 
-test: venv
+# Debian's Chromium and its driver, for the playground's browser tests (tests/test_playground.py):
+# installed when missing and this user may (root, as in CI); elsewhere those tests say what to
+# install, and fail rather than skip where $$CI is set.
+browser:
+	@if ! command -v chromium > /dev/null || ! command -v chromedriver > /dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      chromium chromium-driver > /dev/null; \
+	  else echo "note: chromium and chromedriver are missing (apt-get install chromium chromium-driver)"; fi; \
+	fi
+
+test: venv browser
 	$(BIN)/python -m pytest -q
 
 lint: venv
@@ -75,12 +87,7 @@ study: venv
 	  --draft llamacpp:qwen2.5-coder-0.5b --check $(STUDY)/sweep/bench_*.json --out $(STUDY)
 	$(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b --max-batch 32 --repeats 3 \
 	  --deterministic --tag deterministic --out $(STUDY)
-	for ctx in 128 512 1024 2048; do \
-	  $(BIN)/specdec microbench --target llamacpp:qwen2.5-coder-1.5b --max-batch 128 --repeats 2 \
-	    --prefix $$ctx --tag ctx$$ctx --out $(STUDY) || exit 1; \
-	done
-	$(BIN)/specdec profile --target llamacpp:qwen2.5-coder-1.5b --contexts 128,1024 \
-	  --batch 1,16,64 --out $(STUDY)
+	$(MAKE) study-kernels
 	$(BIN)/specdec profile --target llamacpp:qwen2.5-coder-1.5b --contexts 128,1024 \
 	  --batch 1,16,64 --type-k f16 --tag f16 --out $(STUDY)
 	$(BIN)/specdec bench --config all_gguf -t 0 --category rewrite --drafter prediction -k auto \
@@ -97,6 +104,27 @@ study: venv
 	$(BIN)/specdec gate --config smoke --prompts 40 --max-new-tokens 60 --out $(STUDY)
 	$(BIN)/specdec figures $(STUDY)
 	$(BIN)/specdec report $(STUDY)
+
+# specdec's kernels (sdmm, sdfa; docs/kernels.md) against stock llama.cpp's in the same harness
+# ($$SPECDEC_MM=0), alternating per context: verify curves to b = 128 at 128/512/1,024 cached
+# tokens, sdfa's share ($$SPECDEC_FA=0), the per-op profile with each matmul's GOPS against the
+# int8 peak, and the draft model's step ratio c. One run at a time, on an idle machine.
+KERNEL_BENCH := --target $(TARGET) --max-batch 128 --repeats 3 --out $(STUDY)
+study-kernels: venv
+	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+	for ctx in 128 512 1024; do \
+	  $(BIN)/specdec microbench $(KERNEL_BENCH) --prefix $$ctx --tag ctx$$ctx || exit 1; \
+	  SPECDEC_MM=0 $(BIN)/specdec microbench $(KERNEL_BENCH) --prefix $$ctx --tag ctx$$ctx-stock \
+	    || exit 1; \
+	done
+	SPECDEC_FA=0 $(BIN)/specdec microbench $(KERNEL_BENCH) --prefix 1024 --tag ctx1024-nosdfa
+	$(BIN)/specdec profile --target $(TARGET) --contexts 512,1024 --batch 1,4,16,64 --out $(STUDY)
+	SPECDEC_MM=0 $(BIN)/specdec profile --target $(TARGET) --contexts 512,1024 --batch 1,4,16,64 \
+	  --tag stock --out $(STUDY)
+	$(BIN)/specdec microbench --target $(TARGET) --draft $(DRAFT) --max-batch 16 --repeats 5 \
+	  --prefix 512 --tag draft --out $(STUDY)
+	SPECDEC_MM=0 $(BIN)/specdec microbench --target $(TARGET) --draft $(DRAFT) --max-batch 16 \
+	  --repeats 5 --prefix 512 --tag draft-stock --out $(STUDY)
 
 # Stock llama.cpp (built as its users build it: CMake's defaults, native kernels) beside specdec,
 # same source, weights and prompts (results/cpu/anchors/; the README's side-by-side tables): in

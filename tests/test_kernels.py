@@ -103,6 +103,62 @@ def _greedy(pythonpath: str | None) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+#: sdmm's matmul (Q4_K, Q6_K) and sdfa's attention on fixed random inputs, through the C API of
+#: whichever libggml-cpu the process loads, on the instruction path argv[1] names: a digest of
+#: the outputs. Every path of every build must give the same one (sdmm.h, sdfa.h).
+_KERNEL_DIGEST = """
+import ctypes, hashlib, sys
+import numpy as np
+from specdec.backends.llamacpp import SDMM_ISAS, _ggml_cpu, _llama
+lib, isa = _ggml_cpu(_llama()), SDMM_ISAS.index(sys.argv[1])
+P = ctypes.c_void_p
+rng = np.random.default_rng(3)
+h = hashlib.sha256()
+for qtype, size in ((12, 144), (14, 210)):
+    n, k, b = 40, 512, 9
+    w = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    halves = rng.uniform(1e-4, 1e-2, (n, k // 256)).astype(np.float16).view(np.uint8)
+    w[:, :, -2:] = halves.reshape(n, -1, 2)
+    nk = (ctypes.c_int64(n), ctypes.c_int64(k))
+    packed = np.zeros(lib.sdmm_packed_size(qtype, *nk), np.uint8)
+    lib.sdmm_pack(qtype, P(w.ctypes.data), *nk, P(packed.ctypes.data))
+    x = rng.uniform(-1, 1, (b, k)).astype(np.float32)
+    y = np.zeros((b, n), np.float32)
+    args = (P(packed.ctypes.data), ctypes.c_int64(n), ctypes.c_int64(k), P(x.ctypes.data))
+    assert lib.sdmm_matmul(qtype, isa, *args, ctypes.c_int64(b), P(y.ctypes.data)) == 0
+    h.update(y.tobytes())
+d, n_kv, rows = 64, 40, 11
+kb = np.zeros((n_kv, d // 32, 34), np.uint8)
+dk = rng.uniform(0.01, 0.03, (n_kv, d // 32)).astype(np.float16)
+kb[:, :, :2] = dk.view(np.uint8).reshape(n_kv, -1, 2)
+kb[:, :, 2:] = rng.integers(-127, 128, (n_kv, d // 32, 32)).astype(np.int8).view(np.uint8)
+v = rng.uniform(-1, 1, (n_kv, d)).astype(np.float16)
+q = rng.uniform(-2, 2, (rows, d)).astype(np.float32)
+out = np.zeros((rows, d), np.float32)
+kv = (P(kb.ctypes.data), ctypes.c_size_t(d // 32 * 34), P(v.ctypes.data), ctypes.c_size_t(2 * d))
+res = lib.sdfa_attend(isa, d, n_kv, ctypes.c_float(0.125), *kv, P(q.ctypes.data), None, rows,
+                      P(out.ctypes.data))
+assert res == 0
+h.update(out.tobytes())
+print(h.hexdigest())
+"""
+
+
+def _kernel_digest(isa: str, pythonpath: str | None = None) -> str:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    res = subprocess.run(
+        [sys.executable, "-c", _KERNEL_DIGEST, isa],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.split()[-1]
+
+
 @pytest.mark.slow
 def test_the_portable_code_path_runs_and_agrees(smol_path: Path, tmp_path: Path) -> None:
     """The AVX2 kernels a CPU without AVX-512 would run (the portable flavor, built once and
@@ -124,6 +180,13 @@ def test_the_portable_code_path_runs_and_agrees(smol_path: Path, tmp_path: Path)
     assert top3(low["row"]) == top3(best["row"])
     worst = max(abs(a - b) for a, b in zip(low["row"], best["row"], strict=True))
     assert worst < 1.5, f"portable vs native: max |logit diff| {worst}"
+    # specdec's kernels: the portable build's AVX2 code, compiled without AVX-512 (what a CPU
+    # without it runs), gives the native build's bits on every path it has
+    best_isa = best["kernels"]["sdmm"]
+    assert best_isa and low["kernels"]["sdmm"] == best_isa  # dispatched at run time
+    native = _kernel_digest(best_isa)
+    assert _kernel_digest("avx2", str(tmp_path)) == native
+    assert _kernel_digest("ref", str(tmp_path)) == native
 
 
 def test_the_patches_apply_to_the_pinned_sdist(tmp_path: Path) -> None:
