@@ -135,6 +135,11 @@ def from_bench(path: str | Path, method: str = "baseline", tokenizer: Any = None
     art = artifacts.read(json.loads(path.read_text()), str(path), path)
     if not isinstance(art, artifacts.BenchArtifact):
         raise ValueError(f"{path}: not a bench artifact")
+    if bench.SESSION in (art.config.get("categories") or ()):
+        raise ValueError(
+            f"{path}: a session run (its turns' prompts are conversations built from earlier "
+            "answers); replay single-turn bench artifacts, or write the turns as JSONL"
+        )
     if art.temperature not in (0, 0.0):
         raise ValueError(
             f"{path}: T = {art.temperature}; a replay needs greedy (T = 0) outputs, whose every "
