@@ -84,6 +84,11 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json", metavar="OUT", default=None, help="write the specdec.replay/1 artifact here"
     )
+    _add_record_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_record_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("recording outputs to replay (instead of replaying)")
     g.add_argument(
         "--record",
@@ -110,7 +115,6 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help="record with target-only decoding (flag; default: the prediction drafter at "
         "k=auto, whose greedy output is target-only's on a batch-invariant backend)",
     )
-    p.set_defaults(func=run)
 
 
 def _tokenizer(args: argparse.Namespace) -> object:
@@ -154,6 +158,8 @@ def _record(args: argparse.Namespace) -> int:
     if args.target is None:
         raise ValueError("--record needs --target SPEC (the model whose outputs to record)")
     check_int("--max-new-tokens", args.max_new_tokens, 1)
+    if args.prompts is not None:
+        check_int("--prompts", args.prompts, 1)
     cli_args.check_threads(args.threads)
     prompts = select_prompts(parse_categories(args.category), args.prompts)
     target = load_model(args.target, n_threads=args.threads)
