@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -15,6 +16,14 @@ from specdec.serve.app import (
     DEFAULT_REQUEST_TIMEOUT_S,
     ServeConfig,
     serve,
+)
+from specdec.serve.draft_pools import (
+    DEFAULT_POOL_SCOPES,
+    DEFAULT_POOL_TOKENS,
+    MAX_POOL_TOKENS,
+    MIN_POOL_TOKENS,
+    POOL_MODES,
+    pool_memory_bytes,
 )
 from specdec.serve.engine import DEFAULT_MAX_QUEUE
 
@@ -96,6 +105,14 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="read the API key from this file (its first line; path; default none)",
     )
+    key.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help="accept several API keys, one per line of this file (blank lines and lines "
+        "starting with # skipped; path; default none). Each key is a tenant of its own: with "
+        "--draft-pool key, its requests draft only from its own earlier requests",
+    )
     p.add_argument(
         "--allowed-host",
         action="append",
@@ -136,7 +153,40 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_MAX_CONNECTIONS,
         help=f"connections open at once, else 503 (int >= 1; default {DEFAULT_MAX_CONNECTIONS})",
     )
+    _add_pool_args(p)
     p.set_defaults(func=_cmd_serve)
+
+
+def _add_pool_args(p: argparse.ArgumentParser) -> None:
+    mib = pool_memory_bytes(DEFAULT_POOL_TOKENS) / (1 << 20)
+    p.add_argument(
+        "--draft-pool",
+        choices=POOL_MODES,
+        default="key",
+        help="prompt lookup also drafts from earlier requests' prompts and outputs, kept in a "
+        "bounded pool: key, one pool per API key (requests without a key, on a server without "
+        "keys, share one); shared, one pool for all (a client can then learn through speed "
+        "whether its text matches another key's); off (default key; docs/api-extensions.md)",
+    )
+    p.add_argument(
+        "--draft-pool-tokens",
+        type=int,
+        default=DEFAULT_POOL_TOKENS,
+        metavar="N",
+        help=f"tokens each pool holds, the oldest evicted first (int in [{MIN_POOL_TOKENS}, "
+        f"{MAX_POOL_TOKENS}]; default {DEFAULT_POOL_TOKENS}). A pool allocates 36 bytes a "
+        f"token at a power of two, up to 68 just above one: {mib:g} MiB at the default, all "
+        "of it when its key sends its first request",
+    )
+    p.add_argument(
+        "--draft-pool-scopes",
+        type=int,
+        default=DEFAULT_POOL_SCOPES,
+        metavar="N",
+        help="pools held at once with --draft-pool key, the least recently used dropped "
+        f"first (int in [1, 65536]; default {DEFAULT_POOL_SCOPES}, and never more than the API "
+        f"keys): at most N x a pool's memory, {DEFAULT_POOL_SCOPES * mib:g} MiB with the defaults",
+    )
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -161,7 +211,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             threads=args.threads,
             host=args.host,
             port=args.port,
-            api_key=resolve_api_key(args.api_key, args.api_key_file, os.environ),
+            api_keys=resolve_api_keys(
+                args.api_key, args.api_key_file, args.api_keys_file, os.environ
+            ),
             allowed_hosts=tuple(args.allowed_host or ()),
             max_queue=args.max_queue,
             max_body_bytes=args.max_body_bytes,
@@ -170,8 +222,42 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             prompt_cache=args.prompt_cache,
             body_timeout=args.body_timeout,
             max_connections=args.max_connections,
+            draft_pool=args.draft_pool,
+            draft_pool_tokens=args.draft_pool_tokens,
+            draft_pool_scopes=args.draft_pool_scopes,
         )
     )
+
+
+def resolve_api_keys(
+    flag: str | None, path: str | None, keys_path: str | None, environ: Mapping[str, str]
+) -> tuple[str, ...]:
+    """Every API key the server accepts: the lines of --api-keys-file, else `resolve_api_key`'s
+    one key; () when none is set."""
+    if keys_path is None:
+        if path is not None and any(line.strip() for line in _lines("--api-key-file", path)[1:]):
+            print(
+                f"warning: --api-key-file {path} has more than one line and only its first is "
+                "the key; for several keys use --api-keys-file",
+                file=sys.stderr,
+            )
+        key = resolve_api_key(flag, path, environ)
+        return () if key is None else (key,)
+    lines = _lines("--api-keys-file", keys_path)
+    keys = tuple(dict.fromkeys(k for k in map(str.strip, lines) if k and not k.startswith("#")))
+    if not keys:
+        raise ValueError(
+            f"--api-keys-file {keys_path} holds no key; write one key per line (lines starting "
+            "with # are comments)"
+        )
+    return keys
+
+
+def _lines(flag: str, path: str) -> list[str]:
+    try:
+        return Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read it ({e})") from None
 
 
 def resolve_api_key(flag: str | None, path: str | None, environ: Mapping[str, str]) -> str | None:

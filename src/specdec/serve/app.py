@@ -45,6 +45,11 @@ reserved) before any tokenizing. A client that goes away, or a deadline that pas
 engine within one round or one prefill chunk. On shutdown waiting requests get 503 at once, the
 running one is cancelled, and connections get GRACEFUL_SHUTDOWN_S seconds to close.
 
+API keys and tenants: a server may accept several keys (serve.keys), and a request's key is its
+tenant: what it may read server-side is scoped by it, its draft pool (serve.draft_pools: prompt
+lookup drafts from the earlier requests of the same key, unless --draft-pool says otherwise)
+and the prompt cache (the previous request's KV is kept for a request of the same scope only).
+
 Browsers: POST bodies must be `Content-Type: application/json` (415 otherwise), which a web
 page cannot send cross-origin without a CORS preflight this server never grants; and when bound
 to loopback only loopback Host headers are served (DNS rebinding), unless --allowed-host says.
@@ -57,8 +62,8 @@ server keeps serving.
                                 outside [0, 2], top_p outside (0, 1], max_tokens beyond the
                                 context window, n != 1, unsupported parameters, a Host header
                                 not allowed (invalid_host), ...
-    401 invalid_api_key         an API key is set and the Bearer token is missing or wrong (on
-                                /v1 and /metrics; /health needs none and says no more than ok)
+    401 invalid_api_key         API keys are set and the Bearer token is none of them (on /v1
+                                and /metrics; /health needs none and says no more than ok)
     404 model_not_found         (and unknown routes: not_found)
     408 request_timeout         the body did not arrive within --body-timeout (headers get
                                 HEADER_TIMEOUT_S, then the connection is closed)
@@ -79,7 +84,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import ipaddress
 import json
 import logging
@@ -100,7 +104,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specdec.core.config import SpecConfig
 from specdec.core.drafters import PredictionIndex
 from specdec.serve import playground
+from specdec.serve.draft_pools import DEFAULT_POOL_SCOPES, DEFAULT_POOL_TOKENS, PoolConfig
 from specdec.serve.engine import DEFAULT_MAX_QUEUE, Delta, Done, Engine, Event, Failed, Job, Slot
+from specdec.serve.keys import KeyRing
 from specdec.serve.protocol import (
     MAX_REQUEST_K,
     MODEL_DRAFTERS,
@@ -155,7 +161,8 @@ class ServeConfig:
     threads: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = None  # a key /v1 and /metrics accept (Bearer); none: no key needed
+    api_keys: tuple[str, ...] = ()  # more accepted keys, each a tenant (--api-keys-file)
     allowed_hosts: tuple[str, ...] = ()  # empty: loopback names when bound to loopback, else any
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -166,6 +173,21 @@ class ServeConfig:
     prompt_cache: bool | None = None
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds to receive a request's body
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open at once; 503 beyond (uvicorn's limit)
+    draft_pool: str = "key"  # whose earlier requests prompt lookup drafts from: key, shared, off
+    draft_pool_tokens: int = DEFAULT_POOL_TOKENS  # each scope's pool, in tokens
+    draft_pool_scopes: int = DEFAULT_POOL_SCOPES  # pools held at once, at most
+
+    def __post_init__(self) -> None:
+        self.pool_config()  # a bad --draft-pool* value fails here, before any model loads
+
+    def keys(self) -> tuple[str, ...]:
+        """Every accepted API key (none: no key is required)."""
+        return tuple(dict.fromkeys(([self.api_key] if self.api_key else []) + list(self.api_keys)))
+
+    def pool_config(self) -> PoolConfig:
+        """The draft pools' settings, with no more pools than this server has tenants."""
+        cfg = PoolConfig(self.draft_pool, self.draft_pool_tokens, self.draft_pool_scopes)
+        return cfg.for_tenants(len(self.keys()))
 
     def spec_config(self) -> SpecConfig:
         """The server's default speculation, which requests may override: SpecConfig's
@@ -186,7 +208,8 @@ class _Context:
     """What the routes need, on app.state.specdec."""
 
     engine: Engine
-    cfg: ServeConfig
+    cfg: ServeConfig  # without its API keys: `keys` holds their digests
+    keys: KeyRing
     model_ids: frozenset[str]  # the names a request's `model` may use
     public_id: str  # the id responses carry: the target spec without directories
 
@@ -245,20 +268,9 @@ def _host_name(host: str) -> str:
 
 
 # ------------------------------------------------------------------------------ checks
-def _check_auth(request: Request, api_key: str | None) -> None:
-    if api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    # Bytes, not str: compare_digest raises TypeError on non-ASCII str. Starlette decodes headers
-    # as latin-1, so encoding back gives the bytes the client sent.
-    given = token.strip().encode("latin-1")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given, api_key.encode("utf-8")):
-        raise ApiError(
-            401,
-            "missing or incorrect API key (Authorization: Bearer KEY)",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+def _tenant(request: Request) -> str:
+    """The request's tenant (serve.keys.KeyRing.tenant): 401 without an accepted key."""
+    return _ctx(request).keys.tenant(request.headers.get("authorization", ""))
 
 
 def _check_model(ctx: _Context, model: str) -> None:
@@ -340,10 +352,12 @@ async def _generate(
     params: GenParams,
     arrived: float,
     slot: Slot,
+    tenant: str,
 ) -> Response:
     """Queue the job in its slot, then answer with the whole completion or an SSE stream."""
     engine = ctx.engine
-    job = Job(params, asyncio.get_running_loop(), arrived, arrived + ctx.cfg.request_timeout)
+    deadline = arrived + ctx.cfg.request_timeout
+    job = Job(params, asyncio.get_running_loop(), arrived, deadline, tenant=tenant)
     engine.submit(job, slot)
     watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
     streaming = False
@@ -425,7 +439,7 @@ async def _completion(
     arrived = time.perf_counter()
     ctx = _ctx(request)
     engine = ctx.engine
-    _check_auth(request, ctx.cfg.api_key)
+    tenant = _tenant(request)
     body = await _read_body(request, ctx.cfg.max_body_bytes, ctx.cfg.body_timeout)
     # JSON and validation off the event loop; the bounds in parse_json keep both short.
     req = await asyncio.to_thread(_parse, kind, body)
@@ -446,12 +460,12 @@ async def _completion(
         if params.prediction:  # its n-gram index, built here rather than under the engine lock
             index = await asyncio.to_thread(PredictionIndex, params.prediction)
             params = dataclasses.replace(params, prediction_index=index)
-        return await _generate(request, ctx, req, params, arrived, slot)
+        return await _generate(request, ctx, req, params, arrived, slot, tenant)
 
 
 async def models(request: Request) -> Any:
     ctx = _ctx(request)
-    _check_auth(request, ctx.cfg.api_key)
+    _tenant(request)
     ctx.engine.metrics.count_request(request.url.path, 200)
     card = {
         "id": ctx.public_id,
@@ -471,7 +485,13 @@ def _speculation_card(engine: Engine) -> dict[str, Any]:
     drafters = [x for x in SPEC_DRAFTERS if d.has_draft or x not in MODEL_DRAFTERS]
     # drafter None: no flag chose one (a request's prediction is drafted from, else nothing)
     default = {"drafter": d.drafter, "k": d.k if isinstance(d.k, (int, str)) else None}
-    return {"drafters": drafters, "default": {**default, "k_max": d.k_max}, "max_k": MAX_REQUEST_K}
+    pool = engine.pools.cfg  # whose earlier requests prompt lookup drafts from (serve.draft_pools)
+    return {
+        "drafters": drafters,
+        "default": {**default, "k_max": d.k_max},
+        "max_k": MAX_REQUEST_K,
+        "draft_pool": {"scope": pool.mode, "tokens": 0 if pool.mode == "off" else pool.tokens},
+    }
 
 
 async def health(request: Request) -> Response:
@@ -488,12 +508,13 @@ async def health(request: Request) -> Response:
 
 async def prometheus(request: Request) -> Response:
     ctx = _ctx(request)
-    _check_auth(request, ctx.cfg.api_key)  # its counters describe other clients' requests
+    _tenant(request)  # its counters describe other clients' requests
     engine = ctx.engine
     gauges = {
         "specdec_queue_depth": engine.queue_depth,
         "specdec_busy": int(engine.busy),
         "specdec_queue_capacity": engine.max_queue,
+        **engine.pools.gauges(),
     }
     text = engine.metrics.render(gauges)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -518,7 +539,10 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     )
     public_id = public_model_name(cfg.target)
     names = {cfg.target, engine.target.name, engine.target.name.split(":", 1)[-1], public_id}
-    app.state.specdec = _Context(engine, cfg, frozenset(names), public_id)
+    keys = KeyRing(cfg.keys())
+    # The keys stay in the ring alone, as digests (serve.keys), not in the routes' config.
+    bare = dataclasses.replace(cfg, api_key=None, api_keys=())
+    app.state.specdec = _Context(engine, bare, keys, frozenset(names), public_id)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
@@ -550,6 +574,7 @@ def build_engine(cfg: ServeConfig) -> Engine:
         spec=cfg.spec_config(),
         max_queue=cfg.max_queue,
         prompt_cache=cfg.prompt_cache,
+        draft_pool=cfg.pool_config(),
     )
     engine.warm_up()
     return engine
@@ -626,19 +651,32 @@ def _header_deadline_protocol() -> type:
     return _Protocol
 
 
+def _warnings(cfg: ServeConfig) -> list[str]:
+    """What the operator should know about these flags before the server starts."""
+    out = []
+    if not is_loopback(cfg.host) and not cfg.keys():
+        out.append(
+            f"serving on {cfg.host} without an API key: anyone who can reach this port can use "
+            "the model"
+        )
+    if cfg.draft_pool == "shared" and len(cfg.keys()) > 1:
+        out.append(
+            f"--draft-pool shared with {len(cfg.keys())} API keys: a client can learn, through "
+            "speed alone, whether its text matches another key's requests (--draft-pool key "
+            "keeps each key's pool apart)"
+        )
+    return out
+
+
 def serve(cfg: ServeConfig) -> int:
     """Load, warm up and serve until SIGINT/SIGTERM; the exit code (1: could not listen)."""
-    if not is_loopback(cfg.host) and cfg.api_key is None:
-        print(
-            f"warning: serving on {cfg.host} without an API key: anyone who can reach this "
-            "port can use the model",
-            file=sys.stderr,
-        )
+    for warning in _warnings(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     engine = build_engine(cfg)
     print(
         f"specdec: serving {cfg.target}"
         + (f" (draft {cfg.draft})" if cfg.draft else "")
-        + f" at http://{cfg.host}:{cfg.port}/v1",
+        + f" at http://{cfg.host}:{cfg.port}/v1; {engine.pools.cfg.describe()}",
         file=sys.stderr,
     )
     server = uvicorn_server(create_app(engine, cfg), host=cfg.host, port=cfg.port)

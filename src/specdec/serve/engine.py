@@ -26,7 +26,9 @@ prompt is being prefilled, so an abandoned request never holds the engine for lo
 
 Cache safety: `decode.stream` resets the target's and the draft's caches at the start of every
 call, so nothing of one request's state reaches the next; after an engine exception both models
-are reset again.
+are reset again. What does reach the next request on purpose is its scope's draft pool
+(serve.draft_pools): prompt lookup drafts from the earlier requests of the same API key (or of
+every key, --draft-pool shared), and each request's prompt and output are added once it ends.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import SpecStream, stream
 from specdec.core.metrics import GenerationStats
 from specdec.core.model import SpecModel
+from specdec.core.pool import DraftPool
+from specdec.serve.draft_pools import PoolConfig, ServedPools
+from specdec.serve.keys import ANONYMOUS
 from specdec.serve.metrics import Metrics, RoundMark
 from specdec.serve.origins import OriginTracker
 from specdec.serve.protocol import (
@@ -65,7 +70,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64
 #: The prompt cache reuses, and reports, whole blocks of this many tokens: a client that guesses
-#: another's prompt learns at most whether a 256-token block matched, not the matching length.
+#: another's prompt learns at most whether a 256-token block matched, not the matching length
+#: (and only within a scope: the previous request's KV is kept for a request of its scope alone).
 PROMPT_CACHE_BLOCK = 256
 RETRY_AFTER_RANGE_S = (1, 60)
 _SERVICE_EMA = 0.8  # smoothing of the mean generation time that Retry-After is estimated from
@@ -107,6 +113,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     arrived: float  # time.perf_counter() at arrival
     deadline: float  # time.perf_counter() after which the request has timed out
+    tenant: str = ANONYMOUS  # the API key's id (serve.keys): whose draft pool it reads and feeds
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)  # worker -> event loop
     reason: str | None = None  # why it was abandoned: "cancelled", "timeout" or "shutdown"
     _abandoned: threading.Event = field(default_factory=threading.Event)  # event loop -> worker
@@ -256,6 +263,8 @@ class Engine:
         max_queue: int = DEFAULT_MAX_QUEUE,
         metrics: Metrics | None = None,
         prompt_cache: bool | None = None,
+        # None: no draft pool (`specdec serve` passes ServeConfig.pool_config(): one per API key)
+        draft_pool: PoolConfig | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -270,6 +279,9 @@ class Engine:
         # On by default only where it cannot change the output: kept rows were computed in
         # another batch shape than a fresh prefill would use.
         self.prompt_cache = target.batch_invariant if prompt_cache is None else prompt_cache
+        # The scope (serve.draft_pools) of the request whose KV the target holds: another
+        # tenant's request prefills afresh, or its cached_tokens would say what the last wrote.
+        self._cache_scope: str | None = None
         self.tokenizer = target.tokenizer or getattr(draft, "tokenizer", None)
         # The worker detokenizes every round; request threads tokenize prompts. A copy for the
         # worker, so that a long prompt being tokenized never stalls the running stream (HF
@@ -280,6 +292,8 @@ class Engine:
         self.n_ctx = min(m.n_ctx for m in (target, draft) if m is not None)
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
+        # Earlier requests' text to draft from, per scope (serve.draft_pools)
+        self.pools = ServedPools(draft_pool or PoolConfig("off"), self.metrics)
         self.lock = threading.Lock()
         # HF fast tokenizers are not safe to call from two threads at once ("Already borrowed"):
         # request threads encode prompts while the worker decodes outputs.
@@ -318,13 +332,17 @@ class Engine:
                 for _ in s:
                     pass
 
-    def stream_args(self, sp: Speculation, prediction: object) -> dict[str, object]:
-        """`decode.stream`'s draft, spec and prediction for a request's speculation: the draft
-        model only for the drafters that run it, no prediction for "none" (it drafts nothing)."""
+    def stream_args(
+        self, sp: Speculation, prediction: object, pool: DraftPool | None = None
+    ) -> dict[str, object]:
+        """`decode.stream`'s draft, spec, prediction and pool for a request's speculation: the
+        draft model only for the drafters that run it, no prediction for "none" (it drafts
+        nothing), the draft pool only for the drafters that run prompt lookup."""
         return {
             "draft": self.draft if sp.uses_draft else None,
             "spec": sp.spec_config(),
             "prediction": None if sp.drafter == "none" else prediction,
+            "pool": pool if sp.uses_lookup else None,
         }
 
     def start(self) -> None:
@@ -468,28 +486,36 @@ class Engine:
         origins = OriginTracker(self.decode) if p.origins else None
         with self.lock:
             started = time.perf_counter()
+            use = self.pools.begin(job.tenant)
             try:  # stream() checks every argument before any model work
                 s = stream(
                     self.target,
                     p.prompt_ids,
-                    **self.stream_args(p.speculation, p.prediction_index or p.prediction),
+                    **self.stream_args(
+                        p.speculation,
+                        p.prediction_index or p.prediction,
+                        use.pool if use is not None else None,
+                    ),
                     warp=p.warp,
                     max_new_tokens=p.max_tokens,
                     seed=p.seed,
                     stop_ids=self.stop_ids,
                     cancelled=lambda: job.stopped() is not None,  # polled between prefill chunks
                     on_round=origins.observe if origins is not None else None,
-                    reuse_prefix=PROMPT_CACHE_BLOCK if self.prompt_cache else 0,
+                    reuse_prefix=self._reuse_prefix(job.tenant),
                 )
             except ValueError as e:
                 self.metrics.inc("specdec_generations_total", outcome="error")
                 job.emit(Failed(bad(str(e))))
+                self.pools.end(use, ())  # nothing ran: nothing to add
                 return
+            self._cache_scope = self.pools.scope(job.tenant)  # what the target will hold
             job.emit(Start())
             rounds: list[RoundMark] = []
+            output: list[int] = []  # the tokens committed, for the draft pool
             self._running, self.busy = job, True
             try:
-                outcome = self._rounds(job, s, rounds, origins)
+                outcome = self._rounds(job, s, rounds, origins, output)
             except Exception as e:
                 outcome = "error"
                 log.exception("generation failed")
@@ -499,19 +525,33 @@ class Engine:
             finally:
                 s.close()  # a no-op once exhausted; else stops the loop at its yield
                 self._running, self.busy = None, False
+                # After the stream, never during it: a request drafts from earlier ones only.
+                self.pools.end(use, [*p.prompt_ids, *output])
             wall = time.perf_counter() - started
             self._service_s = _SERVICE_EMA * self._service_s + (1 - _SERVICE_EMA) * wall
             self.metrics.record_generation(s.stats, outcome, job.arrived, started, rounds)
             self.metrics.inc("specdec_generations_by_drafter_total", drafter=p.speculation.drafter)
 
+    def _reuse_prefix(self, tenant: str) -> int:
+        """decode.stream's reuse_prefix for a request: blocks of the KV the target holds, if the
+        request that left it was of the same scope."""
+        same = self.pools.scope(tenant) == self._cache_scope
+        return PROMPT_CACHE_BLOCK if self.prompt_cache and same else 0
+
     def _rounds(
-        self, job: Job, s: SpecStream, rounds: list[RoundMark], origins: OriginTracker | None
+        self,
+        job: Job,
+        s: SpecStream,
+        rounds: list[RoundMark],
+        origins: OriginTracker | None,
+        output: list[int],
     ) -> str:
-        """Hand each round's text (and origins, if asked) to the job until the end; return the
-        outcome for metrics."""
+        """Hand each round's text (and origins, if asked) to the job until the end, collecting
+        the committed tokens in `output`; return the outcome for metrics."""
         text = TextAssembler(self.decode, job.params.stop)
         drafted = 0
         for ids in s:
+            output += ids
             rounds.append(RoundMark(time.perf_counter(), len(ids), s.stats.drafted - drafted))
             drafted = s.stats.drafted
             record = origins.record(ids) if origins is not None else None

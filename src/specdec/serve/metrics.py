@@ -110,6 +110,60 @@ _METRICS: dict[str, tuple[str, str]] = {
         "Rounds whose draft token at this position was accepted; divided by "
         "specdec_drafted_per_position_total it is the acceptance rate by position",
     ),
+    # The cross-request draft pools (serve.draft_pools, core.pool.PoolStats)
+    "specdec_draft_pool_scopes": (
+        "gauge",
+        "Draft pools held now: one per scope that has sent a request (--draft-pool key: an "
+        "API key, or the one anonymous scope of a server without keys; shared: one), at most "
+        "--draft-pool-scopes (the least recently used goes first)",
+    ),
+    "specdec_draft_pool_tokens": (
+        "gauge",
+        "Tokens of earlier requests' prompts and outputs held by the draft pools now (each "
+        "pool at most specdec_draft_pool_capacity_tokens; the oldest are evicted first)",
+    ),
+    "specdec_draft_pool_capacity_tokens": (
+        "gauge",
+        "--draft-pool-tokens: the tokens each scope's pool holds at most (0: pools off)",
+    ),
+    "specdec_draft_pool_memory_bytes": (
+        "gauge",
+        "Bytes the draft pools hold now (a pool allocates all of its memory when its scope "
+        "sends its first request, and never more)",
+    ),
+    "specdec_draft_pool_memory_limit_bytes": (
+        "gauge",
+        "The most specdec_draft_pool_memory_bytes can reach: the pools that may be held at "
+        "once, each of its fixed size",
+    ),
+    "specdec_draft_pool_documents_total": (
+        "counter",
+        "Documents added to the draft pools: one per request that reached the engine (its "
+        "prompt and the tokens it committed, also when it was cut off)",
+    ),
+    "specdec_draft_pool_evicted_tokens_total": (
+        "counter",
+        "Tokens overwritten in the draft pools to make room for newer ones",
+    ),
+    "specdec_draft_pool_lookups_total": (
+        "counter",
+        "Searches of a draft pool for the context's last tokens (prompt lookup may search "
+        "more than once a round: to pick the round's draft source, then to draft)",
+    ),
+    "specdec_draft_pool_hits_total": (
+        "counter",
+        "Draft-pool searches that found an earlier occurrence of the context's last tokens; "
+        "divided by specdec_draft_pool_lookups_total it is the hit rate",
+    ),
+    "specdec_draft_pool_drafted_tokens_total": (
+        "counter",
+        "Draft tokens taken from a draft pool and sent to verification (draft sources pool4+, "
+        "pool8+, pool16+; also counted in specdec_draft_tokens_total)",
+    ),
+    "specdec_draft_pool_accepted_tokens_total": (
+        "counter",
+        "Of those, tokens the accept rule kept (also counted in specdec_accepted_tokens_total)",
+    ),
     "specdec_acceptance_length": (
         "histogram",
         "Tokens committed by one drafting round: accepted drafts plus the recovered or bonus "

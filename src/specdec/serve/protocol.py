@@ -358,6 +358,9 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
 SPEC_DRAFTERS = ("none", "lookup", "prediction", "model", "composite")
 #: The drafters that run the server's draft model (--draft).
 MODEL_DRAFTERS = ("model", "composite")
+#: The drafters that run prompt lookup, so draft from a draft pool too (serve.draft_pools):
+#: prediction's fallback is lookup.
+LOOKUP_DRAFTERS = ("lookup", "prediction", "composite")
 #: The fields of the `speculation` object.
 SPEC_FIELDS = ("drafter", "k", "k_max")
 #: The largest k or k_max a request may ask for. A round verifies k + 1 tokens in one target pass;
@@ -414,6 +417,10 @@ class Speculation:
     @property
     def uses_draft(self) -> bool:
         return self.drafter in MODEL_DRAFTERS
+
+    @property
+    def uses_lookup(self) -> bool:
+        return self.drafter in LOOKUP_DRAFTERS
 
     def spec_config(self) -> SpecConfig:
         """What `decode.stream` runs with. "prediction" runs as "lookup": stream drafts from a
