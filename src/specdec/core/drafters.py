@@ -188,11 +188,6 @@ class LookupDrafter:
         m = self.match(context)
         return None if m is None else lookup_source(m[0])
 
-    def matched(self, context: list[int]) -> int:
-        """The length of the n-gram the proposal continues (0: none)."""
-        m = self.match(context)
-        return 0 if m is None else m[0]
-
     def propose(self, context: list[int], k: int) -> Proposal:
         m = self.match(context)
         tokens = [] if m is None else context[m[1] : m[1] + k]
@@ -450,35 +445,22 @@ class PredictionDrafter:
 
     def _at_start(self, context: list[int]) -> bool:
         """Is the prediction's start the likely next text? When the prompt quotes the
-        prediction (an edit request holding the file), the answer usually opens the way the
-        prompt does (a code fence): the start is proposed right after the output wrote the
-        LEAD tokens that precede it in the prompt, not at every token of the preamble (each
-        of those guesses was rejected, and they taught the K policy to stop trying). Else,
-        at every position of the window."""
+        prediction (an edit request holding the file), the answer opens with it or the way
+        the prompt does (a code fence): the start is proposed first, then right after the
+        output wrote the LEAD tokens that precede it in the prompt, not at every token of
+        the preamble (each of those guesses was rejected, and they taught the K policy to
+        stop trying). Else, at every position of the window."""
         if self._lead is None:
             self._lead = _lead_in(context[: self.start], self.prediction, self.LEAD)
         out = context[self.start :]
-        if not self._lead:
+        if not self._lead or not out:
             return bool(self.prediction)
         j = min(len(self._lead), len(out))
-        return j > 0 and out[-j:] == self._lead[-j:]
+        return out[-j:] == self._lead[-j:]
 
     def source(self, context: list[int]) -> str | None:
         m = self._draft_from(context)
         return None if m is None else m[0]
-
-    def matched(self, context: list[int]) -> int:
-        """The output tokens the alignment rests on: the re-alignment's n-gram and what
-        followed it (the lead-in before the prediction's start; 0 when not aligned). A copy
-        under way (COPY_RUN tokens) outranks any n-gram match: it drafts the file with its
-        rewrites, which prompt lookup's copy of the prompt lacks."""
-        m = self._draft_from(context)
-        if m is None:
-            return 0
-        if self._cur is None:  # the prediction's start, after the lead-in
-            return len(self._lead or ())
-        n = self._realigned_n + self._run
-        return n if n < self.COPY_RUN else 1 << 30
 
     def propose(self, context: list[int], k: int) -> Proposal:
         m = self._draft_from(context)
@@ -516,41 +498,24 @@ def _lead_in(prompt: list[int], prediction: list[int], n: int, probe: int = 8) -
     return []
 
 
-#: CompositeDrafter's default: a later part with a longer current match is taken (the
-#: prediction re-aligned on a token or two after an edit, lookup on 4+: lookup). Replayed on
-#: 28 rewrite outputs (1,024-token curve, decode): a wrong prediction 2.36x -> 2.48x (it had
-#: blocked lookup), the right one 2.82x, unchanged.
-LONGEST = True
-
-
 class CompositeDrafter:
     """The first of several drafters that has something to propose: e.g. the prediction, else
-    prompt lookup, else the draft model. At most one of them may keep a draft model. With
-    `longest`, a later part whose current match (`matched(context)`: the tokens its proposal
-    rests on) is longer than the first's is taken instead."""
+    prompt lookup, else the draft model. At most one of them may keep a draft model."""
 
-    def __init__(self, *parts: Drafter, longest: bool = LONGEST) -> None:
+    def __init__(self, *parts: Drafter) -> None:
         models = [d.model for d in parts if d.model is not None]
         if len(models) > 1:
             raise ValueError("a composite drafter may hold one draft model at most")
         self.parts = parts
-        self.longest = longest
         self.model = models[0] if models else None  # the cache the loop checks
         self._last: Drafter | None = None
 
     def _pick(self, context: list[int]) -> tuple[Drafter, str] | None:
-        first = None
         for d in self.parts:
             src = d.source(context)
-            if src is None:
-                continue
-            if first is None:
-                first = (d, src)
-                if not self.longest or not hasattr(d, "matched"):
-                    return first
-            elif hasattr(d, "matched") and d.matched(context) > first[0].matched(context):
-                return d, src  # a longer match than the first part's: stronger evidence
-        return first
+            if src is not None:
+                return d, src
+        return None
 
     def source(self, context: list[int]) -> str | None:
         pick = self._pick(context)

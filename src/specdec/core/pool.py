@@ -201,11 +201,6 @@ class PoolDrafter:
         pick = self._pick(context)
         return None if pick is None else pick[0]
 
-    def matched(self, context: list[int]) -> int:
-        """The length of the match the proposal continues (0: none)."""
-        pick = self._pick(context)
-        return 0 if pick is None else pick[1]
-
     def propose(self, context: list[int], k: int) -> Proposal:
         pick = self._pick(context)
         self._from_pool = pick is not None and pick[0].startswith("pool")
