@@ -2,7 +2,8 @@
 models: serve.draft_pools, serve.keys and the engine's wiring.
 
 repeat        a request that repeats an earlier one drafts its answer from the pool (sources
-              pool*), accepts more in fewer rounds, and its greedy output is the target's
+              pool*), accepts more in fewer rounds, and its greedy output is the target's;
+              past the end of its prediction, drafter prediction drafts from the pool too
 scope         per API key by default: key B never drafts from key A's pool (the pool counters
               and the request's own sources say so); --draft-pool shared shares, off is off;
               a server without keys has one anonymous scope (a Bearer token there chooses
@@ -26,7 +27,6 @@ from typing import Any
 import numpy as np
 import pytest
 from stats_util import two_sample_chi2
-from stream_golden import TemplateTokenizer
 from test_server import MOCK_SPEC, Server, SlowMock, V, metric
 
 from specdec.cli import main as cli
@@ -56,6 +56,25 @@ LOOKUP = {"drafter": "lookup", "k": 8}
 KEY_A, KEY_B, KEY_C = "key-of-tenant-a", "key-of-tenant-b", "key-of-tenant-c"
 
 
+class CharTokenizer:
+    """One character per id of the big mock's vocabulary (what the server needs of a
+    tokenizer to read a text prediction and write text)."""
+
+    eos_token_id = None
+    bos_token_id = None
+    chat_template = None
+    base = 0x100  # ids 0..511 -> U+0100..U+02FF: printable, one code point each
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) - self.base for c in text]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(self.base + i) for i in ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(self.base + i): i for i in range(BIG_V)}
+
+
 def _server(
     *,
     mode: str = "key",
@@ -64,15 +83,14 @@ def _server(
     scopes: int = 16,
     big: bool = True,
     delay: float = 0.0,
-    tokenizer: bool = False,
+    tokenizer: Any = None,
 ) -> Server:
     """A target-only server (no draft model) whose draft pools are set as `specdec serve`'s
     flags would set them."""
     spec = BIG_SPEC if big else MOCK_SPEC
     target = SlowMock(BIG_V, seed=1, scale=1.0, name=spec) if big else SlowMock(V, name=spec)
     target.delay = delay
-    if tokenizer:
-        target.tokenizer = TemplateTokenizer()
+    target.tokenizer = tokenizer
     cfg = ServeConfig(
         target=spec,
         api_keys=keys,
@@ -308,21 +326,22 @@ def test_the_drafters_that_run_prompt_lookup_get_the_pool(drafter: str, reads_po
     assert (got["pool"] is pool) == reads_pool
 
 
-def test_a_prediction_falls_back_to_the_pool() -> None:
-    """A wrong prediction: what it cannot draft, prompt lookup drafts, from the pool too."""
-    srv = _server(big=False, tokenizer=True)
+def test_past_its_prediction_a_request_drafts_from_the_pool() -> None:
+    """drafter prediction: the prediction first (the answer's first part), then, where the
+    prediction has nothing more, prompt lookup, which drafts the rest from the pool."""
+    srv = _server(tokenizer=CharTokenizer())
     try:
-        body = {"model": MOCK_SPEC, "messages": [{"role": "user", "content": "say it again"}]}
-        body |= {"max_tokens": 40, "temperature": 0, "return_token_ids": True}
-        status, _, first = srv.request("POST", "/v1/chat/completions", body)
-        assert status == 200, first
-        wrong = {"prediction": {"type": "content", "content": "~" * 40}}
-        wrong |= {"speculation": {"drafter": "prediction", "k": 8}}
-        status, _, second = srv.request("POST", "/v1/chat/completions", body | wrong)
-        assert status == 200, second
-        assert _tokens(second) == _tokens(first)
-        spec = second["usage"]["speculation"]
-        assert spec["drafter"] == "prediction" and _pooled(second)[1] > 0, spec["by_source"]
+        answer = _tokens(_complete(srv))
+        head = CharTokenizer().decode(answer[:24])
+        second = _complete(
+            srv,
+            speculation={"drafter": "prediction", "k": 8},
+            prediction={"type": "content", "content": head},
+        )
+        assert _tokens(second) == answer
+        by = second["usage"]["speculation"]["by_source"]
+        from_prediction = sum(v["accepted"] for s, v in by.items() if s.startswith("prediction"))
+        assert from_prediction > 0 and _pooled(second)[1] >= 24, by
     finally:
         srv.close()
 
