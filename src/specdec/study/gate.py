@@ -78,10 +78,12 @@ class GateSettings:
     greedy_tokens: int = 200
 
 
-#: `--quick` (CI on `smoke`): 10 prompts x 40 tokens per method give ~10 bins with expected count
-#: >= 5 on smollm2 (measured: 389 tokens, dof 10; 12 x 24 gave only dof 6-8), so the chi-square
-#: keeps some power; about half a minute on 2 idle cores, most of it the HF draft.
-QUICK = GateSettings(prompts=10, max_new_tokens=40, greedy_prompts=2, greedy_tokens=24)
+#: `--quick` (CI on `smoke`): 16 prompts x 40 tokens per method give ~10+ bins with expected
+#: count >= 5 on smollm2 (measured with 10 prompts: 389 tokens, dof 10; 12 x 24 gave only dof
+#: 6-8), so the chi-square keeps some power, and 16 pairs let the permutation p-value go below
+#: 0.001 (smallest attainable ~2/2^n), the level the CI test holds it to; about a minute on 2
+#: idle cores, most of it the HF draft.
+QUICK = GateSettings(prompts=16, max_new_tokens=40, greedy_prompts=2, greedy_tokens=24)
 
 #: A prompt as the gate sees it: (prompt id, token ids).
 PromptIds = tuple[str, list[int]]
