@@ -91,8 +91,10 @@ def test_no_match_across_documents() -> None:
     pool.add([6, 7, 8, 9, 10])
     assert pool.match([3, 4, 5, 6, 7]) is None  # 4 5 6 7 spans the boundary: no such text
     assert pool.match([4, 5, 6, 7, 8, 9])[0] == 4  # the match stops at the document's start
-    m, end = pool.match([0, 2, 3, 4, 5])
-    assert m == 4 and pool.continuation(end, 4) == []  # the document ends there
+    # a document's last n-gram is not indexed: nothing follows it, a draft from it is empty
+    assert pool.match([0, 2, 3, 4, 5]) is None
+    m, end = pool.match([0, 1, 2, 3, 4])
+    assert m == 4 and pool.continuation(end, 4) == [5]
 
 
 def test_memory_is_fixed_and_old_text_is_evicted() -> None:

@@ -57,12 +57,18 @@ def test_aligned_output_drafts_the_continuation() -> None:
 
 
 def test_preamble_before_the_copy_then_alignment() -> None:
-    """The answer opens with a fence (tokens 0, 1) the prediction does not have."""
+    """The answer opens with a fence (tokens 0, 1) the prediction does not have, and the prompt
+    does not quote the prediction: the start is guessed until a guess is rejected outright,
+    then the copy is found by re-alignment (a wrong prediction's start, guessed every round,
+    kept prompt lookup from drafting)."""
     d = PredictionDrafter(PRED, len(PROMPT))
+    assert _next(d, []) == ("prediction-start", PRED[:4])
     _accept(d, [], 2, 0)  # the start guessed, rejected: the output began with 0
-    assert _next(d, [0]) == ("prediction-start", PRED[:4])
-    _accept(d, [0, 1], 4, 4)
-    assert _next(d, [0, 1, *PRED[:5]]) == ("prediction", PRED[5:9])
+    assert _next(d, [0]) == (None, [])
+    assert _next(d, [0, 1]) == (None, [])
+    assert _next(d, [0, 1, *PRED[:3]]) == ("prediction-realigned", PRED[3:7])
+    _accept(d, [0, 1, *PRED[:3]], 4, 4)
+    assert _next(d, [0, 1, *PRED[:8]]) == ("prediction", PRED[8:12])
 
 
 def test_insertion_realigns_after_the_inserted_tokens() -> None:

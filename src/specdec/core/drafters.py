@@ -250,7 +250,10 @@ class PredictionDrafter:
     n < MIN_BACKWARD matches are accepted only forward and nearby, since a short n-gram recurs
     all over a file. Before any alignment (the answer's preamble, e.g. an opening code fence),
     the prediction's start is proposed, as source "prediction-start", so the K policy judges
-    those guesses apart from aligned drafts.
+    those guesses apart from aligned drafts; where the prompt does not quote the prediction,
+    only until one guess is rejected outright (a wrong prediction's start, proposed every round,
+    kept prompt lookup from drafting: 7 of 263 drafted tokens accepted against 27 of 42 by
+    lookup alone, mock model, K = 8).
 
     Edits are learned (core.edits): the span between the departure and the re-alignment, and
     what the output wrote there, becomes a rewrite once the output has followed the prediction
@@ -297,6 +300,7 @@ class PredictionDrafter:
         self._last = 0  # the last aligned prediction index, for "prefer forward"
         self._aligned_once = False
         self._run = 0  # output tokens that followed the prediction since the last re-alignment
+        self._start_missed = False  # a guess of the start was rejected at its first token
         self._realigned_n = 0  # the n-gram length of the last re-alignment
         self._departed: tuple[int, int] | None = None  # (prediction index, output index)
         self._candidate: tuple[int, int, list[int]] | None = None  # the edit, unconfirmed
@@ -449,11 +453,13 @@ class PredictionDrafter:
         the prompt does (a code fence): the start is proposed first, then right after the
         output wrote the LEAD tokens that precede it in the prompt, not at every token of
         the preamble (each of those guesses was rejected, and they taught the K policy to
-        stop trying). Else, at every position of the window."""
+        stop trying). Else, at every position of the window until a guess is rejected outright."""
         if self._lead is None:
             self._lead = _lead_in(context[: self.start], self.prediction, self.LEAD)
         out = context[self.start :]
-        if not self._lead or not out:
+        if not self._lead:  # not quoted: guess at every position until a guess is rejected
+            return bool(self.prediction) and not self._start_missed
+        if not out:
             return bool(self.prediction)
         j = min(len(self._lead), len(out))
         return out[-j:] == self._lead[-j:]
@@ -476,6 +482,8 @@ class PredictionDrafter:
             rewritten = [t.rule is not None for t in self._proposed[0]]
             self.rewrite_drafted += sum(rewritten)
             self.rewrite_accepted += sum(rewritten[:n_accepted])
+        if self._proposed is not None and n_accepted == 0 and not self._aligned_once:
+            self._start_missed = True  # the start is not the next text (_at_start)
         if self._proposed is not None and n_accepted > 0:
             draft, n_out = self._proposed
             self._credit(draft[:n_accepted])

@@ -102,8 +102,9 @@ class DraftPool:
             self._end += 1
             self.stats.evicted += old != _SEP
             self.stats.tokens += (t != _SEP) - (old != _SEP)
+        # every n-gram a token follows (one at the document's end would draft nothing)
         for n, table in zip(KEYS, self._tables, strict=True):
-            for end in range(start + n, start + len(doc) + 1):
+            for end in range(start + n, start + len(doc)):
                 key = tuple(doc[end - start - n : end - start])
                 table[hash(key) & (self._slots - 1)] = end + 1
         self.stats.documents += 1
