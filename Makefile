@@ -52,6 +52,12 @@ browser:
 test: venv browser
 	$(BIN)/python -m pytest -q
 
+# The edit-test loop: the suite without real models, statistical tests and slow runs (the
+# markers in pyproject.toml; under 2 minutes on the 2-core box). `make test` runs them all.
+.PHONY: test-fast
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not model and not stats and not slow"
+
 lint: venv
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/ruff format --check src tests scripts
@@ -68,7 +74,7 @@ demo: venv
 	@echo "figures and REPORT.md in runs/demo/"
 
 # The study whose artifacts are committed under results/ (sizes reduced to fit this 2-core CPU;
-# the README says which). Run on an otherwise idle machine: two busy processes make llama.cpp's
+# docs/results.md says which). Run on an otherwise idle machine: two busy processes make llama.cpp's
 # spin barriers stall (see tests/conftest.py), and every number would be meaningless.
 STUDY := results/cpu
 STUDY_METHODS := --drafter lookup -k auto --variants composite:auto,model:auto,model:4 \
@@ -127,9 +133,10 @@ study-kernels: venv
 	  --repeats 5 --prefix 512 --tag draft-stock --out $(STUDY)
 
 # Stock llama.cpp (built as its users build it: CMake's defaults, native kernels) beside specdec,
-# same source, weights and prompts (results/cpu/anchors/; the README's side-by-side tables): in
+# same source, weights and prompts (results/cpu/anchors/; docs/results.md and the README's table): in
 # process against its servers, then specdec's own server against them, both warm.
 ANCHORS := results/cpu/anchors
+SERVED := results/cpu/served
 ANCHOR_BENCH := --category rewrite --drafter prediction -k auto --max-new-tokens 512 \
   --compare llama-server --out $(ANCHORS)
 anchors: venv
@@ -138,11 +145,14 @@ anchors: venv
 
 study-anchors: anchors
 	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+	# the README's table: specdec serve against stock llama-server (and the twin), warm, in a
+	# directory of its own so that `specdec figures results/cpu/served` draws it alone
+	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 5 --warmup 1 $(ANCHOR_BENCH) --serve \
+	  --llama-server-modes none,ngram-mod,ngram-map-k,twin-ngram-mod --tag served --out $(SERVED)
+	$(BIN)/specdec figures $(SERVED)
 	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 5 --warmup 1 $(ANCHOR_BENCH) \
 	  --variants lookup:auto,wrong-prediction:auto \
-	  --llama-server-modes none,ngram-mod,ngram-map-k,lookup --tag anchors
-	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 5 --warmup 1 $(ANCHOR_BENCH) --serve \
-	  --llama-server-modes none,ngram-mod,ngram-map-k --tag served
+	  --llama-server-modes none,ngram-mod,ngram-map-k,lookup,twin-none,twin-ngram-mod --tag anchors
 	for mode in ngram-mod ngram-map-k draft; do \
 	  $(BIN)/specdec gate --config all_gguf --llama-server $$mode --category code_editing,summarization \
 	    --prompts 20 --max-new-tokens 64 --greedy-prompts 4 --greedy-tokens 160 --out $(ANCHORS) \

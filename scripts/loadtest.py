@@ -57,7 +57,7 @@ DEFAULT_PROMPTS = (
 
 def _prompts() -> list[str]:
     try:
-        from specdec.study.prompts import load_prompts
+        from specdec.study.run.prompts import load_prompts
 
         return [p.text for p in load_prompts()] or list(DEFAULT_PROMPTS)
     except ImportError:  # run without the package installed: a small built-in set

@@ -1,4 +1,4 @@
-"""Shared fixtures: the real test model, loaded once per session.
+"""Shared fixtures: the real test model, loaded once per session, and the suite's markers.
 
     smol_path        Path of smollm2-135m.gguf (SmolLM2-135M-Instruct Q4_1, vocab 49152), fetched
                      into $SPECDEC_HOME on first use.
@@ -6,10 +6,21 @@
     smol_llamacpp    load_model("llamacpp:smollm2-135m"): Q4_1 in llama.cpp, default settings
                      except 1 thread (see TEST_THREADS).
     smol_prompt_ids  ~300 token ids of real text: a chat-templated prompt plus an answer.
+    qwen05_path      Path of qwen2.5-coder-0.5b.gguf, fetched on first use.
+A test that needs a model fetches it (`fetched`); where it cannot, the test fails, never skips.
 
-The two models are session-wide (loading the HF one takes ~10 s), and every test that asks for
-one gets it with an EMPTY cache: the fixture resets it before handing it out. Tests that use them
-should be marked `@pytest.mark.slow` (they still run in `make test`).
+The two models are session-wide (loading the HF one takes ~10 s): a test or a module fixture
+that needs one asks for these rather than loading its own. Every test that asks for one gets it
+with an EMPTY cache: the fixture resets it before handing it out.
+
+Markers (pyproject.toml), so that `make test-fast` can leave out what is slow by nature:
+    model   needs a real model: added here to every test that uses smol_path (every fixture
+            above does); a test that loads one itself (other settings, a subprocess, the CLI)
+            says so with @pytest.mark.model
+    stats   a statistical test: thousands of seeded generations or draws, an explicit
+            statistic and threshold
+    slow    slow for another reason (a subprocess CLI run, a build, a long soak)
+`make test` runs them all.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 _QUESTION = "Explain what speculative decoding is and why its output is lossless."
 # An answer long enough to carry the contract tests past position 256, where llama.cpp's
-# flash-attention kernels would change code path for an f16 K cache (models/llamacpp.py).
+# flash-attention kernels would change code path for an f16 K cache (backends/llamacpp.py).
 _ANSWER = (
     "Speculative decoding speeds up text generation by letting a small draft model guess several "
     "tokens ahead, and then asking the large target model to check all of the guesses in a single "
@@ -57,11 +68,34 @@ _ANSWER = (
 )
 
 
-@pytest.fixture(scope="session")
-def smol_path() -> Path:
+#: Fixtures that need a real model: a test that uses one (directly or through another fixture)
+#: is marked `model`.
+MODEL_FIXTURES = frozenset({"smol_path", "qwen05_path"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
+
+
+def fetched(name: str) -> Path:
+    """The cached file of registry model `name`, fetched first if needed (ModelFetchError, a
+    failure, when it cannot be: a missing model never skips a test)."""
     from specdec.backends.registry import resolve
 
-    return resolve(SMOL, progress=False)
+    return resolve(name, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> Path:
+    return fetched(SMOL)
+
+
+@pytest.fixture(scope="session")
+def qwen05_path() -> Path:
+    """qwen2.5-coder-0.5b.gguf (the default draft, vocabulary 151936), fetched if needed."""
+    return fetched("qwen2.5-coder-0.5b")
 
 
 @pytest.fixture(scope="session")

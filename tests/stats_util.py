@@ -6,7 +6,7 @@ import numpy as np
 from scipy import stats
 
 # The library owns the two-sample test (the level-3 gate uses it too); re-exported here.
-from specdec.study.significance import MIN_EXPECTED, two_sample_chi2
+from specdec.study.run.significance import MIN_EXPECTED, two_sample_chi2
 
 __all__ = ["MIN_EXPECTED", "gof_chi2", "kl", "two_sample_chi2"]
 

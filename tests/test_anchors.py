@@ -1,4 +1,5 @@
-"""llama.cpp's tools as the peer (study/anchors.py): built as users build it, started as documented.
+"""llama.cpp's tools as the peer (study/engines/anchors.py): built as users build it, started as
+documented.
 
 Building and running llama-server is a benchmark (minutes of compile), not a test; these check
 what decides whether that comparison is fair and what a user sees when something is missing.
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from specdec.backends import llamacpp_build
-from specdec.study import anchors, endpoint
+from specdec.study.engines import anchors, endpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,7 +113,7 @@ def test_a_server_that_exits_while_starting_is_a_clear_error(tmp_path) -> None:
 
 def test_bench_and_gate_refuse_bad_llama_server_settings_before_loading_anything(capsys) -> None:
     from specdec.cli import main as cli
-    from specdec.study.bench import BenchConfig
+    from specdec.study.run.bench import BenchConfig
 
     with pytest.raises(ValueError, match="the target must be a llamacpp: model"):
         BenchConfig("custom", "hf:a", "hf:b", compare="llama-server", llama_server=("none",))
@@ -194,7 +195,8 @@ def test_llama_lookup_failures_are_clear(tmp_path, monkeypatch) -> None:
 def test_bench_runs_llama_lookup_on_the_templated_prompt(tmp_path) -> None:
     """The bench's runner gives llama-lookup the task's chat-templated prompt as text and turns
     its report into a RUN record; a prompt that tokenizes differently is a recorded failure."""
-    from specdec.study import bench, endpoint
+    from specdec.study.engines import endpoint
+    from specdec.study.run import bench
 
     class Tok:  # ids are characters: the round trip is exact
         def decode(self, ids, skip_special_tokens=True):

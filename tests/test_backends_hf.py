@@ -3,7 +3,7 @@
 The rollback tests make one attention layer append its keys and values to the cache and then
 raise, as an out-of-memory error partway through the stack would: the layers before it hold the
 new positions, the layers after it do not. A tiny random Llama runs the contract in well under a
-second; the real smollm2 (slow) checks that the next greedy generation is still exact.
+second; the real smollm2 (model-marked) checks that the next greedy generation is still exact.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_the_truncate_path_still_crops_a_consistent_cache(tiny: HFModel) -> None
     assert (tiny.extend(seq[4:]) - full[4:]).abs().max().item() < TOL
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_failed_first_prefill_then_greedy_generation_is_exact(
     smol_hf: SpecModel, smol_prompt_ids: list[int]
 ) -> None:

@@ -86,7 +86,7 @@ def test_a_conversion_that_fails_to_load_is_made_again(gguf):
     assert save.calls == 3
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_real_tokenizer_loads_past_a_stray_file(smol_path):
     final = converted_dir("tokenizers", smol_path)
     final.mkdir(parents=True)

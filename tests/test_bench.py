@@ -1,6 +1,6 @@
 """The benchmark harness: artifacts that validate and agree with their own rows, the interleaved
-order, Ctrl-C keeping finished rows, the sweep, flag validation, and (slow) real-model smoke runs
-including transformers' assisted generation as the anchor.
+order, Ctrl-C keeping finished rows, the sweep, flag validation, and (model-marked) real-model
+smoke runs including transformers' assisted generation as the anchor.
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-import specdec.study.bench as bench
+import specdec.study.run.bench as bench
 from specdec.backends import registry
 from specdec.backends.mock import MockModel
 from specdec.cli.main import main
 from specdec.core.config import Warp
 from specdec.core.decode import generate
-from specdec.study import artifacts as schema
-from specdec.study import prompts as prompt_set
-from specdec.study.bench import BenchConfig, bench_config, format_table, run_bench
-from specdec.study.sweep import format_sweep_table, run_sweep
+from specdec.study.artifacts import provenance, runs, schema
+from specdec.study.run import prompts as prompt_set
+from specdec.study.run.bench import BenchConfig, bench_config, format_table, run_bench
+from specdec.study.run.sweep import format_sweep_table, run_sweep
 
 V = 48
 TARGET_SPEC, DRAFT_SPEC = f"mock:vocab={V},seed=0", f"mock:vocab={V},seed=1"
@@ -82,7 +82,10 @@ def test_bench_artifact_validates_and_matches_its_rows(pair, tmp_path) -> None:
     assert agg["speedup"] == pytest.approx(means["speculative"] / means["baseline"])
     ms = agg["speculative"]["ms_per_token"]
     gen = sum(r["generated"] for r in spec)
-    assert ms["verify"] == pytest.approx(1000 * sum(r["verify_s"] for r in spec) / gen)
+    # the latency split's "verify" is the target's passes, the prompt's prefill included
+    target_s = sum(r["verify_s"] + r["prefill_s"] for r in spec)
+    assert ms["verify"] == pytest.approx(1000 * target_s / gen)
+    assert sum(ms.values()) == pytest.approx(1000 * sum(r["wall_s"] for r in spec) / gen)
     assert agg["baseline"]["acceptance_rate"] is None  # nothing drafted
     assert agg["baseline"]["tokens_per_round"] == 1.0
     assert all(r["generated"] == cfg.max_new_tokens for r in base)  # mocks have no stop ids
@@ -236,6 +239,13 @@ def test_bench_config() -> None:
         bench_config("custom")
 
 
+def test_the_latency_split_stacks_the_prefill_on_verify() -> None:
+    """ms_per_token's "verify" is the target's passes, the prompt prefill included."""
+    run = {"draft_s": 1.0, "verify_s": 2.0, "prefill_s": 0.5, "sampling_s": 0.25, "other_s": 0.1}
+    split = runs.phase_seconds(run)
+    assert split == {"draft": 1.0, "verify": 2.5, "sampling": 0.25, "other": 0.1}
+
+
 def test_write_json_is_atomic_and_compact(tmp_path) -> None:
     path = tmp_path / "a" / "x.json"
     obj = {"tokens": [1, 2, 3], "nested": {"xs": [0.5, -1e-05]}, "s": "[1,\n 2]", "path": "p"}
@@ -246,8 +256,8 @@ def test_write_json_is_atomic_and_compact(tmp_path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["x.json"]  # no temp file left behind
 
 
-# -------------------------------------------------------------------------- real models (slow)
-@pytest.mark.slow
+# -------------------------------------------------------------------------- real models
+@pytest.mark.model
 def test_cli_smoke_config(tmp_path) -> None:
     argv = [
         "bench",
@@ -275,7 +285,7 @@ def test_cli_smoke_config(tmp_path) -> None:
     assert 1 <= row["speculative"]["generated"] <= 8 and row["prompt_tokens"] > 10
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_hf_assisted_matches_our_greedy_baseline(tmp_path) -> None:
     """transformers' assisted generation, greedy, on the same prompt: the same tokens as our
     target-only baseline (both fp32 on the CPU; a near-tie in the logits could in principle
@@ -307,9 +317,9 @@ def test_hf_assisted_matches_our_greedy_baseline(tmp_path) -> None:
 def test_model_block_hashes_local_files(tmp_path) -> None:
     f = tmp_path / "m.gguf"
     f.write_bytes(b"not really a model")
-    block = schema.model_block(f"llamacpp:{f}", MockModel(V))
+    block = provenance.model_block(f"llamacpp:{f}", MockModel(V))
     assert block.sha256 == hashlib.sha256(f.read_bytes()).hexdigest()
-    assert schema.model_block(TARGET_SPEC, MockModel(V)).sha256 is None
+    assert provenance.model_block(TARGET_SPEC, MockModel(V)).sha256 is None
 
 
 def test_variants_and_categories_in_one_run(pair, tmp_path) -> None:
@@ -374,7 +384,7 @@ def test_cli_category_caps_the_default_prompt_count(tmp_path) -> None:
     assert {r["category"] for r in art["rows"]} == {"creative"}
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_rewrite_tasks_with_the_prediction_drafter(smol_llamacpp, tmp_path) -> None:
     """The rewrite category end to end on a real model: each task's prediction (its original
     file) is tokenized with the target's tokenizer and drafted from; greedy output equals

@@ -1,7 +1,8 @@
-"""The SpecModel contract (models/base.py), one suite for every backend (STYLE.md, principle 4).
+"""The SpecModel contract (core/model.py), one suite for every backend (the style guide's
+principle 4).
 
 Backends: `mock` (exact), `hf` (smollm2-135m dequantized, fp32 CPU) and `llamacpp` (the same GGUF,
-Q4_1, default settings: flash attention, q8_0 K cache). The real ones are marked slow but run in
+Q4_1, default settings: flash attention, q8_0 K cache). The real ones are marked model but run in
 `make test`; each loads once per session (conftest.py).
 
 Tolerances are max |logit difference| against a fresh evaluation of the same tokens, measured on a
@@ -14,7 +15,7 @@ Tolerances are max |logit difference| against a fresh evaluation of the same tok
     llamacpp  0      bit-identical. Flash attention plus a quantized K cache send every batch shape
                      through the same kernels; with llama.cpp's default f16 K cache a single token
                      past position 256 differed from a batch by 1.75, and a long prefill from
-                     token-by-token by 2.6 (models/llamacpp.py explains why).
+                     token-by-token by 2.6 (backends/llamacpp.py explains why).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from specdec.core.model import SpecModel, SpecModelError
 TOL = {"mock": 0.0, "hf": 1e-3, "llamacpp": 0.0}
 BACKENDS = [
     "mock",
-    pytest.param("hf", marks=pytest.mark.slow),
-    pytest.param("llamacpp", marks=pytest.mark.slow),
+    pytest.param("hf", marks=pytest.mark.model),
+    pytest.param("llamacpp", marks=pytest.mark.model),
 ]
 MOCK_V = 48
 SCHEDULE_SEEDS = (0, 1)
@@ -191,7 +192,8 @@ def test_bad_tokens_and_lengths_raise_and_lose_nothing(model: SpecModel, seq: li
         (lambda: model.extend(torch.tensor([], dtype=torch.long)), "empty token list"),
         (lambda: model.extend([seq[4], V]), f"token id {V} is outside the vocabulary"),
         (lambda: model.extend([-1]), "token id -1 is outside the vocabulary"),
-        (lambda: model.extend(torch.tensor([[1, 2]])), "must be 1-D"),
+        # a batch of one ([1, n], as return_tensors="pt" gives) is one sequence; two are not
+        (lambda: model.extend(torch.tensor([[1, 2], [3, 4]])), "one sequence is"),
         (lambda: model.forward([]), "empty token list"),
         (lambda: model.truncate(-1), "must be >= 0"),
         (lambda: model.truncate(2.0), "expects an int"),
@@ -214,7 +216,7 @@ def test_context_window_is_enforced_exactly() -> None:
     m.extend([0])
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_llamacpp_small_context_fills_and_refuses(smol_path) -> None:
     m = load_model(
         f"llamacpp:{smol_path}", n_ctx=64, n_batch=16, n_threads=TEST_THREADS
@@ -255,7 +257,7 @@ def test_mock_spec_builds_the_mock() -> None:
     assert load_model("mock:").vocab_size == MOCK_V  # defaults
 
 
-@pytest.mark.slow  # copies the real model file
+@pytest.mark.model  # copies the real model file
 @pytest.mark.parametrize("backend", ["hf", "llamacpp"])
 def test_damaged_gguf_is_a_python_error(backend: str, smol_path, tmp_path) -> None:
     """llama.cpp may abort the process on a damaged file; we must refuse it first."""
@@ -276,7 +278,7 @@ def test_llamacpp_refuses_a_directory(tmp_path) -> None:
 
 
 # ------------------------------------------------------------------ HF vs llama.cpp agreement
-@pytest.mark.slow
+@pytest.mark.model
 def test_hf_and_llamacpp_agree_on_the_greedy_token(
     smol_hf: SpecModel, smol_llamacpp: SpecModel, smol_prompt_ids: list[int]
 ) -> None:

@@ -17,7 +17,7 @@ import specdec.core.decode as decode_mod
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate, stream
-from specdec.study.significance import paired_permutation_p
+from specdec.study.run.significance import paired_permutation_p
 
 V = 48
 N_GEN = 1000
@@ -33,16 +33,9 @@ def pair() -> tuple[MockModel, MockModel]:
     return target, draft
 
 
-def _gen(target, prompt, **kw):
-    """generate() with flat keywords (k=..., temperature=...), for table-driven tests."""
-    spec = {n: kw.pop(n) for n in ("drafter", "k", "k_max", "p_min") if n in kw}
-    warp = {n: kw.pop(n) for n in ("temperature", "top_k", "top_p") if n in kw}
-    return generate(target, prompt, spec=SpecConfig(**spec), warp=Warp(**warp), **kw)
-
-
 def _sample_many(target, draft, k, seeds, temperature=1.0, **kw) -> list[list[int]]:
     return [
-        _gen(
+        generate(
             target,
             PROMPT,
             draft=draft,
@@ -67,6 +60,7 @@ def baseline_samples(pair) -> list[list[int]]:
     return _sample_many(target, None, 4, range(10_000, 10_000 + N_GEN))
 
 
+@pytest.mark.stats
 def test_level2_speculative_matches_baseline(pair, baseline_samples) -> None:
     target, draft = pair
     spec = _sample_many(target, draft, 4, range(N_GEN), debug=True)
@@ -85,6 +79,7 @@ def test_level2_speculative_matches_baseline(pair, baseline_samples) -> None:
         assert p > P_MIN, f"{name}: chi2={chi2:.1f} dof={dof} p_perm={p:.4f} table {p_table:.4f}"
 
 
+@pytest.mark.stats
 def test_level2_has_power_against_a_broken_rule(pair, baseline_samples, monkeypatch) -> None:
     """A rule that always accepts the drafts (output ~ draft, not target) fails the same test."""
     target, draft = pair
@@ -239,7 +234,10 @@ def test_stream_chunks_concatenate_to_generate(pair) -> None:
 
 def test_stats_are_consistent(pair) -> None:
     target, draft = pair
-    r = generate(target, PROMPT, draft=draft, spec=SpecConfig(k=4), max_new_tokens=50, seed=9)
+    rounds = []
+    r = generate(
+        target, PROMPT, draft=draft, k=4, max_new_tokens=50, seed=9, on_round=rounds.append
+    )
     st = r.stats
     assert st.generated == len(r.tokens) == 50
     assert st.accepted == sum(st.accepted_per_pos)
@@ -248,7 +246,10 @@ def test_stats_are_consistent(pair) -> None:
     pos = st.positional_acceptance
     assert all(0 <= a <= 1 for a in pos) and len(pos) == 4
     assert 0 < st.ttft_s <= st.wall_s
-    assert st.draft_s + st.verify_s + st.sampling_s <= st.wall_s + 1e-6
+    # verify_s is the rounds' target passes; the prompt's prefill is prefill_s alone
+    assert st.prefill_s > 0 and st.verify_s == pytest.approx(sum(x.verify_s for x in rounds))
+    timed = st.prefill_s + st.draft_s + st.verify_s + st.sampling_s
+    assert timed <= st.wall_s + 1e-6 and timed + st.other_s == pytest.approx(st.wall_s)
     base = generate(target, PROMPT, max_new_tokens=50, seed=9).stats
     assert base.drafted == 0 and base.rounds == 50 and base.tokens_per_round == 1.0
 
@@ -272,7 +273,7 @@ def test_bad_arguments_fail_before_any_work(pair, kwargs, match) -> None:
     target.reset()
     draft.reset()
     with pytest.raises(ValueError, match=match):
-        _gen(target, PROMPT, draft=draft, **kwargs)
+        generate(target, PROMPT, draft=draft, **kwargs)
     assert target.n_cached == 0 and draft.n_cached == 0  # nothing was run
 
 

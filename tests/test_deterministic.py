@@ -28,7 +28,7 @@ from specdec.backends import load_model
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
 from specdec.core.model import SpecModelError
-from specdec.study.invariance import compare_nodes, probe_ids, summarize
+from specdec.study.run.invariance import compare_nodes, probe_ids, summarize
 
 SHAPES = (1, *range(2, 18), 31, 32, 33, 63, 64)  # verify batches, and past sdmm's 8-row tiles
 CONTEXT = 1100  # past 512 and 1,024 cached positions, where attention kernels change path
@@ -109,7 +109,7 @@ _STOCK_CONTROL = """
 import sys
 import numpy as np
 from specdec.backends import load_model
-from specdec.study.invariance import probe_ids
+from specdec.study.run.invariance import probe_ids
 m = load_model(f"llamacpp:{sys.argv[1]}", n_threads=1, n_ctx=256)
 ids = probe_ids(m.vocab_size, 56)
 m.prefill(ids[:40])
@@ -122,7 +122,7 @@ _SLOW_DETERMINISTIC = """
 import sys
 import numpy as np
 from specdec.backends import load_model
-from specdec.study.invariance import probe_ids
+from specdec.study.run.invariance import probe_ids
 m = load_model(f"llamacpp:{sys.argv[1]}", n_threads=1, n_ctx=256, deterministic=True)
 ids = probe_ids(m.vocab_size, 58)
 m.prefill(ids[:40])
@@ -153,7 +153,7 @@ _AMX = """
 import sys
 import numpy as np
 from specdec.backends import load_model
-from specdec.study.invariance import probe_ids
+from specdec.study.run.invariance import probe_ids
 m = load_model(f"llamacpp:{sys.argv[1]}", n_threads=1, n_ctx=256)
 ids = probe_ids(m.vocab_size, 58)
 m.prefill(ids[:40])
@@ -244,7 +244,7 @@ def test_probe_finds_the_first_differing_op() -> None:
 @pytest.mark.slow
 def test_probe_on_a_real_model_sees_identical_rows(smol_det) -> None:
     from specdec.backends.llamacpp import OpCapture
-    from specdec.study.invariance import probe
+    from specdec.study.run.invariance import probe
 
     capture = OpCapture()
     model = load_model("llamacpp:smollm2-135m", n_threads=1, n_ctx=256, op_capture=capture)

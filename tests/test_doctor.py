@@ -20,19 +20,20 @@ from typing import Any
 import numpy as np
 import pytest
 
+from specdec.backends.costs import CurveFiles
 from specdec.backends.mock import MockModel
 from specdec.core.model import SpecModel
-from specdec.core.policy import CostModelK
-from specdec.study import microbench
-from specdec.study.artifacts import model_block
-from specdec.study.doctor import BATCHES, diagnose, format_report, run
+from specdec.core.policy import AutoPolicies
+from specdec.study.artifacts.provenance import model_block
+from specdec.study.run import microbench
+from specdec.study.run.doctor import BATCHES, diagnose, format_report, run
 
 V = 48
 STEP_S = 0.05  # the planted target step
 
 
 class VirtualClock:
-    """Stands in for the `time` module inside study.microbench: perf_counter reads this clock."""
+    """Stands in for the `time` module inside run.microbench: perf_counter reads this clock."""
 
     def __init__(self) -> None:
         self.t = 0.0
@@ -99,8 +100,8 @@ def _alpha(cost: float, k: int) -> float:
 # ---------------------------------------------------------------------------- planted curves
 def test_a_draft_model_as_slow_as_the_target_cannot_pay(monkeypatch, tmp_path: Path) -> None:
     target, draft = planted(monkeypatch, flat, c=1.01)
-    target.cost_store = tmp_path / "costs" / "target.json"
-    rep = doctor(target, draft)
+    store = CurveFiles(tmp_path / "costs", key=lambda m: "target")
+    rep = doctor(target, draft, curves=store)
     d = rep.diagnosis
     assert rep.target_step_ms == pytest.approx(STEP_S * 1e3)
     assert d.c == pytest.approx(1.01)
@@ -112,20 +113,20 @@ def test_a_draft_model_as_slow_as_the_target_cannot_pay(monkeypatch, tmp_path: P
     )
     assert d.verdict[1].startswith("a draft model cannot pay here: c = 1.01")
     assert not rep.contended and rep.repeats >= 3
-    # k=auto's cost store now holds the measured curve, in seconds, and CostModelK reads it
-    saved = json.loads(target.cost_store.read_text())["verify_s"]
+    # k=auto's curve store now holds the measured curve, in seconds, and k=auto starts from it
+    assert rep.cost_store == str(tmp_path / "costs" / "target.json")
+    saved = json.loads((tmp_path / "costs" / "target.json").read_text())["verify_s"]
     assert {int(b): s for b, s in saved.items()} == pytest.approx(
         {b: STEP_S * flat(b) for b in BATCHES}
     )
-    policy = CostModelK(k_max=8)
-    policy.prepare(target, [1])
+    policy = AutoPolicies(store).get(target, "lookup", 8)
     assert policy.v(16) == pytest.approx(STEP_S * flat(16))
     assert policy.v(3) == pytest.approx(STEP_S * (flat(2) + flat(4)) / 2)  # between 2 and 4
 
 
 def test_no_batching_gain_means_no_lossless_method_can_pay(monkeypatch) -> None:
     target, draft = planted(monkeypatch, linear, c=0.1)
-    d = doctor(target, draft, seed_store=False).diagnosis
+    d = doctor(target, draft, curves=None).diagnosis
     assert d.ceiling == pytest.approx(1.0) and d.ceiling_b == 1
     assert d.verdict[0].startswith("no lossless method can pay here")
     assert d.verdict[1].startswith("a draft model cannot pay here: c = 0.10")
@@ -136,7 +137,7 @@ def test_no_batching_gain_means_no_lossless_method_can_pay(monkeypatch) -> None:
 
 def test_a_cpu_curve_pays_on_edits_and_a_cheap_draft_pays_above_its_break_even(monkeypatch) -> None:
     target, draft = planted(monkeypatch, cpu, c=0.1)
-    d = doctor(target, draft, seed_store=False).diagnosis
+    d = doctor(target, draft, curves=None).diagnosis
     ceiling = 64 / cpu(64)  # b / v(b) grows with b on this curve
     assert d.ceiling == pytest.approx(ceiling) and d.ceiling_b == 64
     assert d.verdict[0].startswith(
@@ -163,7 +164,7 @@ def test_a_cpu_curve_pays_on_edits_and_a_cheap_draft_pays_above_its_break_even(m
 
 def test_without_a_draft_the_verdict_says_how_to_judge_one(monkeypatch) -> None:
     target, _ = planted(monkeypatch, flat, c=None)
-    rep = doctor(target, None, seed_store=False)
+    rep = doctor(target, None, curves=None)
     assert rep.diagnosis.c is None and rep.draft_step_ms is None
     assert rep.diagnosis.verdict[1] == "no draft model measured: give --draft SPEC to judge one"
     assert all(r.model_cost is None for r in rep.diagnosis.break_even)
@@ -184,7 +185,7 @@ def test_diagnose_interpolates_as_k_auto_does_and_needs_b_1() -> None:
 # ---------------------------------------------------------------------------- table, JSON, CLI
 def test_report_table_names_every_number(monkeypatch) -> None:
     target, draft = planted(monkeypatch, cpu, c=0.1)
-    text = format_report(doctor(target, draft, seed_store=False))
+    text = format_report(doctor(target, draft, curves=None))
     for needle in (
         "one step 50.0 ms",
         "v(b)",
@@ -249,22 +250,19 @@ def test_cli_doctor_json_on_mock_models(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- a real model
-@pytest.mark.slow
+@pytest.mark.model
 def test_a_real_smollm2_run_completes(smol_llamacpp, smol_hf, tmp_path: Path) -> None:
     """The doctor on smollm2-135m (llama.cpp) with its HF copy as the draft: it completes, its
     numbers are sane (not their values: this machine is shared), and its store is written."""
-    store = smol_llamacpp.cost_store
-    smol_llamacpp.cost_store = tmp_path / "store.json"  # never the user's store from a test
-    try:
-        models = blocks(smol_llamacpp, smol_hf)
-        rep = run(smol_llamacpp, smol_hf, models, seconds=10, progress=False)
-    finally:
-        smol_llamacpp.cost_store = store
+    models = blocks(smol_llamacpp, smol_hf)
+    curves = CurveFiles(tmp_path)  # never the user's store from a test
+    rep = run(smol_llamacpp, smol_hf, models, seconds=10, progress=False, curves=curves)
     d = rep.diagnosis
     assert rep.repeats >= 3 and rep.target_step_ms > 0 and rep.draft_step_ms > 0
     assert d.v[1] == 1.0 and all(math.isfinite(x) and x > 0 for x in d.v.values())
     assert d.ceiling >= 1.0 and d.c is not None and d.c > 0
     assert len(d.verdict) == 2 and len(d.break_even) == len(BATCHES) - 1
-    saved = json.loads((tmp_path / "store.json").read_text())["verify_s"]
+    assert rep.cost_store == str(curves.path(smol_llamacpp))
+    saved = json.loads(curves.path(smol_llamacpp).read_text())["verify_s"]
     assert sorted(map(int, saved)) == list(BATCHES)
     assert format_report(rep)

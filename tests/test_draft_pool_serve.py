@@ -42,9 +42,10 @@ from specdec.serve.draft_pools import (
     pool_memory_bytes,
 )
 from specdec.serve.engine import Engine
+from specdec.serve.errors import ApiError
 from specdec.serve.keys import ANONYMOUS, KeyRing
-from specdec.serve.protocol import ApiError, Speculation
-from specdec.study.significance import paired_permutation_p
+from specdec.serve.speculation import Speculation
+from specdec.study.run.significance import paired_permutation_p
 
 #: A mock whose greedy answer to PROMPT does not repeat itself within ANSWER tokens, so prompt
 #: lookup inside the request finds nothing to draft: what it drafts comes from the pool.
@@ -423,6 +424,7 @@ def _sampled(srv: Server, speculation: dict, seeds: range) -> list[list[int]]:
     return out
 
 
+@pytest.mark.stats
 def test_drafting_from_the_pool_samples_the_target_distribution() -> None:
     """tests/test_speculation_api.py's harness: the target alone (drafter none; its samples
     fill the pool) and prompt lookup over that pool at K = 4 (each request drafting the latest

@@ -8,6 +8,7 @@ identical to target-only decoding. Controller unit tests use synthetic cost curv
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 from dataclasses import replace
@@ -16,13 +17,21 @@ import numpy as np
 import pytest
 from stats_util import two_sample_chi2
 
+from specdec.backends.costs import CurveFiles
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
 from specdec.core.drafters import LookupDrafter
 from specdec.core.metrics import Round
-from specdec.core.policy import PRIOR_SLOPE, CostModelK, FixedK, ScheduleK, make_policy
-from specdec.study.significance import paired_permutation_p
+from specdec.core.policy import (
+    PRIOR_SLOPE,
+    AutoPolicies,
+    CostModelK,
+    FixedK,
+    ScheduleK,
+    make_policy,
+)
+from specdec.study.run.significance import paired_permutation_p
 
 V = 16  # small vocabulary: the sampled output repeats n-grams, so lookup finds matches
 N_GEN = 600
@@ -84,6 +93,7 @@ def _kwargs(pair, case: str) -> dict:
     return {"draft": kw.pop("draft"), "spec": SpecConfig(**kw)}
 
 
+@pytest.mark.stats
 @pytest.mark.parametrize("case", list(CASES))
 def test_drafter_is_lossless_at_t1(pair, baseline, case) -> None:
     target, _ = pair
@@ -311,10 +321,10 @@ def test_make_policy_and_bad_values(pair) -> None:
 
 def test_auto_runs_no_calibration_and_keeps_its_curve_between_processes(tmp_path) -> None:
     """k="auto" learns v(b) from the verify passes a generation makes anyway: the target sees
-    exactly one pass per round (no calibration passes), and what was learned is written to the
-    model's cost store and read back by a fresh policy (a new process) before its first round.
-    Unlike fixed K, its sampled output is not bit-reproducible for a seed (the distribution is
-    still exact, tested above)."""
+    exactly one pass per round (no calibration passes), and what was learned goes to the
+    caller's curve store and comes back to a fresh policy (a new process) before its first
+    round. Unlike fixed K, its sampled output is not bit-reproducible for a seed (the
+    distribution is still exact, tested above)."""
 
     class Counting(MockModel):
         passes = 0
@@ -324,18 +334,51 @@ def test_auto_runs_no_calibration_and_keeps_its_curve_between_processes(tmp_path
             return super()._extend(ids)
 
     target = Counting(V, seed=0, scale=3.0)
-    target.cost_store = tmp_path / "costs" / "mock.json"
     draft = MockModel.near(target, noise=0.7, seed=1)
-    kw = dict(draft=draft, spec=SpecConfig(k="auto"), max_new_tokens=30, seed=4, debug=True)
-    a = generate(target, PROMPT, **kw)
+    store = CurveFiles(tmp_path / "costs", key=lambda m: "mock")
+    kw = dict(draft=draft, k="auto", max_new_tokens=30, seed=4, debug=True)
+    a = generate(target, PROMPT, policies=AutoPolicies(store), **kw)
     assert a.stats.generated == 30 and Counting.passes == 1 + a.stats.rounds  # + the prefill
-    saved = json.loads(target.cost_store.read_text())["verify_s"]
+    saved = json.loads((tmp_path / "costs" / "mock.json").read_text())["verify_s"]
     assert saved and all(float(s) > 0 for s in saved.values())
-    fresh = CostModelK(k_max=8)
-    assert fresh.prepare(target, PROMPT) >= 0 and fresh.verify_s == {
-        int(b): float(s) for b, s in saved.items()
-    }
-    assert CostModelK(k_max=8).prepare(MockModel(V), PROMPT) == 0  # no store: nothing read
+    fresh = AutoPolicies(store).get(target, ("model", draft), 8)  # another process
+    assert fresh.verify_s == {int(b): float(s) for b, s in saved.items()}
+    # a model the store cannot name (mock models, by default) starts from the prior
+    assert AutoPolicies(CurveFiles(tmp_path / "costs")).get(target, "model", 8).verify_s == {}
+
+
+def test_auto_policies_carry_what_a_generation_learned_to_the_next() -> None:
+    """The caller's AutoPolicies hands one k="auto" policy to every generation of a target
+    with one drafter, already holding what the earlier generations learned (so a pair where
+    drafting cannot pay stops exploring it after the first request), and another one per
+    drafter kind, draft model or k_max. A policy goes with its target (held weakly: no id()
+    that a new model could reuse)."""
+    target = MockModel(V, seed=0, scale=3.0)
+    draft = MockModel.near(target, noise=0.7, seed=1)
+    handed: list[tuple[CostModelK, dict[int, float], set[str]]] = []
+
+    class Watched(AutoPolicies):
+        def get(self, *args):
+            policy = super().get(*args)
+            handed.append((policy, policy.curve, set(policy.sources)))
+            return policy
+
+    policies = Watched()
+    kw = dict(k="auto", max_new_tokens=12, warp=Warp(0.0), policies=policies)
+    generate(target, PROMPT, draft=draft, **kw)
+    generate(target, PROMPT, draft=draft, **kw)
+    generate(target, PROMPT, drafter="lookup", **kw)
+    generate(target, PROMPT, drafter="lookup", **{**kw, "k_max": 8})
+    (first, curve0, sources0), (second, curve1, sources1) = handed[:2]
+    assert curve0 == {} and sources0 == set()  # the first generation starts from the prior
+    assert second is first and curve1 and "model" in sources1  # the second goes on from it
+    assert len({id(p) for p, _, _ in handed}) == 3  # model; lookup; lookup with k_max 8
+    other = MockModel(V, seed=3)
+    policies.get(other, "lookup", 64)
+    assert len(policies._kept) == 2
+    del other
+    gc.collect()
+    assert len(policies._kept) == 1
 
 
 def test_auto_retries_a_source_switched_off_by_early_rejections() -> None:

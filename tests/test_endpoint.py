@@ -1,5 +1,6 @@
-"""The endpoint client, bench and gate (study/endpoint.py, issue 12) against real HTTP servers:
-specdec's own server on mock models, and a misbehaving stub for every failure an engine can show.
+"""The endpoint client, bench and gate (study/engines/endpoint.py, issue 12) against real HTTP
+servers: specdec's own server on mock models, and a misbehaving stub for every failure an engine
+can show.
 
 The gate's power is shown here: between specdec's speculative server and a target-only server it
 passes; when the server under test samples from the draft instead of the target it fails.
@@ -20,10 +21,10 @@ import pytest
 import torch
 from test_server import MOCK_SPEC, FakeTokenizer, SlowMock, V, serve_models
 
-from specdec.study import artifacts as schema
-from specdec.study import endpoint
-from specdec.study.bench import BenchConfig, run_bench
-from specdec.study.gate import MIN_PROMPTS, GateSettings, run_endpoint_gate
+from specdec.study.artifacts import schema
+from specdec.study.engines import endpoint
+from specdec.study.run.bench import BenchConfig, run_bench
+from specdec.study.run.gate import MIN_PROMPTS, GateSettings, run_endpoint_gate
 
 N_PROMPTS = 32
 N_TOK = 24

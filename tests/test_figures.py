@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from specdec.cli.main import main
-from specdec.study import artifacts as schema
-from specdec.study.figures import FIGURES
+from specdec.study.artifacts import schema
+from specdec.study.present.figures import FIGURES
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -288,7 +288,7 @@ def test_directory_without_artifacts_or_missing(
 
 
 def test_clashing_config_names_are_told_apart_by_the_setting_that_differs(tmp_path: Path) -> None:
-    from specdec.study.scan import scan
+    from specdec.study.present.scan import scan
 
     art = _load("bench_all_gguf_k4_t0.8.json")
     (tmp_path / "a.json").write_text(json.dumps(art))
@@ -300,16 +300,15 @@ def test_clashing_config_names_are_told_apart_by_the_setting_that_differs(tmp_pa
 def test_variants_get_a_bar_each_labelled_with_its_speedup(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from specdec.study import figures
-    from specdec.study.scan import scan
+    from specdec.study.present import figures
+    from specdec.study.present.scan import scan
 
     art = _load("bench_all_gguf_k4_t0.8.json")
     agg = art["aggregates"]
     base = agg["baseline"]["tok_s_mean"]
     agg["variants"] = {}
     for name, scale in (("lookup-kauto", 1.3), ("model-k2", 0.9)):
-        v = dict(agg["speculative"], tok_s_mean=base * scale)
-        agg["variants"][name] = v  # speedup left out: recomputed from the means
+        agg["variants"][name] = dict(agg["speculative"], tok_s_mean=base * scale, speedup=scale)
     art["config"]["drafter"] = "composite"
     (tmp_path / "a.json").write_text(json.dumps(art))
     other = _load("bench_all_gguf_k4_t0.8.json")
@@ -345,7 +344,7 @@ def test_variants_get_a_bar_each_labelled_with_its_speedup(
 def test_clashing_names_with_no_single_telling_setting_combine_the_differing_ones(
     tmp_path: Path,
 ) -> None:
-    from specdec.study.scan import scan
+    from specdec.study.present.scan import scan
 
     for i, (drafter, t) in enumerate((("composite", 0.8), ("composite", 0.0), ("model", 0.8))):
         art = _load("bench_all_gguf_k4_t0.8.json")

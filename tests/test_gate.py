@@ -2,7 +2,7 @@
 
 On mock models (injected, fast) the gate must pass a correct pair, fail a deliberately broken
 accept rule (so a pass means something), and catch a greedy mismatch. The real-model run
-(`gate --quick --config smoke`) is slow-marked.
+(`gate --quick --config smoke`) is model-marked.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import specdec.core.decode as decode_mod
 from specdec.backends.mock import MockModel
 from specdec.cli import main as cli
 from specdec.cli.args import EXIT_FAILED
-from specdec.study import artifacts as schema
-from specdec.study.gate import (
+from specdec.study.artifacts import schema
+from specdec.study.run.gate import (
     MIN_PROMPTS,
     QUICK,
     GateSettings,
@@ -29,7 +29,7 @@ from specdec.study.gate import (
     local_methods,
     run_gate,
 )
-from specdec.study.significance import (
+from specdec.study.run.significance import (
     MIN_EXPECTED,
     frequency_bins,
     paired_permutation_p,
@@ -90,6 +90,7 @@ def _count(seqs: list[list[int]]) -> np.ndarray:
     return np.bincount([t for s in seqs for t in s], minlength=20)
 
 
+@pytest.mark.stats
 def test_permutation_p_is_calibrated_where_tokens_are_correlated() -> None:
     """Each generation repeats one token 20 times: the null holds, yet tokens are far from
     independent. Over 40 such null datasets the asymptotic chi-square rejects nearly always; the
@@ -107,6 +108,7 @@ def test_permutation_p_is_calibrated_where_tokens_are_correlated() -> None:
     assert np.sum(np.array(permutation) < P_MIN) <= 3  # expected 0.4 of 40
 
 
+@pytest.mark.stats
 def test_permutation_p_has_power() -> None:
     rng = np.random.default_rng(2)
     a = [rng.choice(20, size=20).tolist() for _ in range(20)]  # uniform
@@ -116,6 +118,7 @@ def test_permutation_p_has_power() -> None:
 
 
 # ------------------------------------------------------------------------------ verdicts
+@pytest.mark.stats
 def test_gate_passes_a_correct_pair(pair, prompts) -> None:
     target, draft = pair
     res = run_gate(target, draft, prompts, SETTINGS, progress=False)
@@ -137,6 +140,7 @@ def test_gate_passes_a_correct_pair(pair, prompts) -> None:
     json.dumps(art.to_json())  # plain JSON types only
 
 
+@pytest.mark.stats
 def test_gate_fails_an_always_accept_rule(pair, prompts, monkeypatch) -> None:
     """The gate has power: accepting every draft (output ~ draft, not target) must fail it."""
     target, draft = pair
@@ -207,7 +211,7 @@ def test_gate_cli_rejects_unknown_config_and_bad_sizes(tmp_path, capsys) -> None
 CI_P_MIN = 0.001
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_gate_quick_on_smoke_passes(tmp_path) -> None:
     # one thread: the test box is shared (see conftest.TEST_THREADS)
     rc = cli.main(

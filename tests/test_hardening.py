@@ -222,9 +222,9 @@ def test_the_prediction_index_is_built_outside_the_engine_lock(monkeypatch) -> N
     held: list[bool] = []
     real = drafters.PredictionIndex.__init__
 
-    def spy(self: Any, prediction: list[int], n_max: int = 8) -> None:
+    def spy(self: Any, prediction: list[int], n_max: int = 8, hints: Any = ()) -> None:
         held.append(s.engine.lock.locked())
-        real(self, prediction, n_max)
+        real(self, prediction, n_max, hints)
 
     monkeypatch.setattr(drafters.PredictionIndex, "__init__", spy)
     s.engine.tokenizer = FakeTokenizer()

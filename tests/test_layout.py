@@ -1,8 +1,14 @@
-"""The package layout's one rule, enforced: imports run one way (STYLE.md, principle 13).
+"""The package layout's one rule, enforced: imports run one way (the style guide, principle 13).
 
-    core      torch and the standard library only; nothing else of specdec
+    core      torch and the standard library only, nothing that reads or writes files or talks
+              to the network, and no import cycle; nothing else of specdec
     backends  core
-    study     core, backends
+    study     core, backends; inside it four rooms, each importing only the rooms listed:
+                artifacts  no other room (the schema is read by everyone, reads no one)
+                engines    artifacts
+                present    artifacts (figures and the report are drawn from files alone)
+                run        artifacts, engines, present
+              and no module of its own outside the rooms
     serve     core, backends
     cli       anything, imported lazily per subcommand
 
@@ -29,16 +35,57 @@ ALLOWED = {
     "serve": {"core", "backends", "serve"},
     "cli": {"core", "backends", "study", "serve", "cli"},
 }
+#: The study's rooms and the rooms each may import besides itself (the docstring's table).
+STUDY_ROOMS = {
+    "artifacts": set(),
+    "engines": {"artifacts"},
+    "present": {"artifacts"},
+    "run": {"artifacts", "engines", "present"},
+}
 #: What the core may import from outside the standard library.
 CORE_THIRD_PARTY = {"torch"}
+#: The standard library the core may import: none of it reads or writes files or opens a socket.
+#: `os` only for its environment (core.device reads $SPECDEC_DEVICE): see CORE_OS_NAMES.
+CORE_STDLIB = {
+    "__future__",
+    "abc",
+    "array",
+    "bisect",
+    "collections",
+    "contextlib",
+    "dataclasses",
+    "enum",
+    "functools",
+    "itertools",
+    "math",
+    "numbers",
+    "operator",
+    "os",
+    "re",
+    "time",
+    "typing",
+    "weakref",
+}
+#: The names of `os` the core may use.
+CORE_OS_NAMES = {"environ"}
+#: torch's own file and network entry points, which the core must not call.
+TORCH_IO_NAMES = {"load", "save", "hub", "from_file", "jit", "onnx", "distributed", "package"}
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in the file, relative ones resolved."""
+def _imports(
+    path: Path, *, typing_only: bool = True, package: list[str] | None = None
+) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, relative ones resolved
+    (against `package`, by default the file's own); without `typing_only`, leaving out those
+    under `if TYPE_CHECKING:` (they never run)."""
     tree = ast.parse(path.read_text(), str(path))
-    package = ["specdec", *path.relative_to(SRC).parent.parts]
+    if package is None:
+        package = ["specdec", *path.relative_to(SRC).parent.parts]
+    skip = set() if typing_only else {id(n) for n in _type_checking_blocks(tree)}
     out = []
     for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -50,6 +97,18 @@ def _imports(path: Path) -> list[tuple[int, str]]:
             out.append((node.lineno, mod))
             if mod == "specdec":  # `from specdec import x`: x is the module imported
                 out += [(node.lineno, f"specdec.{a.name}") for a in node.names]
+    return out
+
+
+def _type_checking_blocks(tree: ast.AST) -> list[ast.AST]:
+    """Every node inside an `if TYPE_CHECKING:` block."""
+    out: list[ast.AST] = []
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+        if name == "TYPE_CHECKING":
+            for stmt in node.body:
+                out += ast.walk(stmt)
     return out
 
 
@@ -81,7 +140,48 @@ def test_imports_run_one_way(path: Path) -> None:
             bad.append(f"line {line}: {mod} (not a package of the layout)")
         elif parts[1] not in ALLOWED[pkg]:
             bad.append(f"line {line}: {mod} ({pkg} may import {sorted(ALLOWED[pkg])})")
+        elif pkg == "study" and parts[1] == "study":
+            bad += _study_room_breach(path, line, parts)
     assert not bad, f"{path.relative_to(SRC)}:\n  " + "\n  ".join(bad)
+
+
+def _room(path: Path) -> str | None:
+    """The study room a module is in ("run" for study/run/bench.py); None outside the rooms."""
+    parts = path.relative_to(SRC).parts
+    return parts[1] if parts[0] == "study" and len(parts) > 2 else None
+
+
+def _study_room_breach(path: Path, line: int, parts: list[str]) -> list[str]:
+    """What is wrong with a study module importing specdec.study.<parts[2:]>: a room it may not
+    import, or the study package itself (which hides the room)."""
+    mod = ".".join(parts)
+    if len(parts) < 3 or parts[2] not in STUDY_ROOMS:
+        return [f"line {line}: {mod} (import from a study room: {sorted(STUDY_ROOMS)})"]
+    room, other = _room(path), parts[2]
+    if room is None or other == room or other in STUDY_ROOMS[room]:
+        return []
+    return [f"line {line}: {mod} (study/{room} may import {sorted(STUDY_ROOMS[room])})"]
+
+
+STUDY = sorted((SRC / "study").rglob("*.py"))
+
+
+def test_every_study_module_is_in_a_room() -> None:
+    loose = [str(p.relative_to(SRC)) for p in STUDY if _room(p) is None]
+    assert loose == ["study/__init__.py"], f"study modules outside the rooms: {loose}"
+    assert {_room(p) for p in STUDY} - {None} == set(STUDY_ROOMS)
+
+
+def test_the_room_check_catches_a_backward_import() -> None:
+    """The room rule can fail: present/ importing run/, artifacts/ importing anything."""
+    present = SRC / "study" / "present" / "figures.py"
+    schema = SRC / "study" / "artifacts" / "schema.py"
+    run = SRC / "study" / "run" / "bench.py"
+    assert _study_room_breach(present, 1, "specdec.study.run.bench".split("."))
+    assert _study_room_breach(schema, 1, "specdec.study.present.fmt".split("."))
+    assert _study_room_breach(run, 1, "specdec.study".split("."))  # which room?
+    assert not _study_room_breach(run, 1, "specdec.study.engines.anchors".split("."))
+    assert not _study_room_breach(present, 1, "specdec.study.artifacts.schema".split("."))
 
 
 def test_the_walker_resolves_relative_and_lazy_imports() -> None:
@@ -110,3 +210,101 @@ def test_models_list_loads_neither_torch_nor_fastapi() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"`specdec models list` imported {out.stdout.strip()}"
+
+
+# ------------------------------------------------------------------------------ the core
+CORE = sorted((SRC / "core").glob("*.py"))
+
+
+def _io_uses(path: Path) -> list[str]:
+    """What in a module could touch files or the network: imports outside torch, CORE_STDLIB
+    and specdec.core; the builtin open(); os beyond CORE_OS_NAMES; torch's TORCH_IO_NAMES."""
+    bad = []
+    for line, mod in _imports(path, package=["specdec", "core"]):
+        top = mod.split(".")[0]
+        core = mod == "specdec.core" or mod.startswith("specdec.core.")
+        if not core and top not in CORE_STDLIB | CORE_THIRD_PARTY:
+            bad.append(f"line {line}: imports {mod}")
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in ("open", "exec", "eval", "__import__"):
+                bad.append(f"line {node.lineno}: calls {node.func.id}()")
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            owner, name = node.value.id, node.attr
+            if (owner == "os" and name not in CORE_OS_NAMES) or (
+                owner == "torch" and name in TORCH_IO_NAMES
+            ):
+                bad.append(f"line {node.lineno}: uses {owner}.{name}")
+    return bad
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+def test_core_touches_no_file_and_no_network(path: Path) -> None:
+    """The core is the algorithm: files (cost curves, caches) and sockets belong to backends
+    and to the callers that own the process (serve, cli, study)."""
+    bad = _io_uses(path)
+    assert not bad, f"core/{path.name}:\n  " + "\n  ".join(bad)
+
+
+def test_the_io_check_catches_files_and_sockets(tmp_path: Path) -> None:
+    """The check above can fail: each of these is reported."""
+    f = tmp_path / "probe.py"
+    f.write_text(
+        "import json\nfrom pathlib import Path\nimport socket\nimport os\nimport torch\n"
+        "from . import model\n"
+        "def f(p):\n    os.remove(p)\n    torch.save({}, p)\n    return open(p).read()\n"
+    )
+    found = " ".join(_io_uses(f))
+    assert "model" not in found  # a relative import of the core is the core's
+    for what in ("json", "pathlib", "socket", "os.remove", "torch.save", "open()"):
+        assert what in found, what
+
+
+def _core_graph() -> dict[str, set[str]]:
+    """core module -> the core modules it imports when it runs (lazy imports included, type-only
+    ones not)."""
+    graph = {}
+    for path in CORE:
+        mods = {m for _, m in _imports(path, typing_only=False)}
+        graph[path.stem] = {m.split(".")[2] for m in mods if m.startswith("specdec.core.")}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of the graph (its modules, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return [*path[path.index(m) :], m]
+            if m not in state and (found := visit(m)):
+                return found
+        path.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_core_has_no_import_cycle() -> None:
+    """Each core module can be read (and imported) after the ones it imports: a cycle would
+    mean two modules that only make sense together."""
+    assert _cycle(_core_graph()) is None, " -> ".join(_cycle(_core_graph()) or ())
+
+
+def test_the_cycle_check_finds_cycles() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"config": {"sampling"}, "sampling": {"config"}}) == [
+        "config",
+        "sampling",
+        "config",
+    ]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+    assert "decode" in _core_graph() and "sampling" in _core_graph()["decode"]

@@ -12,15 +12,15 @@ import pytest
 
 from specdec.backends.mock import MockModel
 from specdec.cli import main as cli
-from specdec.study import artifacts as schema
-from specdec.study.microbench import (
+from specdec.study.artifacts import schema
+from specdec.study.run.microbench import (
     acceptance_profile,
     artifact_path,
     best_k,
-    cost_in_target_steps,
     expected_tokens_per_round,
     measure,
     predicted_speedup,
+    round_cost,
 )
 
 K_MAX = 8
@@ -55,12 +55,12 @@ def test_serial_verification_never_pays_unless_every_draft_is_accepted() -> None
 
 
 def test_cost_grows_with_draft_cost_and_k() -> None:
-    assert cost_in_target_steps(LINEAR, 0.0, 0) == 1.0
-    assert cost_in_target_steps(LINEAR, 0.5, 4) == pytest.approx(5 + 4 * 0.5)
+    assert round_cost(LINEAR, 0.0, 0) == 1.0
+    assert round_cost(LINEAR, 0.5, 4) == pytest.approx(5 + 4 * 0.5)
     p = [0.8] * K_MAX
     assert predicted_speedup(FLAT, 0.4, p, 4) < predicted_speedup(FLAT, 0.1, p, 4)
     with pytest.raises(ValueError, match="k must be in"):
-        cost_in_target_steps(FLAT, 0.0, len(FLAT))
+        round_cost(FLAT, 0.0, len(FLAT))
 
 
 def test_best_k_follows_the_costs() -> None:
@@ -249,7 +249,7 @@ def test_microbench_bad_acceptance_path_is_a_clean_error(tmp_path, capsys) -> No
     assert "cannot read the acceptance artifact" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_microbench_real_tiny_run(tmp_path) -> None:
     out = tmp_path / "results"
     # one thread: the test box is shared (see conftest.TEST_THREADS)
@@ -279,7 +279,7 @@ def test_microbench_real_tiny_run(tmp_path) -> None:
 
 
 def test_check_prediction_arithmetic_and_fixed_k_requirement() -> None:
-    from specdec.study.microbench import check_prediction
+    from specdec.study.run.microbench import check_prediction
 
     v, c = [1.0, 1.5, 1.8], 0.25  # v(b) for b = 1..3, and the draft-step ratio
     bench = _bench_artifact(

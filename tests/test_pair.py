@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 
 from specdec.backends.mock import MockModel
-from specdec.backends.registry import is_fetched, resolve
 from specdec.backends.tokenizer import load_tokenizer
 from specdec.core.pair import IncompatiblePairError, check_pair, check_tokenizers
 
@@ -21,13 +20,13 @@ def test_mock_pairs() -> None:
         check_pair(MockModel(vocab_size=32), target)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_hf_and_llamacpp_on_one_gguf_pair(smol_hf, smol_llamacpp) -> None:
     assert check_pair(smol_hf, smol_llamacpp) == 49152
     assert check_pair(smol_llamacpp, smol_hf) == 49152
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_real_model_and_mock_do_not_pair(smol_llamacpp) -> None:
     mock = MockModel(vocab_size=48)
     with pytest.raises(IncompatiblePairError, match=r"HF tokenizer of 49152 tokens.*mock-48"):
@@ -36,12 +35,9 @@ def test_real_model_and_mock_do_not_pair(smol_llamacpp) -> None:
         check_pair(mock, smol_llamacpp)
 
 
-@pytest.mark.slow
-def test_smollm2_and_qwen_do_not_pair(smol_path) -> None:
+def test_smollm2_and_qwen_do_not_pair(smol_path, qwen05_path) -> None:
     """Checked on tokenizers alone: no need to load a 150k-vocabulary model for a refusal."""
-    if not is_fetched(QWEN):
-        pytest.skip(f"{QWEN} is not fetched (specdec models fetch {QWEN})")
-    smol_tok, qwen_tok = load_tokenizer(smol_path), load_tokenizer(resolve(QWEN))
+    smol_tok, qwen_tok = load_tokenizer(smol_path), load_tokenizer(qwen05_path)
     smol = SimpleNamespace(name="llamacpp:smollm2-135m", tokenizer=smol_tok, vocab_size=49152)
     qwen = SimpleNamespace(name=f"llamacpp:{QWEN}", tokenizer=qwen_tok, vocab_size=151936)
     with pytest.raises(IncompatiblePairError) as info:
@@ -52,7 +48,7 @@ def test_smollm2_and_qwen_do_not_pair(smol_path) -> None:
     assert "is id 0 in the draft but" in message  # quotes concrete differing tokens
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_tokenizer_must_fit_the_shared_width(smol_path) -> None:
     tok = load_tokenizer(smol_path)
     assert check_tokenizers(tok, tok, draft_width=49152, target_width=49280) == 49152
@@ -60,7 +56,7 @@ def test_tokenizer_must_fit_the_shared_width(smol_path) -> None:
         check_tokenizers(tok, tok, draft_width=1000, target_width=49152)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_converted_tokenizer_is_cached(smol_path) -> None:
     from specdec.backends.tokenizer import converted_dir
 

@@ -8,8 +8,8 @@ the page asks for it and works once it is given. Needs `apt-get install -y chrom
 chromium-driver` and selenium (requirements.txt); without them the tests skip, except under CI
 (CI set), where a missing browser is a failure, not a skip.
 
-`python tests/test_playground.py docs/playground.png` makes the README's screenshot the same way,
-on the real qwen2.5-coder-0.5b (an edit, with the file as its prediction).
+`python tests/test_playground.py docs/playground.png` makes docs/playground.md's screenshot the
+same way, on the real qwen2.5-coder-0.5b (an edit, with the file as its prediction).
 """
 
 from __future__ import annotations
@@ -322,8 +322,9 @@ SCREENSHOT_FILE = '''def lru_cache(size):
 
 
 def make_screenshot(out: Path, target: str = "llamacpp:qwen2.5-coder-0.5b") -> None:
-    """The README's screenshot: `target` behind `specdec serve --drafter prediction` (K = auto),
-    an edit request with the file as its prediction, then the same without speculation."""
+    """docs/playground.md's screenshot: `target` behind `specdec serve --drafter prediction`
+    (K = auto), an edit request with the file as its prediction, then the same without
+    speculation."""
     from specdec.serve.app import build_engine
 
     cfg = ServeConfig(target=target, drafter="prediction", threads=1)

@@ -16,7 +16,7 @@ from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
 from specdec.core.pool import KEYS, DraftPool, DraftPools, PoolDrafter
-from specdec.study.significance import paired_permutation_p
+from specdec.study.run.significance import paired_permutation_p
 
 V = 16
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3]
@@ -183,6 +183,7 @@ def test_pool_drafter_greedy_equals_target_only(target, pool) -> None:
         assert pool.stats.drafted >= before
 
 
+@pytest.mark.stats
 def test_pool_drafter_is_lossless_at_t1(target, pool) -> None:
     n = 600
     base = [

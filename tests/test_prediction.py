@@ -26,7 +26,7 @@ from specdec.core.drafters import (
 from specdec.core.edits import MAX_NEW, MAX_RULES, Rewrites, hint_ids, named_rewrites
 from specdec.core.metrics import Round
 from specdec.core.policy import CostModelK
-from specdec.study.significance import paired_permutation_p
+from specdec.study.run.significance import paired_permutation_p
 
 V = 16
 PROMPT = [1, 2, 3]
@@ -179,6 +179,7 @@ def test_prediction_is_greedy_exact_and_drafts(target, prediction, k) -> None:
     assert st.accepted_prediction_tokens + st.rejected_prediction_tokens <= st.drafted
 
 
+@pytest.mark.stats
 def test_prediction_is_lossless_at_t1(target, prediction) -> None:
     n = 600
     base = [
@@ -394,6 +395,7 @@ def test_rewrites_keep_greedy_output_identical(target, renamed_prediction) -> No
         assert d.parts[0].rewrite_accepted > 0  # the learned rewrite was drafted and kept
 
 
+@pytest.mark.stats
 def test_rewrites_are_lossless_at_t1_even_when_learned_wrongly(target, prediction) -> None:
     """Level 2 at T = 1 with the drafter drafting rewrites that are wrong on purpose (a hint
     rewriting a frequent token into another) besides whatever it learns from sampled outputs:

@@ -1,11 +1,11 @@
-"""`specdec profile`: the per-op split of a verify pass (study.profile, llamacpp.OpTimer)."""
+"""`specdec profile`: the per-op split of a verify pass (study.run.profile, llamacpp.OpTimer)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from specdec.study.profile import GROUPS, category, group, run_profile, summarize
+from specdec.study.run.profile import GROUPS, category, group, run_profile, summarize
 
 
 def test_categories_name_the_weight_role_and_type() -> None:
@@ -55,13 +55,13 @@ def test_only_llamacpp_models_can_be_profiled() -> None:
         run_profile("mock:vocab=8", [4], [1])
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_profile_of_a_real_model() -> None:
     """On smollm2 (Q4_1): every layer's matmuls, the tied output matmul and attention are seen;
     the timer changes no logit; the parts account for most of the unprofiled pass."""
     from specdec.backends import load_model
     from specdec.backends.llamacpp import OpTimer
-    from specdec.study.invariance import probe_ids
+    from specdec.study.run.invariance import probe_ids
 
     probes = run_profile("llamacpp:smollm2-135m", [40], [1, 4], repeats=2, n_threads=1)
     assert [(p["context"], p["batch"]) for p in probes] == [(40, 1), (40, 4)]

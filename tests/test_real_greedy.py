@@ -15,7 +15,7 @@ from specdec.backends import chat as prompting
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",

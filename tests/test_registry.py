@@ -466,13 +466,12 @@ def test_check_gguf_rejects_garbage(tmp_path, content):
         registry.check_gguf_file(bad)
 
 
-@pytest.mark.skipif(not REAL_SMOLLM.is_file(), reason="real smollm2-135m.gguf not in the cache")
-def test_check_gguf_real_and_truncated(tmp_path):
+def test_check_gguf_real_and_truncated(tmp_path, smol_path):
     t0 = time.perf_counter()
-    registry.check_gguf_file(REAL_SMOLLM)
+    registry.check_gguf_file(smol_path)
     assert time.perf_counter() - t0 < 1.0
     cut = tmp_path / "cut.gguf"
-    with REAL_SMOLLM.open("rb") as f:
+    with smol_path.open("rb") as f:
         cut.write_bytes(f.read(2 * 1024 * 1024))
     with pytest.raises(CorruptModelError, match="truncated"):
         registry.check_gguf_file(cut)
@@ -505,7 +504,7 @@ def test_cli_usage_errors(capsys):
     assert main(["no-such-command"]) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_real_fetch_smollm2(monkeypatch):
     monkeypatch.setenv("SPECDEC_HOME", str(REAL_HOME))
     path = registry.fetch("smollm2-135m", progress=False)

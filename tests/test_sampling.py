@@ -56,6 +56,7 @@ def _emit_first(p: torch.Tensor, q: torch.Tensor | None, xs: torch.Tensor, seed:
     return counts
 
 
+@pytest.mark.stats
 @pytest.mark.parametrize("family", list(_families()))
 def test_emitted_token_is_distributed_as_p(family: str) -> None:
     p, q = _families()[family]
@@ -68,6 +69,7 @@ def test_emitted_token_is_distributed_as_p(family: str) -> None:
     assert div <= KL_MAX, f"{family}: KL(p_hat||p)={div:.2e}"
 
 
+@pytest.mark.stats
 def test_gate_has_power_against_the_draft_distribution() -> None:
     """The same statistic rejects a broken rule that always accepts (its output is q, not p)."""
     p, q = _families()["uniform-dirichlet"]
@@ -78,6 +80,7 @@ def test_gate_has_power_against_the_draft_distribution() -> None:
     assert pval < 1e-6
 
 
+@pytest.mark.stats
 def test_deterministic_drafter_path_q_none() -> None:
     """q=None: the drafted token is fixed given the context (one-hot q); output is still p."""
     p = _dirichlet(1.0, 11)
@@ -94,6 +97,7 @@ def _markov(v: int, alpha: float, seed: int) -> torch.Tensor:
     return torch.tensor(rng.dirichlet([alpha] * v, size=v), dtype=torch.float32)  # [v, v]
 
 
+@pytest.mark.stats
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_multi_position_chain_second_token(deterministic: bool) -> None:
     """K = 3 drafts on a Markov chain: the joint law of the first two emitted tokens is
@@ -233,6 +237,7 @@ def test_shape_and_value_errors() -> None:
         probs_from_logits(torch.zeros(V), 1.0, top_p=0.0)
 
 
+@pytest.mark.stats
 def test_k_zero_is_plain_sampling() -> None:
     g = torch.Generator().manual_seed(81)
     p = _dirichlet(1.0, 82)
@@ -313,6 +318,7 @@ def test_general_rule_on_one_hots_equals_greedy() -> None:
         ]
 
 
+@pytest.mark.stats
 def test_inverse_cdf_sampler_matches_p_and_skips_zero_mass() -> None:
     """`sample` (inverse CDF, not torch.multinomial) on a row with holes and an unnormalized
     scale: zero-mass tokens never drawn, frequencies match p (chi-square, 50,000 draws)."""

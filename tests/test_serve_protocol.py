@@ -13,21 +13,19 @@ from specdec.cli.serve import API_KEY_ENV, resolve_api_key
 from specdec.core.config import K_MAX_FREE, K_MAX_MODEL, SpecConfig
 from specdec.core.metrics import Round
 from specdec.serve.engine import Engine, Job
+from specdec.serve.errors import ApiError
 from specdec.serve.metrics import Metrics
 from specdec.serve.origins import OriginTracker
 from specdec.serve.protocol import (
     MAX_STOP_CHARS,
     MAX_STOPS,
-    ApiError,
     ChatRequest,
     CompletionRequest,
-    SpecDefaults,
-    Speculation,
     parse_json,
     parse_request,
-    resolve_speculation,
     validate_request,
 )
+from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
 from specdec.serve.text import TextAssembler
 
 V = 48

@@ -8,8 +8,8 @@ so the tests can compare its output with `specdec.generate` on the very same mod
             the ids joined by spaces. Fast, so used for concurrency, 429, timeouts, bad input.
             `SlowMock` sleeps in every forward pass to make requests overlap.
     smoke   llama.cpp smollm2-135m target + HF smollm2-135m draft (the `smoke` pair), for the
-            chat template, real detokenization and stop strings. Loaded once; skipped if the
-            GGUF is not in the cache.
+            chat template, real detokenization and stop strings: the session's models
+            (conftest), fetched if they are not cached.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import openai
 import pytest
 
 from specdec.backends import chat as prompting
-from specdec.backends import registry
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
@@ -942,22 +941,12 @@ def test_a_dead_worker_fails_requests_at_once() -> None:
 
 
 # ---------------------------------------------------------------------------- smoke engine
-def _smoke_available() -> bool:
-    try:
-        return registry.is_fetched("smollm2-135m")
-    except registry.ModelFetchError:
-        return False
-
-
 @pytest.fixture(scope="module")
-def smoke() -> Server:
-    if not _smoke_available():
-        pytest.skip("smollm2-135m is not in the model cache (specdec models fetch smollm2-135m)")
-    from specdec.backends import load_model
-
-    # One thread per model: on a shared machine llama.cpp with all cores contends badly.
-    target = load_model(SMOKE_TARGET, n_threads=1)
-    draft = load_model(SMOKE_DRAFT, n_threads=1)
+def smoke(_smol_llamacpp_session, _smol_hf_session) -> Server:
+    """The session's smollm2 pair (conftest: fetched if missing, one load per session)."""
+    target, draft = _smol_llamacpp_session, _smol_hf_session
+    target.reset()
+    draft.reset()
     engine = Engine(target, draft, model_id=SMOKE_TARGET)
     srv = Server(engine, ServeConfig(target=SMOKE_TARGET, draft=SMOKE_DRAFT))
     yield srv

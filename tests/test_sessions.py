@@ -10,10 +10,11 @@ import re
 
 import pytest
 
-from specdec.study import bench, endpoint
-from specdec.study import prompts as prompt_set
-from specdec.study.bench import bench_config, run_bench
-from specdec.study.sessions import format_sessions
+from specdec.study.engines import endpoint
+from specdec.study.present.sessions import format_sessions
+from specdec.study.run import bench
+from specdec.study.run import prompts as prompt_set
+from specdec.study.run.bench import bench_config, run_bench
 
 MOCK = ("mock:vocab=48,seed=1", "mock:vocab=48,seed=0")
 
@@ -37,7 +38,7 @@ def test_the_sessions_are_edit_sessions_in_the_rewrite_sets_languages() -> None:
         assert all(t.strip() and prompt_set.REPLY in s.user_turn(n) for n, t in enumerate(s.turns))
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_every_session_fits_a_4096_token_context(smol_llamacpp) -> None:
     """The last turn's conversation (every answer taken as 1.5x the file, generously) plus 768
     new tokens fits the 4,096-token context both servers run with."""
@@ -163,7 +164,7 @@ def test_session_runs_turn_the_servers_prompt_cache_on() -> None:
     assert all("--no-prompt-cache" in s.command() for s in bench._specdec_servers(plain).values())
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_a_served_session_end_to_end(tmp_path) -> None:
     """A tiny session run through two `specdec serve` processes (target-only and the
     prediction drafter), their prompt caches on: later turns are served partly from the cache,

@@ -39,8 +39,8 @@ from specdec.core.decode import generate
 from specdec.core.metrics import GenerationStats, Round
 from specdec.serve.app import GRACEFUL_SHUTDOWN_S, ServeConfig
 from specdec.serve.engine import Engine
-from specdec.serve.protocol import MAX_REQUEST_K
-from specdec.study.significance import paired_permutation_p
+from specdec.serve.speculation import MAX_REQUEST_K
+from specdec.study.run.significance import paired_permutation_p
 
 GOLDEN = Path(__file__).parent / "fixtures" / "default_stream.golden"
 CHAT = "/v1/chat/completions"
@@ -323,6 +323,7 @@ def _sampled(srv: Server, speculation: dict, seeds: range) -> list[list[int]]:
     return out
 
 
+@pytest.mark.stats
 def test_speculation_on_and_off_per_request_sample_one_distribution(srv: Server) -> None:
     """The statistical harness of tests/test_decode.py over HTTP: requests with speculation off
     and requests with the draft model at K = 4 (disjoint seeds, so the samples are independent):

@@ -1,10 +1,19 @@
 """specdec: lossless speculative decoding, and the harness that measures when it pays.
 
-Public API (imported lazily so `import specdec` stays cheap):
-    load_model(spec, device=None) -> SpecModel      models/
-    check_pair(draft, target) -> int                tokenizer.py
-    rejection_sample, greedy_verify, probs_from_logits   sampling.py
-    generate(...), stream(...)                       decode.py
+    import specdec
+    target = specdec.load_model("llamacpp:qwen2.5-coder-1.5b")
+    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    out = specdec.generate(target, ids, drafter="lookup", k="auto", temperature=0.7)
+
+Public API (imported lazily, so `import specdec` stays cheap):
+    load_model(spec, device=None, **kw) -> SpecModel       specdec.backends
+    generate(target, prompt_ids, *, draft, drafter, k, temperature, ...) -> GenerationResult,
+    stream(...) -> SpecStream (the same arguments)          specdec.core.decode
+    SpecConfig, Warp (the same settings as objects)          specdec.core.config
+    AutoPolicies (k="auto" kept across generations), CurveFiles (its cost curves on disk)
+                                                             specdec.core.policy, backends.costs
+    check_pair(draft, target) -> int                         specdec.core.pair
+    rejection_sample, greedy_verify, probs_from_logits       specdec.core.sampling
 """
 
 from __future__ import annotations
@@ -26,8 +35,13 @@ _LAZY = {
     "greedy_verify": "specdec.core.sampling",
     "generate": "specdec.core.decode",
     "stream": "specdec.core.decode",
-    "GenerationResult": "specdec.core.decode",
-    "GenerationStats": "specdec.core.decode",
+    "SpecStream": "specdec.core.decode",
+    "GenerationResult": "specdec.core.metrics",
+    "GenerationStats": "specdec.core.metrics",
+    "SpecConfig": "specdec.core.config",
+    "Warp": "specdec.core.config",
+    "AutoPolicies": "specdec.core.policy",
+    "CurveFiles": "specdec.backends.costs",
 }
 
 __all__ = sorted(_LAZY)

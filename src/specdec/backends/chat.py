@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from specdec.core.edits import hint_ids, named_rewrites
+
 #: End-of-turn markers of the chat formats we ship models for (ChatML, Llama 3, Gemma).
 _END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "<eos>")
 
@@ -50,6 +52,17 @@ def encode_prediction(tokenizer: Any, text: str) -> list[int]:
     if tokenizer is None:
         raise ValueError("this model has no tokenizer (a mock?); pass the prediction as ids")
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prediction_hints(tokenizer: Any, instruction: str) -> list[tuple[tuple[int, ...], ...]]:
+    """The rewrites an instruction names ("rename `X` to `Y`", core.edits.named_rewrites) as
+    (old ids, new ids) pairs, tokenized as the prediction is, for PredictionIndex's `hints`: a
+    prediction is then drafted with them applied from the first occurrence on. [] without a
+    tokenizer or a named rewrite."""
+    pairs = named_rewrites(instruction)
+    if tokenizer is None or not pairs:
+        return []
+    return hint_ids(pairs, lambda text: encode_prediction(tokenizer, text))
 
 
 def stop_ids(tokenizer: Any) -> list[int]:

@@ -317,7 +317,7 @@ class OpTimer:
     eval callback as OpCapture: asking for every node makes the scheduler compute the graph one
     node per call, so the time from one node's callback to the next is that node's compute plus
     a fixed launch cost (measured on the graph's no-op nodes, views and reshapes: see
-    study.profile). Call `begin()` just before the pass; `nodes` then lists, in graph order,
+    study.run.profile). Call `begin()` just before the pass; `nodes` then lists, in graph order,
     (node name, op, weight name, weight type, seconds); the first node's time includes the
     graph's build and input upload. Diagnostics only.
     """
@@ -383,21 +383,20 @@ def _ggml_base(llama: Any) -> Any:
     return lib
 
 
-def _cost_store(path: Path, model: LlamaCppModel) -> Path:
-    """Where k="auto" keeps this model's verify-cost curve: one file per GGUF content, build,
-    thread count and numerics setting (each changes v(b)), under $SPECDEC_HOME/costs/. The
-    build is the llama-cpp-python version and the CPU kernels compiled in (a -march=native
+def cost_key(model: LlamaCppModel) -> str:
+    """What this model's verify-cost curve v(b) depends on, as a name (backends.costs keeps
+    k="auto"'s curves under it): the GGUF content, build, thread count and numerics setting.
+    The build is the llama-cpp-python version and the CPU kernels compiled in (a -march=native
     build of the same version runs batched passes 15-25% faster on an AVX-512 host)."""
     import zlib
 
     import llama_cpp
 
-    from specdec.backends.registry import specdec_home
     from specdec.backends.tokenizer import gguf_cache_key
 
     c = model._cparams
     parts = [
-        gguf_cache_key(path),
+        gguf_cache_key(model.path),
         f"lcp{llama_cpp.__version__}",
         f"cpu{zlib.crc32(llama_cpp.llama_print_system_info()) & 0xFFFF:04x}",
         f"t{c.n_threads}",
@@ -409,7 +408,7 @@ def _cost_store(path: Path, model: LlamaCppModel) -> Path:
         f"mm{sdmm_isa() or 'off'}",
         f"fa{sdfa_isa() or 'off'}",
     ]
-    return specdec_home() / "costs" / ("-".join(parts) + ".json")
+    return "-".join(parts)
 
 
 def _load_model(llama: Any, path: Path, mparams: Any) -> tuple[Any, dict[str, float]]:
@@ -563,7 +562,7 @@ class LlamaCppModel(SpecModel):
         )
         cparams.type_k = type_k
         cparams.no_perf = True
-        if op_capture is not None:  # diagnostics only (study.invariance, study.profile)
+        if op_capture is not None:  # diagnostics only (study.run.invariance, study.run.profile)
             cparams.cb_eval = op_capture.callback
             cparams.cb_eval_user_data = None
         self._op_capture = op_capture  # keeps the callback alive with the context
@@ -612,9 +611,7 @@ class LlamaCppModel(SpecModel):
             if device is not None and not _llama().llama_supports_gpu_offload():
                 log.warning("this llama.cpp build cannot offload to %s; running on the CPU", dev)
         tokenizer = load_tokenizer(path)  # the same cached conversion HFModel uses
-        model = cls(path, tokenizer=tokenizer, name=name, **kwargs)
-        model.cost_store = _cost_store(path, model)
-        return model
+        return cls(path, tokenizer=tokenizer, name=name, **kwargs)
 
     def _check_tokenizer(self, vocab: Any, tokenizer: Any) -> None:
         """Ids go to llama.cpp untranslated, so its vocabulary must read them as the HF tokenizer

@@ -15,7 +15,7 @@ instead of dying with SIGILL in the first matmul.
 
 The source is the llama-cpp-python sdist at VERSION, checked against SDIST_SHA256, with every
 patch in patches/ applied by `git apply` (a patch that does not apply stops the build):
-`fix-*` patches are upstream bug fixes (also given to the stock peer, study.anchors),
+`fix-*` patches are upstream bug fixes (also given to the stock peer, study.engines.anchors),
 `specdec-*` patches are specdec's own changes. specdec-sdmm.patch hooks specdec's matmul for
 verify batches (native/, copied into ggml-cpu/sdmm/ before the patches apply) into ggml-cpu as an
 extra buffer type: docs/kernels.md. The "portable" flavor (GGML_NATIVE=OFF, AVX2) is built only
@@ -80,7 +80,7 @@ def _sha256(path: Path) -> str:
 
 def patch_files(fixes_only: bool = False) -> list[Path]:
     """The patches in the order they apply. fix-*: upstream bug fixes, without which this
-    llama.cpp cannot run on some CPUs (also applied to the stock peer, study.anchors);
+    llama.cpp cannot run on some CPUs (also applied to the stock peer, study.engines.anchors);
     specdec-*: specdec's own changes (the wheel only)."""
     return sorted(PATCHES.glob("fix-*.patch" if fixes_only else "*.patch"))
 

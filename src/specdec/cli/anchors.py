@@ -38,7 +38,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_anchors(args: argparse.Namespace) -> int:
-    from specdec.study import anchors
+    from specdec.study.engines import anchors
 
     try:
         if args.anchors_cmd == "build":

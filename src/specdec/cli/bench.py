@@ -6,9 +6,9 @@ import argparse
 from typing import Any
 
 from specdec.cli import args as cli_args
-from specdec.study import anchors, endpoint
-from specdec.study import prompts as prompt_set
-from specdec.study.bench import (
+from specdec.study.engines import anchors, endpoint
+from specdec.study.run import prompts as prompt_set
+from specdec.study.run.bench import (
     CATEGORIES,
     COMPARES,
     CONFIGS,
@@ -20,7 +20,7 @@ from specdec.study.bench import (
     select_prompts,
     tag_suffix,
 )
-from specdec.study.sweep import format_sweep_table, run_sweep
+from specdec.study.run.sweep import format_sweep_table, run_sweep
 
 #: The K values of `specdec sweep` when -k is not given (the paper's Table 4).
 DEFAULT_SWEEP_KS = (1, 2, 4, 6, 8, 10, 12)

@@ -1,4 +1,4 @@
-"""`specdec doctor`: will speculative decoding pay on this machine? (study.doctor)"""
+"""`specdec doctor`: will speculative decoding pay on this machine? (study.run.doctor)"""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _batches(text: str) -> tuple[int, ...]:
 
 
 def add(subparsers: argparse._SubParsersAction) -> None:
-    from specdec.study.doctor import BATCHES, SECONDS
+    from specdec.study.run.doctor import BATCHES, SECONDS
 
     p = subparsers.add_parser(
         "doctor",
@@ -85,9 +85,11 @@ def add(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from specdec.backends import load_model
+    from specdec.backends.costs import CurveFiles
     from specdec.cli.main import version_line
-    from specdec.study.artifacts import model_block, to_json, write_json
-    from specdec.study.doctor import format_report, run
+    from specdec.study.artifacts.provenance import model_block
+    from specdec.study.artifacts.schema import to_json, write_json
+    from specdec.study.run.doctor import format_report, run
 
     cli_args.check_threads(args.threads)
     if args.prefix < 1:
@@ -108,7 +110,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         prefix=args.prefix,
         batches=args.batches,
         seconds=args.seconds,
-        seed_store=not args.no_seed,
+        curves=None if args.no_seed else CurveFiles(),
         progress=not args.no_progress and not args.json,
     )
     if args.out is not None:

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 from specdec.cli.args import EXIT_FAILED
-from specdec.study.figures import write_figures
-from specdec.study.report import render_report
-from specdec.study.scan import Study, scan
+from specdec.study.present.figures import write_figures
+from specdec.study.present.report import render_report
+from specdec.study.present.scan import Study, scan
 
 
 def _load(dir_: str) -> Study | None:

@@ -10,8 +10,8 @@ from typing import Any
 
 from specdec.cli import args as cli_args
 from specdec.cli.args import EXIT_FAILED, EXIT_INTERRUPTED
-from specdec.study.endpoint import API_KEY_ENV, APIS
-from specdec.study.gate import (
+from specdec.study.engines.endpoint import API_KEY_ENV, APIS
+from specdec.study.run.gate import (
     MIN_PROMPTS,
     QUICK,
     GateSettings,
@@ -67,8 +67,8 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         metavar="MODE",
         default=None,
         help="gate llama.cpp's own server: llama-server in MODE (ngram-mod, draft, ...: "
-        "study.anchors.SERVER_MODES) against llama-server without speculation, both started "
-        "here on the --config pair (built by `specdec anchors build`) (str; default off)",
+        "study.engines.anchors.SERVER_MODES) against llama-server without speculation, both "
+        "started here on the --config pair (built by `specdec anchors build`) (str; default off)",
     )
     e.add_argument(
         "--category",
@@ -168,8 +168,9 @@ def _cmd_gate(args: argparse.Namespace) -> int:
     from specdec.backends import chat as prompting
     from specdec.backends import load_model
     from specdec.backends.configs import resolve_config
-    from specdec.study import prompts as prompt_set
-    from specdec.study.artifacts import model_block, write_json
+    from specdec.study.artifacts.provenance import model_block
+    from specdec.study.artifacts.schema import write_json
+    from specdec.study.run import prompts as prompt_set
 
     settings = _settings(args)
     if args.llama_server is not None:
@@ -245,7 +246,7 @@ def _greedy_prompts(prompts: list, settings: GateSettings) -> list:
 def _cmd_llama_server_gate(args: argparse.Namespace, settings: GateSettings) -> int:
     """llama-server in a speculative mode against llama-server alone, on the --config pair."""
     from specdec.backends.configs import resolve_config
-    from specdec.study import anchors
+    from specdec.study.engines import anchors
 
     if args.endpoint is not None or args.endpoint_baseline is not None:
         raise ValueError("--llama-server starts both servers itself: drop --endpoint*")
@@ -263,7 +264,7 @@ def _cmd_llama_server_gate(args: argparse.Namespace, settings: GateSettings) -> 
 def _cmd_endpoint_gate(args: argparse.Namespace, settings: GateSettings) -> int:
     """The gate between two servers: the same legs, prompts and test as the in-process gate."""
     from specdec.backends.configs import resolve_config
-    from specdec.study import endpoint
+    from specdec.study.engines import endpoint
 
     if args.endpoint is None or args.endpoint_baseline is None:
         raise ValueError("an endpoint gate needs both --endpoint and --endpoint-baseline")
@@ -289,9 +290,9 @@ def _endpoint_gate(
 ) -> int:
     """Run both legs between eps[0] (under test) and eps[1] (reference); write the artifact."""
     from specdec.backends import load_tokenizer_of
-    from specdec.study import endpoint
-    from specdec.study.artifacts import write_json
-    from specdec.study.bench import parse_categories, select_prompts, tag_suffix
+    from specdec.study.artifacts.schema import write_json
+    from specdec.study.engines import endpoint
+    from specdec.study.run.bench import parse_categories, select_prompts, tag_suffix
 
     tag_suffix(tag)  # a name safe in a file name, before any work
     tok = load_tokenizer_of(tokenizer_spec)

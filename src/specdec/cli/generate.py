@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from specdec.cli import args as cli_args
+
+if TYPE_CHECKING:
+    from specdec.core.metrics import GenerationStats
 
 
 def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
@@ -62,8 +66,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from specdec.backends import chat as prompting
     from specdec.backends import load_model
-    from specdec.core.config import SpecConfig, Warp
+    from specdec.backends.costs import CurveFiles
     from specdec.core.decode import stream
+    from specdec.core.drafters import PredictionDrafter, PredictionIndex
+    from specdec.core.policy import AutoPolicies
 
     cli_args.check_threads(args.threads)
     prediction_text = _read_prediction(args.prediction)  # before minutes of model loading
@@ -74,18 +80,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = prompting.encode(tok, args.prompt, chat=not args.no_chat)
     prediction = None
     if prediction_text is not None:
-        prediction = prompting.encode_prediction(tok, prediction_text)
+        ids = prompting.encode_prediction(tok, prediction_text)
+        # with the rewrites the prompt names ("rename `X` to `Y`") drafted from the start
+        hints = prompting.prediction_hints(tok, args.prompt)
+        prediction = PredictionIndex(ids, PredictionDrafter.N_MAX, hints)
     t0 = time.perf_counter()
     s = stream(
         target,
         prompt_ids,
         draft=draft,
-        spec=SpecConfig(drafter=args.drafter, k=args.k, k_max=args.k_max, p_min=args.p_min),
-        warp=Warp(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+        drafter=args.drafter,
+        k=args.k,
+        k_max=args.k_max,
+        p_min=args.p_min,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         stop_ids=prompting.stop_ids(tok),
         prediction=prediction,
+        # k=auto starts from the curve earlier processes learned, and leaves this one's
+        policies=AutoPolicies(CurveFiles()),
     )
     out: list[int] = []
     shown = ""
@@ -114,27 +130,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
         return 0
     print(prompting.decode(tok, out)[len(shown) :])
-    pos = " ".join(f"{a:.0%}" for a in st.positional_acceptance)
-    spec = (
-        (
-            f" | accepted {st.accepted}/{st.drafted} ({st.acceptance_rate:.1%}), by position "
-            f"[{pos}], {st.tokens_per_round:.2f} tokens/round"
-            + (
-                f", prediction tokens accepted {st.accepted_prediction_tokens} / rejected "
-                f"{st.rejected_prediction_tokens}"
-                if prediction is not None
-                else ""
-            )
-        )
-        if st.drafted
-        else ""
-    )
-    print(
-        f"-- {st.generated} tokens in {st.wall_s:.2f} s ({st.tokens_per_s:.1f} tok/s), "
-        f"TTFT {st.ttft_s:.3f} s{spec}",
-        file=sys.stderr,
-    )
+    print(_stats_line(st, prediction is not None), file=sys.stderr)
     return 0
+
+
+def _stats_line(st: GenerationStats, with_prediction: bool) -> str:
+    """The line printed after the text: speed, TTFT, and what speculation did."""
+    line = (
+        f"-- {st.generated} tokens in {st.wall_s:.2f} s ({st.tokens_per_s:.1f} tok/s), "
+        f"TTFT {st.ttft_s:.3f} s"
+    )
+    if not st.drafted:
+        return line
+    pos = " ".join(f"{a:.0%}" for a in st.positional_acceptance)
+    line += (
+        f" | accepted {st.accepted}/{st.drafted} ({st.acceptance_rate:.1%}), by position "
+        f"[{pos}], {st.tokens_per_round:.2f} tokens/round"
+    )
+    if with_prediction:
+        line += (
+            f", prediction tokens accepted {st.accepted_prediction_tokens} / rejected "
+            f"{st.rejected_prediction_tokens}"
+        )
+    return line
 
 
 def _read_prediction(path: str | None) -> str | None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
+from specdec.backends.costs import CurveFiles
 from specdec.cli import args as cli_args
-from specdec.core.policy import save_curve
-from specdec.study.microbench import (
+from specdec.study.run.microbench import (
     CONTENDED_SPREAD,
     acceptance_profile,
     artifact_path,
@@ -89,7 +88,8 @@ def add(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_microbench(args: argparse.Namespace) -> int:
     from specdec.backends import load_model
-    from specdec.study.artifacts import model_block, write_json
+    from specdec.study.artifacts.provenance import model_block
+    from specdec.study.artifacts.schema import write_json
 
     cli_args.check_threads(args.threads)
     acceptance = None
@@ -130,11 +130,12 @@ def _cmd_microbench(args: argparse.Namespace) -> int:
     )
     v = [pt.ratio for pt in art.verify]
     checks = tuple(check_prediction(v, art.c, b, src) for src, b in benches)
-    art = replace(art, threads=args.threads, checks=checks, deterministic=args.deterministic)
+    update = {"threads": args.threads, "checks": checks, "deterministic": args.deterministic}
+    art = art.model_copy(update=update)
     out = artifact_path(Path(args.out), target.name, args.tag)
     write_json(out, art)
-    if target.cost_store is not None:  # k="auto" starts from this curve in later processes
-        save_curve(target.cost_store, {pt.b: pt.median_ms / 1e3 for pt in art.verify})
+    # k="auto" starts from this curve in later processes
+    CurveFiles().save(target, {pt.b: pt.median_ms / 1e3 for pt in art.verify})
     print(format_table(art))
     if art.step_spread is not None and art.step_spread > CONTENDED_SPREAD:
         print(

@@ -7,8 +7,9 @@ import sys
 
 from specdec.cli import args as cli_args
 from specdec.cli.invariance import _ints
-from specdec.study.artifacts import meta_block, named_artifact, write_json
-from specdec.study.profile import SCHEMA, format_kernel_rates, format_table, run_profile
+from specdec.study.artifacts.provenance import meta_block
+from specdec.study.artifacts.schema import named_artifact, write_json
+from specdec.study.run.profile import SCHEMA, format_kernel_rates, format_table, run_profile
 
 #: --type-k names -> ggml_type
 TYPE_K = {"q8_0": 8, "f16": 1}

@@ -1,5 +1,5 @@
 """`specdec replay`: the real drafters and K policies over recorded greedy outputs, costed by a
-measured verify curve (study/replay.py). No model runs and no clock is read."""
+measured verify curve (study/run/replay.py). No model runs and no clock is read."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 from specdec.cli import args as cli_args
 from specdec.core.config import check_int
-from specdec.study import replay as rp
-from specdec.study.artifacts import write_json
+from specdec.study.artifacts.schema import write_json
+from specdec.study.run import replay as rp
 
 DEFAULT_POLICIES = "oracle,oracle-plan,best-fixed,auto"
 
@@ -153,7 +153,7 @@ def _check(inputs: list[str], curve: rp.Curve, tokenizer: object) -> list[str]:
 
 def _record(args: argparse.Namespace) -> int:
     from specdec.backends import load_model
-    from specdec.study.bench import parse_categories, select_prompts
+    from specdec.study.run.bench import parse_categories, select_prompts
 
     if args.target is None:
         raise ValueError("--record needs --target SPEC (the model whose outputs to record)")

@@ -77,7 +77,8 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="keep the KV of the prefix shared with the previous request, in whole blocks of "
         "256 tokens, as llama-server's cache_prompt (flag; default: on only where the output "
-        "cannot depend on it, a batch-invariant target such as --deterministic; see the README)",
+        "cannot depend on it: a batch-invariant target, as the default models are with specdec's "
+        "kernels; see docs/serving.md)",
     )
     cache.add_argument(
         "--no-prompt-cache",

@@ -14,21 +14,30 @@ CLI can declare its flags without importing torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+if TYPE_CHECKING:  # annotations only: the drafters and policies import torch
+    from specdec.core.drafters import Drafter
+    from specdec.core.policy import KPolicy
 
 #: Drafters by name (core.drafters): a draft model, prompt lookup, lookup else the model, the
 #: request's prediction else lookup.
 DRAFTERS = ("model", "lookup", "composite", "prediction")
+#: The named drafters that run a draft model.
+MODEL_DRAFTERS = ("model", "composite")
 #: The named K policies (core.policy): cost-model K, transformers' +2/-1 schedule.
 NAMED_K = ("auto", "schedule")
-#: Default largest K: with a draft model (each drafted token costs a draft step), and for the
-#: model-free drafters (a verify pass over 65 tokens costs ~30 target steps here, a copy that
-#: long is accepted whole).
+#: Default largest K: with a draft model, each drafted token costs a draft step; the model-free
+#: drafters' drafts cost nothing to make, and a copy is accepted whole however long it is.
 K_MAX_MODEL, K_MAX_FREE = 8, 64
 #: Temperatures below this sample as greedy. Why: logits / 1e-39 overflow float32 to inf and the
 #: softmax to NaN; vLLM draws the same line (its _SAMPLING_EPS is 1e-5).
 GREEDY_BELOW = 1e-5
+
+DrafterName = Literal["model", "lookup", "composite", "prediction"]
+KName = Literal["auto", "schedule"]
 
 
 def check_int(what: str, value: Any, lo: int, hi: int | None = None) -> int:
@@ -43,7 +52,7 @@ def check_int(what: str, value: Any, lo: int, hi: int | None = None) -> int:
 
 def is_policy(k: object) -> bool:
     """A KPolicy object passed as k (core.policy), e.g. a CostModelK with a known cost curve."""
-    return all(hasattr(k, m) for m in ("prepare", "choose", "observe", "finish"))
+    return all(hasattr(k, m) for m in ("choose", "observe"))
 
 
 def check_k(k: Any) -> None:
@@ -81,12 +90,6 @@ class Warp:
         """Argmax decoding: temperature 0, or so close to 0 that dividing by it overflows."""
         return self.temperature < GREEDY_BELOW
 
-    def probs(self, logits: Any) -> Any:
-        """[..., V] logits -> [..., V] float32 CPU probabilities (not for greedy warps)."""
-        from specdec.core.sampling import probs_from_logits  # torch: only when sampling
-
-        return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
-
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -104,8 +107,8 @@ class SpecConfig:
     p_min    stop drafting when the draft's top probability falls below it (llama.cpp's p-min)
     """
 
-    drafter: Any = None
-    k: Any = 4
+    drafter: DrafterName | Drafter | None = None
+    k: int | KName | KPolicy = 4
     k_max: int | None = None
     p_min: float | None = None
 
@@ -128,14 +131,42 @@ class SpecConfig:
             return self.k_max
         return K_MAX_MODEL if uses_model else K_MAX_FREE
 
-    def drafter_for(self, has_draft_model: bool) -> Any:
-        """The drafter this config runs with: "model" by default when a draft model is given.
-        ValueError when the drafter and the draft model do not go together."""
-        kind = self.drafter
-        if kind is None:
-            return "model" if has_draft_model else None
-        if kind in ("model", "composite") and not has_draft_model:
+    def drafter_for(self, has_draft_model: bool) -> DrafterName | Drafter | None:
+        """The drafter this config runs with (`default_drafter`); ValueError when the drafter
+        and the draft model do not go together."""
+        kind = default_drafter(self.drafter, has_draft_model)
+        if kind in MODEL_DRAFTERS and not has_draft_model:
             raise ValueError(f"drafter {kind!r} needs a draft model; pass draft= (or --draft)")
         if kind in ("lookup", "prediction") and has_draft_model:
             raise ValueError(f"drafter {kind!r} uses no draft model; drop draft= (or --draft)")
         return kind
+
+
+def default_drafter(
+    drafter: DrafterName | Drafter | None, has_draft_model: bool
+) -> DrafterName | Drafter | None:
+    """`drafter`, or, when none is named, the draft model's when one is given (else none)."""
+    if drafter is None and has_draft_model:
+        return "model"
+    return drafter
+
+
+Config = TypeVar("Config", SpecConfig, Warp)
+
+
+def config_from(
+    given: Config | None, cls: type[Config], name: str, keywords: Mapping[str, Any]
+) -> Config:
+    """`given` (a SpecConfig or Warp passed as `name`=), else one built from the `keywords` that
+    were passed (not None); ValueError when both are, since one would silently win."""
+    passed = {key: v for key, v in keywords.items() if v is not None}
+    if given is None:
+        return cls(**passed)
+    if not isinstance(given, cls):
+        raise ValueError(f"{name}= takes a {cls.__name__}, got {type(given).__name__}")
+    if passed:
+        raise ValueError(
+            f"pass either {name}= or its keywords ({', '.join(passed)}), not both: "
+            f"{name}={given} already sets them"
+        )
+    return given

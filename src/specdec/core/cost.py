@@ -1,7 +1,7 @@
 """The cost model of speculative decoding, written once (paper, sections 6.4-6.5).
 
 Used by `k="auto"` (core.policy.CostModelK, with online estimates in seconds) and by the
-microbench (study.microbench, with measured curves in target steps):
+microbench (study.run.microbench, with measured curves in target steps):
 
     v(b)            cost of one target pass over b tokens; a round at K verifies b = K + 1
     c               cost of one draft step, in the same unit
@@ -38,11 +38,12 @@ def expected_tokens_per_round(p_at_least: Sequence[float], k: int) -> float:
     return 1.0 + float(sum(p_at_least[:k]))
 
 
-def cost_in_target_steps(v: Sequence[float], c: float, k: int) -> float:
-    """Cost of one round at speculation length k, in target steps: v(k+1) + k c.
+def round_cost(v: Sequence[float], c: float, k: int) -> float:
+    """Cost of one round at speculation length k, in v's unit: v(k+1) + k c.
 
-    v  [B_max] float  v[b-1] = v(b), the verify cost of b tokens in target steps (v[0] = 1)
-    c  draft step / target step
+    v  [B_max] float  v[b-1] = v(b), the verify cost of b tokens: in target steps (v[0] = 1,
+                      the microbench) or in seconds (k="auto")
+    c  one draft step, in the same unit
     """
     if not 0 <= k < len(v):
         raise ValueError(f"k must be in [0, {len(v) - 1}] for a curve of {len(v)} points, got {k}")
@@ -56,7 +57,7 @@ def predicted_speedup(v: Sequence[float], c: float, p_at_least: Sequence[float],
     unit-agnostic: with v in seconds and c a draft step in seconds this is tokens per second,
     whose argmax over k is the same.
     """
-    return expected_tokens_per_round(p_at_least, k) / cost_in_target_steps(v, c, k)
+    return expected_tokens_per_round(p_at_least, k) / round_cost(v, c, k)
 
 
 def best_k(v: Sequence[float], c: float, p_at_least: Sequence[float], k_max: int) -> int:

@@ -15,14 +15,20 @@ randomness.
 from __future__ import annotations
 
 import time
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from specdec.core.config import SpecConfig, Warp, is_policy
+from specdec.core.config import (
+    MODEL_DRAFTERS,
+    DrafterName,
+    KName,
+    SpecConfig,
+    Warp,
+    config_from,
+)
 from specdec.core.device import synchronize
 from specdec.core.drafters import (
     CompositeDrafter,
@@ -34,11 +40,11 @@ from specdec.core.drafters import (
     common_prefix,
 )
 from specdec.core.metrics import GenerationResult, GenerationStats, Round
-from specdec.core.model import SpecModel, as_token_list
+from specdec.core.model import SpecModel, TokenIds, as_token_list
 from specdec.core.pair import check_pair
-from specdec.core.policy import KPolicy, make_policy
+from specdec.core.policy import AutoPolicies, CostModelK, KPolicy, make_policy
 from specdec.core.pool import DraftPool, PoolDrafter
-from specdec.core.sampling import greedy_verify, rejection_sample
+from specdec.core.sampling import greedy_verify, probs_from_logits, rejection_sample
 
 #: Prompt prefill runs in chunks of this many tokens, with the cancellation check between them,
 #: so a request abandoned during a long prefill frees the engine within one chunk. 512 is
@@ -68,7 +74,7 @@ class _Clock:
         setattr(self.stats, name, getattr(self.stats, name) + dt)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Run:
     """Everything one generation needs, resolved and validated before any model work."""
 
@@ -81,11 +87,12 @@ class _Run:
     width: int  # shared sampling width V (core.pair.check_pair)
     generator: torch.Generator
     stop_ids: frozenset[int]
-    debug: bool
-    cancelled: Callable[[], bool] | None
     stats: GenerationStats
+    debug: bool = False
+    cancelled: Callable[[], bool] | None = None
     reuse_prefix: int = 0  # block size; 0: off
     on_round: Callable[[Round], None] | None = None  # told every round's record, after the policy
+    policies: AutoPolicies | None = None  # told when the generation ends, if `policy` is theirs
     tokens: list[int] = field(default_factory=list)  # generated ids
     stop_reason: str = "length"
 
@@ -115,103 +122,131 @@ class SpecStream:
         self._chunks.close()
 
 
-def stream(
+def generate(
     target: SpecModel,
-    prompt_ids: Sequence[int] | torch.Tensor,
+    prompt_ids: TokenIds,
     *,
     draft: SpecModel | None = None,
-    spec: SpecConfig = SpecConfig(),  # noqa: B008 - frozen, so one shared default is safe
-    warp: Warp = Warp(),  # noqa: B008
+    drafter: DrafterName | Drafter | None = None,
+    k: int | KName | KPolicy | None = None,
+    k_max: int | None = None,
+    p_min: float | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    spec: SpecConfig | None = None,
+    warp: Warp | None = None,
     max_new_tokens: int = 128,
     seed: int = 0,
-    stop_ids: Sequence[int] | None = None,
-    prediction: Sequence[int] | torch.Tensor | PredictionIndex | None = None,
-    cancelled: Callable[[], bool] | None = None,
-    debug: bool = False,
-    reuse_prefix: int = 0,
-    on_round: Callable[[Round], None] | None = None,
+    stop_ids: Iterable[int] | None = None,
+    prediction: TokenIds | PredictionIndex | None = None,
+    policies: AutoPolicies | None = None,
     pool: DraftPool | None = None,
-) -> SpecStream:
-    """Like `generate`, but yields each round's committed tokens as they are accepted.
-
-    Every argument is validated before any model work is done. `prediction`: token ids the
-    output is expected to mostly repeat (e.g. the file an edit re-emits), drafted from first
-    (core.drafters.PredictionDrafter); it changes the speed, never the output distribution.
-    `cancelled`, if given, is asked between prefill chunks; when it returns True the stream
-    ends with stop_reason "cancelled" (between rounds, close the stream instead).
-    `reuse_prefix`: a block size B (0: off; 1, or True: any length): keep the target's cached KV
-    for the longest common prefix of the prompt and what the cache holds (the previous
-    request's prompt and answer), rounded down to whole blocks of B tokens, and prefill only the
-    rest, as llama-server's cache_prompt does (a server uses blocks so that what it reuses, and
-    reports, says little about another client's prompt). Exact where the backend is
-    batch-invariant (mock, llama.cpp deterministic); elsewhere the reused rows were computed
-    in another batch shape, which can flip a greedy near-tie against a fresh prefill.
-    `on_round`, if given, receives every round's `Round` record (what a replay reproduces:
-    study.replay), after the stats and the K policy have seen it. `pool`: a draft pool of
-    earlier requests (core.pool); prompt lookup then drafts from it too (PoolDrafter), and the
-    caller adds this request's text to it once the stream ends.
-    """
-    prompt = as_token_list(prompt_ids)
-    kind = spec.drafter_for(draft is not None)
-    if kind == "prediction" and prediction is None:
-        raise ValueError("drafter 'prediction' needs a prediction (prediction=, --prediction)")
-    width = _check_budget(
-        target, draft if kind in ("model", "composite") else None, prompt, max_new_tokens
-    )
-    pred: list[int] | PredictionIndex | None = None
-    if isinstance(prediction, PredictionIndex):  # built beforehand (a server, off its lock)
-        _check_ids("prediction", prediction.tokens, width)
-        pred = prediction
-    elif prediction is not None:
-        pred = _check_ids("prediction", prediction, width)
-    generator = torch.Generator().manual_seed(seed)
-    drafter = _make_drafter(kind, draft, spec, warp, generator, width, pool)
-    if pred is not None:  # the prediction first, then the configured drafter (else lookup)
-        rest = drafter if drafter is not None else _lookup(pool)
-        drafter, kind = CompositeDrafter(PredictionDrafter(pred, len(prompt)), rest), "prediction"
-    policy = _policy(spec, target, drafter, kind) if drafter is not None else None
-    run = _Run(
-        target,
-        drafter,
-        policy,
-        prompt,
-        max_new_tokens,
-        warp,
-        width,
-        generator,
-        frozenset(stop_ids or ()),
-        debug,
-        cancelled,
-        GenerationStats(prompt_tokens=len(prompt)),
-        reuse_prefix,
-        on_round,
-    )
-    return SpecStream(run)
-
-
-def generate(
-    target: SpecModel, prompt_ids: Sequence[int] | torch.Tensor, **kwargs: object
+    reuse_prefix: int = 0,
+    cancelled: Callable[[], bool] | None = None,
+    on_round: Callable[[Round], None] | None = None,
+    debug: bool = False,
 ) -> GenerationResult:
     """Sample up to `max_new_tokens` tokens after `prompt_ids`, distributed exactly as `target`.
 
-    Keywords are `stream`'s: `draft` (a SpecModel), `spec` (SpecConfig: drafter, k, k_max,
-    p_min), `warp` (Warp: temperature, top_k, top_p; temperature 0 is greedy), `max_new_tokens`,
-    `seed`, `stop_ids`, `cancelled`, `debug` (check the cache invariant after every round).
+    prompt_ids   token ids: a list of ints, a 1-D tensor, or a tokenizer's output (a
+                 BatchEncoding or a dict holding input_ids)
+    draft        a draft model (SpecModel); with it, the drafter defaults to "model"
+    drafter, k, k_max, p_min   how speculation runs (core.config.SpecConfig: "model", "lookup",
+                 "composite", "prediction" or a Drafter; K an int, "auto" or "schedule"), or
+                 spec=SpecConfig(...)
+    temperature, top_k, top_p  how logits become a distribution (core.config.Warp; temperature
+                 0 is greedy, default 0.8), or warp=Warp(...); a config and its keywords
+                 together are an error
+    seed         the per-generation torch.Generator's seed
+    stop_ids     token ids that end the generation (the stop id is the last token returned)
+    prediction   token ids the output is expected to mostly repeat (e.g. the file an edit
+                 re-emits), drafted from first (core.drafters.PredictionDrafter); it changes
+                 the speed, never the output distribution
+    policies     k="auto" policies kept by the caller across generations (core.policy.
+                 AutoPolicies): what one generation learned carries to the next; None: each
+                 call starts from the prior
+    pool         a draft pool of earlier requests (core.pool): prompt lookup drafts from it too;
+                 the caller adds this request's text to it once the generation ends
+    reuse_prefix a block size B (0: off; 1: any length): keep the target's cached KV for the
+                 longest common prefix of the prompt and what the cache holds, rounded down to
+                 whole blocks, and prefill only the rest (llama-server's cache_prompt). Exact
+                 where the backend is batch-invariant (mock, llama.cpp deterministic);
+                 elsewhere reused rows computed in another batch shape can flip a greedy tie
+    cancelled    asked between prefill chunks; True ends with stop_reason "cancelled"
+    on_round     receives every round's Round record, after the stats and the K policy
+    debug        check the cache invariant after every round
+
     With a draft model or a drafter, K tokens are drafted per round and verified in one target
     pass (Algorithm 1); with neither this is plain autoregressive sampling through the same
-    sampler, the baseline.
-
-    Reproducibility: for a fixed K (or "schedule") and a seed, the run is bit-reproducible on
-    the same backend and machine. With k="auto", K is chosen from wall-clock measurements and
-    from what earlier generations in this process learned, so which tokens get drafted varies
-    between runs; the output distribution does not, and greedy output does not either where the
-    backend is batch-invariant.
+    sampler, the baseline. Every argument is validated before any model work. For a fixed K
+    (or "schedule") and a seed the run is bit-reproducible on the same backend and machine;
+    k="auto" picks K from wall-clock costs, so which tokens get drafted varies between runs,
+    while the output distribution does not (nor greedy output, on a batch-invariant backend).
     """
-    s = stream(target, prompt_ids, **kwargs)  # type: ignore[arg-type]
+    s = stream(**locals())  # every argument, as given
     for _ in s:
         pass
     assert s.result is not None
     return s.result
+
+
+def stream(
+    target: SpecModel,
+    prompt_ids: TokenIds,
+    *,
+    draft: SpecModel | None = None,
+    drafter: DrafterName | Drafter | None = None,
+    k: int | KName | KPolicy | None = None,
+    k_max: int | None = None,
+    p_min: float | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    spec: SpecConfig | None = None,
+    warp: Warp | None = None,
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    stop_ids: Iterable[int] | None = None,
+    prediction: TokenIds | PredictionIndex | None = None,
+    policies: AutoPolicies | None = None,
+    pool: DraftPool | None = None,
+    reuse_prefix: int = 0,
+    cancelled: Callable[[], bool] | None = None,
+    on_round: Callable[[Round], None] | None = None,
+    debug: bool = False,
+) -> SpecStream:
+    """`generate`, one round's committed tokens at a time (its arguments are generate's)."""
+    spec = config_from(
+        spec, SpecConfig, "spec", dict(drafter=drafter, k=k, k_max=k_max, p_min=p_min)
+    )
+    warp = config_from(warp, Warp, "warp", dict(temperature=temperature, top_k=top_k, top_p=top_p))
+    prompt = as_token_list(prompt_ids, "prompt_ids")
+    kind = spec.drafter_for(draft is not None)
+    used = draft if kind in MODEL_DRAFTERS else None
+    width = _check_budget(target, used, prompt, max_new_tokens)
+    generator = torch.Generator().manual_seed(seed)
+    model = ModelDrafter(used, warp, generator, width, spec.p_min) if used is not None else None
+    made, key = _drafter(kind, model, _prediction(prediction, width), len(prompt), pool)
+    policy = _policy(spec, target, made, key, policies) if made is not None else None
+    run = _Run(
+        target=target,
+        drafter=made,
+        policy=policy,
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        warp=warp,
+        width=width,
+        generator=generator,
+        stop_ids=frozenset(stop_ids or ()),
+        stats=GenerationStats(prompt_tokens=len(prompt)),
+        debug=debug,
+        cancelled=cancelled,
+        reuse_prefix=reuse_prefix,
+        on_round=on_round,
+        policies=policies,
+    )
+    return SpecStream(run)
 
 
 def _loop(run: _Run) -> Iterator[list[int]]:
@@ -219,9 +254,8 @@ def _loop(run: _Run) -> Iterator[list[int]]:
     clock = _Clock(stats, [target.device] + ([drafter.model.device] if _has_model(drafter) else []))
     t_start = clock.now()
     seq = list(run.prompt)
-    with clock.phase("verify_s"):  # prefill: the target holds seq[:-1] between rounds
+    with clock.phase("prefill_s"):  # the target holds seq[:-1] between rounds
         reused = _prefill(target, seq[:-1], run.cancelled, run.reuse_prefix)
-    stats.prefill_s = clock.last["verify_s"]
     if reused is None:
         run.stop_reason = "cancelled"
         return
@@ -230,14 +264,11 @@ def _loop(run: _Run) -> Iterator[list[int]]:
         # Fresh caches per call, so a seeded run never depends on what ran before it (reusing a
         # shared prefix would change draft numerics slightly, and with them the sampled drafts).
         drafter.model.reset()
-    if policy is None:
-        yield from _rounds(run, clock, seq, t_start)
-        return
-    stats.calibration_s = policy.prepare(target, seq)
     try:
         yield from _rounds(run, clock, seq, t_start)
     finally:  # also when the consumer closes the stream early
-        policy.finish(target)
+        if run.policies is not None and isinstance(policy, CostModelK):
+            run.policies.finished(target, policy)
 
 
 def _rounds(run: _Run, clock: _Clock, seq: list[int], t_start: float) -> Iterator[list[int]]:
@@ -262,7 +293,8 @@ def _rounds(run: _Run, clock: _Clock, seq: list[int], t_start: float) -> Iterato
             if warp.greedy:
                 emitted, n_acc = greedy_verify(x, logits)
             else:
-                emitted, n_acc = rejection_sample(x, q, warp.probs(logits), run.generator)
+                p = probs_from_logits(logits, warp.temperature, warp.top_k, warp.top_p)
+                emitted, n_acc = rejection_sample(x, q, p, run.generator)
         # 4. commit, then roll both caches back to the accepted length
         new = _commit(run, emitted.tolist())
         seq += new
@@ -333,30 +365,53 @@ def _check_caches(target: SpecModel, drafter: Drafter | None, seq: list[int]) ->
         raise AssertionError("draft cache is not a prefix of the committed sequence")
 
 
-def _check_ids(what: str, ids: Sequence[int] | torch.Tensor, width: int) -> list[int]:
-    out = as_token_list(ids)
+def _prediction(
+    prediction: TokenIds | PredictionIndex | None, width: int
+) -> list[int] | PredictionIndex | None:
+    """The prediction's ids, checked against the vocabulary (an index built beforehand, e.g. by
+    a server off its lock, is kept as it is)."""
+    if prediction is None:
+        return None
+    ids = prediction.tokens if isinstance(prediction, PredictionIndex) else prediction
+    checked = _check_ids("prediction", ids, width)
+    return prediction if isinstance(prediction, PredictionIndex) else checked
+
+
+def _check_ids(what: str, ids: TokenIds, width: int) -> list[int]:
+    out = as_token_list(ids, what)
     bad = next((t for t in out if not 0 <= t < width), None)
     if bad is not None:
         raise ValueError(f"{what} token id {bad} is outside the vocabulary [0, {width})")
     return out
 
 
-def _make_drafter(
-    kind: str | Drafter | None,
-    draft: SpecModel | None,
-    spec: SpecConfig,
-    warp: Warp,
-    generator: torch.Generator,
-    width: int,
-    pool: DraftPool | None = None,
-) -> Drafter | None:
+def _drafter(
+    kind: DrafterName | Drafter | None,
+    model: ModelDrafter | None,
+    prediction: list[int] | PredictionIndex | None,
+    start: int,
+    pool: DraftPool | None,
+) -> tuple[Drafter | None, Hashable]:
+    """The one place a generation's drafter is built: `kind`'s (SpecConfig.drafter_for settled
+    it; `model` drafts with the draft model for "model" and "composite"), with a prediction,
+    when given, drafted from first (then `kind`'s drafter, else prompt lookup), starting at
+    `start` (the prompt's length). Also returns what tells its k="auto" policy apart
+    (AutoPolicies): the kind ("prediction" with a prediction; a Drafter's class) and the
+    draft model."""
+    if kind == "prediction" and prediction is None:
+        raise ValueError("drafter 'prediction' needs a prediction (prediction=, --prediction)")
+    made: Drafter | None
+    name: Hashable
     if kind is None or not isinstance(kind, str):
-        return kind
-    if kind in ("lookup", "prediction"):  # "prediction": `stream` puts the prediction first
-        return _lookup(pool)
-    assert draft is not None  # SpecConfig.drafter_for: "model" and "composite" have one
-    model = ModelDrafter(draft, warp, generator, width, spec.p_min)
-    return model if kind == "model" else CompositeDrafter(_lookup(pool), model)
+        made, name = kind, type(kind)
+    elif model is not None:  # "model" or "composite"
+        made, name = (model if kind == "model" else CompositeDrafter(_lookup(pool), model)), kind
+    else:  # "lookup", and "prediction", whose prediction goes first below
+        made, name = _lookup(pool), kind
+    if prediction is not None:
+        rest = made if made is not None else _lookup(pool)
+        made, name = CompositeDrafter(PredictionDrafter(prediction, start), rest), "prediction"
+    return made, (name, model.model if model is not None else None)
 
 
 def _lookup(pool: DraftPool | None) -> Drafter:
@@ -364,24 +419,22 @@ def _lookup(pool: DraftPool | None) -> Drafter:
     return LookupDrafter() if pool is None else PoolDrafter(pool)
 
 
-#: k="auto" policies, kept per target model for the life of the process: what one generation
-#: learned (acceptance per draft source, draft cost, v(b)) carries over to the next, so a pair
-#: where drafting cannot pay stops exploring it after the first request instead of every time.
-_AUTO_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _policy(spec: SpecConfig, target: SpecModel, drafter: Drafter, kind: object) -> KPolicy:
-    if is_policy(spec.k):
-        return spec.k
+def _policy(
+    spec: SpecConfig,
+    target: SpecModel,
+    drafter: Drafter,
+    key: Hashable,
+    policies: AutoPolicies | None,
+) -> KPolicy:
+    """spec.k as a policy: the caller's KPolicy object, k="auto"'s kept policy for this target
+    and drafter when the caller keeps them (else a new one), or a new fixed / schedule one."""
+    k = spec.k
+    if not isinstance(k, (int, str)):  # a KPolicy object (SpecConfig checked that it is one)
+        return k
     k_max = spec.resolved_k_max(uses_model=drafter.model is not None)
-    if spec.k != "auto":
-        return make_policy(spec.k, k_max if isinstance(spec.k, str) else spec.k)
-    model = drafter.model
-    key = (kind if isinstance(kind, str) else id(kind), id(model) if model else None, k_max)
-    per_target = _AUTO_POLICIES.setdefault(target, {})
-    if key not in per_target:
-        per_target[key] = make_policy("auto", k_max)
-    return per_target[key]
+    if k == "auto" and policies is not None:
+        return policies.get(target, key, k_max)
+    return make_policy(k, k_max if isinstance(k, str) else k)
 
 
 def _check_budget(

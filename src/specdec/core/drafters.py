@@ -30,7 +30,7 @@ from specdec.core.config import Warp
 from specdec.core.device import synchronize
 from specdec.core.edits import Rewrite, Rewrites
 from specdec.core.model import SpecModel
-from specdec.core.sampling import sample
+from specdec.core.sampling import probs_from_logits, sample
 
 
 class Proposal(NamedTuple):
@@ -74,7 +74,7 @@ class ModelDrafter:
         self.model = model
         self.warp = warp
         self.generator = generator
-        self.width = width  # shared sampling width V (see tokenizer.check_pair)
+        self.width = width  # shared sampling width V (core.pair.check_pair)
         self.p_min = p_min
         self._base = 0  # len(context) at the last propose
 
@@ -105,7 +105,8 @@ class ModelDrafter:
                     break
                 xs.append(int(row.argmax()))
             else:
-                q_i = self.warp.probs(row)  # [V] exactly the distribution x_i is drawn from
+                w = self.warp
+                q_i = probs_from_logits(row, w.temperature, w.top_k, w.top_p)  # [V]: x_i ~ q_i
                 if self.p_min is not None and float(q_i.max()) < self.p_min:
                     break
                 xs.append(sample(q_i, self.generator))
@@ -125,9 +126,8 @@ class ModelDrafter:
 #: Match lengths that share one acceptance estimate in the K controller (`LookupDrafter.source`):
 #: n = 1, 2, 3 each alone, then 4-7 and 8+. A long match means the output is copying its input
 #: (code editing, summarization), where drafts are accepted far more often than after a common
-#: trigram in prose. Pooled with the short matches, copy runs were never drafted: prose
-#: rejections had switched "lookup3" off before the copy began (simulated on 37 greedy outputs
-#: of the 1.5B: the fix-the-bug prompt p009 went from 0.996x to 1.21x).
+#: trigram in prose. Why apart: pooled with the short matches, copy runs would not be drafted,
+#: since prose rejections switch the pooled source off before the copy begins.
 LOOKUP_BUCKETS = (8, 4)
 
 
@@ -251,9 +251,8 @@ class PredictionDrafter:
     all over a file. Before any alignment (the answer's preamble, e.g. an opening code fence),
     the prediction's start is proposed, as source "prediction-start", so the K policy judges
     those guesses apart from aligned drafts; where the prompt does not quote the prediction,
-    only until one guess is rejected outright (a wrong prediction's start, proposed every round,
-    kept prompt lookup from drafting: 7 of 263 drafted tokens accepted against 27 of 42 by
-    lookup alone, mock model, K = 8).
+    only until one guess is rejected outright (a wrong prediction's start, proposed every
+    round, would keep prompt lookup from drafting).
 
     Edits are learned (core.edits): the span between the departure and the re-alignment, and
     what the output wrote there, becomes a rewrite once the output has followed the prediction
@@ -438,9 +437,8 @@ class PredictionDrafter:
             # Two regimes, judged apart by the K policy: a copy under way (the output matches
             # the prediction over its last COPY_RUN tokens, the re-alignment's n-gram counted:
             # drafts run to the next edit) and a fresh re-alignment after an edit on a shorter
-            # match, where the next tokens are often still the edit. (Replayed on 8 rewrite
-            # outputs: after a re-alignment on 3+ tokens and one more followed, 5% of drafts
-            # were rejected at once; on one token alone, 67%.)
+            # match, where the next tokens are often still the edit, so its drafts fail far
+            # more often.
             m = self._realigned_n + self._run
             return next(name for least, name in self.REGIMES if m >= least), cur
         if not self._aligned_once and len(out) < self.START_WINDOW and self._at_start(context):

@@ -63,20 +63,19 @@ class GenerationStats:
     ttft_s            start of the call to the first committed token (includes the prefill and,
                       when speculating, the whole first draft + verify round)
     wall_s            start of the call to the last committed token
+    prefill_s         the target's prompt prefill (paid once per request whatever the method;
+                      wall_s - prefill_s - catchup_s is the decode phase that the microbench's
+                      cost model predicts)
     draft_s           time inside the drafter (draft forward passes and draft-side sampling)
-    verify_s          time inside target forward passes, the prefill included
+    catchup_s         the part of draft_s a draft model spent prefilling context it had not
+                      seen (the prompt in the first round; tokens committed by lookup rounds)
+    verify_s          time inside the rounds' target passes (the prefill is prefill_s)
+    sampling_s        target-side warping plus the accept/reject walk
     cached_prompt_tokens  prompt tokens whose KV was kept from the previous generation
                       (stream(reuse_prefix=True); OpenAI's usage.prompt_tokens_details.
                       cached_tokens), not prefilled again
-    prefill_s         the part of verify_s spent on the prompt prefill (paid once per request
-                      whatever the method; wall_s - prefill_s - catchup_s is the decode phase
-                      that the microbench's cost model predicts)
-    catchup_s         the part of draft_s a draft model spent prefilling context it had not
-                      seen (the prompt in the first round; tokens committed by lookup rounds)
-    sampling_s        target-side warping plus the accept/reject walk
-    calibration_s     k="auto" only: reading the persisted verify-cost curve when a process
-                      first meets a target (no target pass is run for it; ~0 s)
-    other_s           wall_s minus the four above: bookkeeping, cache truncation, Python
+    other_s           wall_s minus prefill_s, draft_s, verify_s and sampling_s: bookkeeping,
+                      cache truncation, Python
     """
 
     rounds: int = 0
@@ -95,13 +94,12 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     sampling_s: float = 0.0
-    calibration_s: float = 0.0
     prefill_s: float = 0.0
     catchup_s: float = 0.0
 
     @property
     def other_s(self) -> float:
-        spent = self.draft_s + self.verify_s + self.sampling_s + self.calibration_s
+        spent = self.prefill_s + self.draft_s + self.verify_s + self.sampling_s
         return max(0.0, self.wall_s - spent)
 
     @property

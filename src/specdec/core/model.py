@@ -21,28 +21,81 @@ every round, that each cache holds a prefix of the committed sequence.
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-TokenIds = Sequence[int] | torch.Tensor
+#: Token ids as the API takes them: a list (or any iterable) of ints, a 1-D integer tensor (or
+#: [1, n]: a batch of one), or a tokenizer's output holding input_ids (a BatchEncoding, a dict).
+TokenIds = Iterable[int] | torch.Tensor | Mapping[str, Any]
+
+_WHAT_TO_PASS = (
+    "pass token ids: a list of ints, a 1-D integer tensor, or a tokenizer's output (a "
+    "BatchEncoding or a dict holding input_ids), e.g. tokenizer(text)['input_ids'] or "
+    "tokenizer.apply_chat_template(messages, add_generation_prompt=True)"
+)
 
 
 class SpecModelError(ValueError):
     """Bad input to a model: names the problem and the fix."""
 
 
-def as_token_list(tokens: TokenIds) -> list[int]:
-    """Token ids as a plain list of Python ints (accepts lists, tuples and 1-D LongTensors)."""
+def as_token_list(tokens: TokenIds, what: str = "token ids") -> list[int]:
+    """Token ids as a plain list of Python ints (`TokenIds` says what is accepted); a
+    SpecModelError naming `what` and what to pass for anything else."""
+    if isinstance(tokens, Mapping):
+        if "input_ids" not in tokens:
+            keys = ", ".join(map(repr, list(tokens)[:4]))
+            raise _refused(what, f"a mapping without input_ids (keys {keys})")
+        tokens = tokens["input_ids"]
     if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1:
-            raise SpecModelError(
-                f"token tensor must be 1-D, got shape {tuple(tokens.shape)}; pass one sequence"
-            )
-        return [int(t) for t in tokens.tolist()]
-    return [int(t) for t in tokens]
+        return _tensor_ids(tokens, what)
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise _refused(what, _describe(tokens))
+    ids = list(tokens)
+    if all(type(t) is int for t in ids):  # the common case, checked at C speed
+        return ids
+    first = ids[0] if len(ids) == 1 else None
+    if isinstance(first, (list, tuple)) or (isinstance(first, torch.Tensor) and first.dim()):
+        return as_token_list(first, what)  # a batch of one sequence
+    out = []
+    for t in ids:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.append(operator.index(t))  # ints, numpy integers, one-element integer tensors
+        except TypeError:
+            raise _refused(what, f"an id of type {type(t).__name__} ({_short(t)})") from None
+    return out
+
+
+def _tensor_ids(t: torch.Tensor, what: str) -> list[int]:
+    if t.dim() == 2 and t.shape[0] == 1:  # return_tensors="pt" gives a batch of one
+        t = t[0]
+    if t.dim() != 1:
+        raise _refused(what, f"a tensor of shape {tuple(t.shape)}: one sequence is [n] or [1, n]")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise _refused(what, f"a {t.dtype} tensor")
+    return [int(x) for x in t.tolist()]
+
+
+def _refused(what: str, got: str) -> SpecModelError:
+    return SpecModelError(f"{what}: got {got}; {_WHAT_TO_PASS}")
+
+
+def _describe(x: object) -> str:
+    """What was passed instead of token ids, for an error message."""
+    if isinstance(x, (str, bytes)):
+        return f"text ({_short(x)}), which must be tokenized first"
+    return f"an object of type {type(x).__name__}"
+
+
+def _short(x: object) -> str:
+    text = repr(x)
+    return text if len(text) <= 30 else text[:27] + "..."
 
 
 class SpecModel(ABC):
@@ -58,9 +111,6 @@ class SpecModel(ABC):
     device: torch.device = torch.device("cpu")
     #: the Hugging Face tokenizer that is the single source of truth for ids (None for mock models)
     tokenizer: Any = None
-    #: where k="auto" keeps this model's measured verify-cost curve between processes (a JSON
-    #: file named by the backend for this model file, build and settings); None: not kept
-    cost_store: Any = None
     #: every logit is bit-identical whatever batch shape computed it (mock models; llama.cpp's
     #: deterministic mode): only then may a server reuse one request's KV for the next by default
     batch_invariant: bool = False

@@ -1,11 +1,9 @@
 """How many tokens to draft each round: fixed K, transformers' +2/-1 schedule, or K from cost.
 
-Every policy gets `prepare(target, context) -> seconds` once per generation, after the prompt
-prefill (k="auto" reads its persisted cost curve there), answers `choose(source, remaining) -> K`
-before each round, hears `observe(round)` after it, and `finish(target)` when the generation
-ends (k="auto" persists what it learned).
-Policies see only costs and past acceptance — never the target's distribution for the current
-round — so any of them leaves the output distribution exactly the target's.
+Every policy answers `choose(source, remaining) -> K` before each round and hears
+`observe(round)` after it. Policies see only costs and past acceptance — never the target's
+distribution for the current round — so any of them leaves the output distribution exactly the
+target's.
 
 `CostModelK` ("k=auto") keeps online estimates of
     v(b)      seconds for one target pass over b tokens (b = K + 1 in a round)
@@ -17,20 +15,22 @@ and picks the K in {0 .. K_max} that maximizes expected tokens per second,
 
 (core.cost's formulas, the microbench's too, here in seconds). K = 0 is a plain target step:
 where speculation cannot pay, it turns itself off.
+
+A policy is data: it reads and writes no file. Its verify-cost curve comes in with `load_curve`
+and goes out as `curve`; `AutoPolicies`, which the owner of the models keeps (a server's
+engine, a CLI run, a bench), holds k="auto" policies across generations and moves their curves
+to and from a `CurveStore` (backends.costs.CurveFiles keeps them in JSON files).
 """
 
 from __future__ import annotations
 
 import bisect
-import json
-import os
-import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
-from specdec.core.cost import cost_in_target_steps, expected_tokens_per_round
+from specdec.core.cost import expected_tokens_per_round, round_cost
 from specdec.core.cost import p_at_least_from_conditional as p_at_least
 from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
@@ -38,8 +38,8 @@ from specdec.core.model import SpecModel
 #: Exponential forgetting per observation, so estimates follow a prompt whose character changes.
 DECAY = 0.95
 #: Forgetting per round of every source, drafted or not: a source switched off drifts back to
-#: the prior and is tried again (~140 rounds after one rejection switched it off; in simulation
-#: on 37 greedy outputs of the 1.5B, 0.99 and 0.98 re-explored often enough to cost 1-2%).
+#: the prior and is tried again, slowly enough that the retries cost little where it still
+#: does not pay.
 IDLE_DECAY = 0.995
 #: Prior acceptance (pseudo-counts) for a source never seen: optimistic enough to try drafting.
 PRIOR_ALPHA = 0.6
@@ -49,26 +49,13 @@ PRIOR_WEIGHT = 2.0
 class KPolicy(Protocol):
     k_max: int
 
-    def prepare(self, target: SpecModel, context: list[int]) -> float: ...
-
     def choose(self, source: str, remaining: int) -> int: ...
 
     def observe(self, r: Round) -> None: ...
 
-    def finish(self, target: SpecModel) -> None: ...
-
-
-class _NoPreparation:
-    def prepare(self, target: SpecModel, context: list[int]) -> float:
-        """Seconds spent getting ready for a generation: none for policies without costs."""
-        return 0.0
-
-    def finish(self, target: SpecModel) -> None:
-        """Called when a generation ends: nothing to keep for policies without costs."""
-
 
 @dataclass
-class FixedK(_NoPreparation):
+class FixedK:
     k_max: int
 
     def choose(self, source: str, remaining: int) -> int:
@@ -79,7 +66,7 @@ class FixedK(_NoPreparation):
 
 
 @dataclass
-class ScheduleK(_NoPreparation):
+class ScheduleK:
     """transformers' "heuristic" schedule: K += 2 after a fully accepted round, else K -= 1."""
 
     k_max: int
@@ -102,27 +89,24 @@ class _SourceStats:
 
 
 #: Until a pass over b tokens has been timed, it is assumed to cost one step plus PRIOR_SLOPE of
-#: a step per extra token: between this CPU's measured 0.46-0.66 (llama.cpp, Qwen 1.5B) and a
-#: GPU's ~0.02, so a new source is tried at K = 1 (break-even at 50% acceptance) and the real
-#: cost replaces the guess after one round. Measured points are interpolated linearly.
+#: a step per extra token: between a CPU's slope and a GPU's (near zero), so a new source is
+#: tried at K = 1 (break-even at 50% acceptance) and the real cost replaces the guess after one
+#: round. Measured points are interpolated linearly.
 PRIOR_SLOPE = 0.5
 #: Sources whose drafts are strong evidence from the start: (prior acceptance, depth cap before
-#: any evidence). A prediction aligned with the output is the file being re-emitted; its drafts
-#: run to the next edit (measured on the rewrite tasks: most rounds accept every drafted token).
+#: any evidence). A prediction aligned with the output is the file being re-emitted: its drafts
+#: usually run to the next edit, accepted whole.
 STRONG_SOURCES = {"prediction": (0.9, 8)}
 #: How deep a source without evidence is explored: the deepest K whose failed round costs at
 #: most EXPLORE times a failed K = 1 (v(K + 1) - v(1) + K t_d <= EXPLORE (v(2) - v(1) + t_d)).
-#: Why: where the verify curve is front-loaded (AMX: v(2) = 1.83 steps, v(4) = 2.11) a K = 1
-#: probe is the dearest per token, and at the 60% prior it never pays, so lookup was never
-#: tried (`specdec replay` of 28 recorded rewrite outputs on the 1,024-token curve, decode
-#: phase: lookup alone 1.90x -> 2.25x with this rule, 2.50x with fade_down_only too; on a
-#: linear curve it stays at K = 1).
+#: Why: where the verify curve is front-loaded (the first extra token costs most of a step, the
+#: next ones little) a K = 1 probe is the dearest per token and at the prior never pays, so the
+#: source would never be tried; on a linear curve the rule stays at K = 1.
 EXPLORE = 1.5
-#: The weight of a persisted v(b) read from the cost store, in measurements (see `_measured`):
-#: one, so it fades toward the prior (IDLE_DECAY per round) only where this run does not
-#: confirm it. At 0.5 every b the run had not yet used was half the prior's 0.5 steps per
-#: token, which on this CPU (0.31 measured at b = 16) kept rewrites at K = 3 (replayed on four
-#: rewrite outputs: 1.79x -> 1.98x decode-phase speedup).
+#: The weight of a v(b) loaded from a stored curve, in measurements (see `_measured`): one, so
+#: it fades toward the prior (IDLE_DECAY per round) only where this run does not confirm it.
+#: Why not less: every b the run has not used yet would lean toward the prior's dearer slope,
+#: and the long drafts a copy needs would not be tried.
 LOADED_WEIGHT = 1.0
 
 
@@ -131,8 +115,8 @@ class CostModelK:
     """K maximizing expected tokens per second under measured costs (module docstring).
 
     No calibration runs in the request path: v(b) is learned from the verify passes the
-    generation makes anyway (PRIOR_SLOPE until then), and kept in `target.cost_store` (a JSON
-    file the backend names per model file, build and settings) between processes.
+    generation makes anyway (PRIOR_SLOPE until then), or starts from a curve measured before
+    (`load_curve`: what an earlier process learned, or the microbench's).
     """
 
     k_max: int
@@ -144,7 +128,6 @@ class CostModelK:
     # a stale v(b) fades toward the prior only where the prior is cheaper (False: both ways)
     fade_down_only: bool = True
     _known: list[int] = field(default_factory=list, repr=False)  # sorted keys of verify_s
-    _dirty: bool = field(default=False, repr=False)  # verify_s changed since the last save
 
     # ------------------------------------------------------------------ estimates
     def _prior(self, b: int) -> float:
@@ -153,14 +136,12 @@ class CostModelK:
 
     def _measured(self, b: int) -> float:
         """The measurement of v(b), drawn back to the prior as it goes stale: its weight is its
-        decayed count, capped at 1. Why: a curve measured on a busy machine (or read from the
+        decayed count, capped at 1. Why: a curve measured on a busy machine (or loaded from a
         store) can make every K > 0 look dear, and then K = 0 forever never re-measures it;
         fading it lets a source's retry (IDLE_DECAY) find the real cost again. Only toward a
-        cheaper prior: a measurement below the prior (a flat curve: 0.2 steps per token at
-        b = 32 on AMX, against the prior's 0.5) is not what fading is for, and fading it made
-        the long drafts a copy needs look twice as dear within a few requests (replayed on 28
-        rewrite outputs in one process, 1,024-token curve, decode phase: the prediction drafter
-        2.57x -> 2.85x, lookup alone 1.90x -> 2.41x)."""
+        cheaper prior (fade_down_only): a measurement below the prior (a flat curve) is not
+        what fading is for, and fading it up would make the long drafts a copy needs look dear
+        again within a few requests."""
         n = min(1.0, self.verify_n.get(b, 1.0))
         prior = self._prior(b)
         if self.fade_down_only:
@@ -191,9 +172,9 @@ class CostModelK:
 
         Why chained: with a fixed prior, a position never drafted keeps PRIOR_ALPHA forever, so a
         source whose first positions are accepted 95% of the time still looks like 60% beyond
-        the K it happened to start with, and K never grows (measured in simulation on
-        copy-heavy outputs: stuck at K = 3). Positions deeper in a run of accepted drafts are
-        rarely less likely to be accepted, so the previous position is the better guess.
+        the K it happened to start with, and K never grows. Positions deeper in a run of
+        accepted drafts are rarely less likely to be accepted, so the previous position is the
+        better guess.
         """
         prior = STRONG_SOURCES.get(source, (PRIOR_ALPHA, 1))[0]
         st = self.sources.get(source)
@@ -214,43 +195,36 @@ class CostModelK:
         vs = [self.v(b) for b in range(1, k_top + 2)]  # [k_top + 1]: v(1) .. v(k_top + 1)
         rates = []
         for k in range(k_top + 1):
-            rates.append(expected_tokens_per_round(p, k) / cost_in_target_steps(vs, t_d, k))
+            rates.append(expected_tokens_per_round(p, k) / round_cost(vs, t_d, k))  # per second
         return rates
 
     def expected_rate(self, source: str, k: int) -> float:
         """Expected tokens per second of a round drafting k tokens from `source`."""
         return self._rates(source, k)[k]
 
+    # ------------------------------------------------------------------ the curve, in and out
+    def load_curve(self, curve: Mapping[int, float]) -> None:
+        """Start from a verify-cost curve {b: seconds} measured before (an earlier process, the
+        microbench): each point counts as LOADED_WEIGHT measurements; non-positive points are
+        ignored."""
+        for b, s in curve.items():
+            if s > 0:
+                self.verify_s[int(b)], self.verify_n[int(b)] = float(s), LOADED_WEIGHT
+
+    @property
+    def curve(self) -> dict[int, float]:
+        """What this policy holds of v(b), {b: seconds}: what a store keeps for the next
+        process."""
+        return dict(sorted(self.verify_s.items()))
+
     # ------------------------------------------------------------------ policy
-    def prepare(self, target: SpecModel, context: list[int]) -> float:
-        """Read the persisted cost curve the first time this policy meets a target; return the
-        seconds it took (no pass of the target is run)."""
-        path = target.cost_store
-        if self.verify_s or path is None:
-            return 0.0
-        t0 = time.perf_counter()
-        try:
-            saved = json.loads(Path(path).read_text())["verify_s"]
-            for b, s in saved.items():
-                if float(s) > 0:  # half a measurement's weight: confirmed or replaced soon
-                    self.verify_s[int(b)], self.verify_n[int(b)] = float(s), LOADED_WEIGHT
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass  # none yet, or unreadable: learn it again
-        return time.perf_counter() - t0
-
-    def finish(self, target: SpecModel) -> None:
-        """Keep what this generation learned of v(b) for the next process."""
-        if self._dirty and target.cost_store is not None:
-            self._dirty = not save_curve(target.cost_store, self.verify_s)
-
     def depth_cap(self, source: str) -> int:
         """Draft at most about twice as deep as the positions with evidence: 2 * (leading
         positions judged at least once, decayed count >= 0.5) + 1. Why: position i's
         acceptance is guessed from position i-1's until it is judged, so an untried source is
         explored shallow: at K = 1, or as deep as a failure costs at most EXPLORE failed K = 1
-        rounds (`_explore_depth`); and doubling reaches the long drafts a copy needs (K = 31+,
-        where a verify pass costs ~0.46 steps per token on this CPU) in five fully accepted
-        rounds, where one position per round took thirty."""
+        rounds (`_explore_depth`); and doubling reaches the long drafts a copy needs (K = 31+)
+        in five fully accepted rounds, where one position per round would take thirty."""
         floor = max(STRONG_SOURCES.get(source, (PRIOR_ALPHA, 1))[1], self._explore_depth(source))
         st = self.sources.get(source)
         depth = 0
@@ -285,11 +259,9 @@ class CostModelK:
         for x in self.verify_n:  # measurements go stale like acceptance estimates do
             self.verify_n[x] *= IDLE_DECAY
         self.verify_n[b] = self.verify_n.get(b, 0.0) + 1.0
-        self._dirty = True
         # Every round forgets a little of every source, drafted or not: a source whose estimate
         # fell below break-even drifts back to the prior and is tried again. Forgetting only on
-        # use froze it: one early rejection per source switched prompt lookup off for the rest
-        # of the process (measured: 0 tokens drafted on 11 prompts after the warm-up).
+        # use would freeze it: one early rejection would switch prompt lookup off for good.
         for other in self.sources.values():
             for i in range(self.k_max):
                 other.accepted[i] *= IDLE_DECAY
@@ -313,22 +285,61 @@ class CostModelK:
         )
 
 
-def save_curve(path: str | os.PathLike[str], verify_s: dict[int, float]) -> bool:
-    """Write a verify-cost curve {b: seconds} where CostModelK.prepare reads it (atomically);
-    False if it could not be written (a read-only cache only costs the next process some
-    learning)."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"verify_s": {str(b): s for b, s in sorted(verify_s.items())}}))
-        os.replace(tmp, path)
-    except OSError:
-        return False
-    return True
+class CurveStore(Protocol):
+    """Where verify-cost curves {b: seconds} live between processes, per target (e.g.
+    backends.costs.CurveFiles: a JSON file per model file, build and settings)."""
+
+    def load(self, target: SpecModel) -> Mapping[int, float]: ...
+
+    def save(self, target: SpecModel, curve: Mapping[int, float]) -> object: ...
 
 
-#: Named K policies beside make_policy's, for replays and comparisons (study.replay, `specdec
+@dataclass
+class _Kept:
+    policy: CostModelK
+    stored: dict[int, float]  # the curve the store holds from this policy (or gave it)
+
+
+class AutoPolicies:
+    """k="auto" policies kept across generations by the owner of the models (a server's engine,
+    a CLI run, a bench): one CostModelK per target, drafter and k_max, so what one generation
+    learned (acceptance per draft source, draft cost, v(b)) carries to the next, and a pair
+    where drafting cannot pay stops exploring it after the first request.
+
+    `curves`: where a new policy's v(b) comes from and where what each generation learned goes
+    (None: kept in this object only). Targets are held weakly, so a policy goes with its model;
+    the drafter keys (a draft model, a Drafter object) are held while their target lives.
+    """
+
+    def __init__(self, curves: CurveStore | None = None) -> None:
+        self.curves = curves
+        self._kept: weakref.WeakKeyDictionary[SpecModel, dict[Hashable, _Kept]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def get(self, target: SpecModel, drafter: Hashable, k_max: int) -> CostModelK:
+        """The policy for `target` with `drafter` (whatever tells drafters apart: a name, with
+        the draft model it runs) and `k_max`; on first use a new one, from the store's curve."""
+        per_target = self._kept.setdefault(target, {})
+        kept = per_target.get((drafter, k_max))
+        if kept is None:
+            policy = CostModelK(k_max)
+            if self.curves is not None:
+                policy.load_curve(self.curves.load(target))
+            kept = per_target[(drafter, k_max)] = _Kept(policy, policy.curve)
+        return kept.policy
+
+    def finished(self, target: SpecModel, policy: CostModelK) -> None:
+        """A generation with `policy` ended: what it learned of v(b) goes to the store."""
+        if self.curves is None:
+            return
+        for kept in self._kept.get(target, {}).values():
+            if kept.policy is policy and policy.curve != kept.stored:
+                kept.stored = policy.curve
+                self.curves.save(target, kept.stored)
+
+
+#: Named K policies beside make_policy's, for replays and comparisons (study.run.replay, `specdec
 #: replay --policy NAME`): name -> (k_max) -> a fresh policy. "auto-issue21": k=auto as it was
 #: before issue 22 (untried sources explored at K = 1, stale costs fading both ways).
 POLICIES: dict[str, Callable[[int], KPolicy]] = {

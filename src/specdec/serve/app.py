@@ -101,26 +101,22 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from specdec.core.config import SpecConfig
-from specdec.core.drafters import PredictionIndex
+from specdec.core.config import MODEL_DRAFTERS, SpecConfig
 from specdec.serve import playground
 from specdec.serve.draft_pools import DEFAULT_POOL_SCOPES, DEFAULT_POOL_TOKENS, PoolConfig
 from specdec.serve.engine import DEFAULT_MAX_QUEUE, Delta, Done, Engine, Event, Failed, Job, Slot
+from specdec.serve.errors import ApiError, timeout_error
 from specdec.serve.keys import KeyRing
 from specdec.serve.protocol import (
-    MAX_REQUEST_K,
-    MODEL_DRAFTERS,
-    SPEC_DRAFTERS,
-    ApiError,
     ChatRequest,
     CompletionRequest,
     GenParams,
     Reply,
     parse_json,
     parse_request,
-    timeout_error,
     validate_request,
 )
+from specdec.serve.speculation import MAX_REQUEST_K, SPEC_DRAFTERS
 
 log = logging.getLogger(__name__)
 
@@ -458,9 +454,21 @@ async def _completion(
         vocab = engine.target.vocab_size
         params = validate_request(req, engine.n_ctx, vocab, prompt, pred, engine.defaults)
         if params.prediction:  # its n-gram index, built here rather than under the engine lock
-            index = await asyncio.to_thread(PredictionIndex, params.prediction)
+            index = await asyncio.to_thread(
+                engine.prediction_index, params.prediction, _instruction(req)
+            )
             params = dataclasses.replace(params, prediction_index=index)
         return await _generate(request, ctx, req, params, arrived, slot, tenant)
+
+
+def _instruction(req: ChatRequest | CompletionRequest) -> str:
+    """The text that may name the request's edits ("rename `X` to `Y`"): the last user message,
+    or a text prompt."""
+    if isinstance(req, ChatRequest):
+        users = [m for m in req.messages if m.role == "user"]
+        return users[-1].text() if users else ""
+    prompt = req.single_prompt()
+    return prompt if isinstance(prompt, str) else ""
 
 
 async def models(request: Request) -> Any:

@@ -24,11 +24,14 @@ server shuts down. A waiting job leaves the queue at once, freeing its slot; the
 stops within one round, or within one prefill chunk (decode.PREFILL_CHUNK tokens) while its
 prompt is being prefilled, so an abandoned request never holds the engine for long.
 
-Cache safety: `decode.stream` resets the target's and the draft's caches at the start of every
-call, so nothing of one request's state reaches the next; after an engine exception both models
-are reset again. What does reach the next request on purpose is its scope's draft pool
-(serve.draft_pools): prompt lookup drafts from the earlier requests of the same API key (or of
-every key, --draft-pool shared), and each request's prompt and output are added once it ends.
+Cache safety: `decode.stream` resets the draft's cache at the start of every call, and the
+target's unless the prompt cache keeps the KV of a prefix the request shares with the previous
+request of its scope (`prompt_cache`, in whole blocks); after an engine exception both models are
+reset again. What does reach the next request on purpose: that prefix; its scope's draft pool
+(serve.draft_pools: prompt lookup drafts from the earlier requests of the same API key, or of
+every key with --draft-pool shared, and each request's prompt and output are added once it
+ends); and the k="auto" policies (`policies`: acceptance and costs learned, never tokens), whose
+verify-cost curve is kept for the next process (backends.costs).
 """
 
 from __future__ import annotations
@@ -44,26 +47,27 @@ import time
 from dataclasses import dataclass, field
 
 from specdec.backends import chat as prompting
+from specdec.backends.costs import CurveFiles
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import SpecStream, stream
+from specdec.core.drafters import PredictionDrafter, PredictionIndex
 from specdec.core.metrics import GenerationStats
 from specdec.core.model import SpecModel
+from specdec.core.policy import AutoPolicies
 from specdec.core.pool import DraftPool
 from specdec.serve.draft_pools import PoolConfig, ServedPools
-from specdec.serve.keys import ANONYMOUS
-from specdec.serve.metrics import Metrics, RoundMark
-from specdec.serve.origins import OriginTracker
-from specdec.serve.protocol import (
+from specdec.serve.errors import (
     ApiError,
-    GenParams,
-    SpecDefaults,
-    Speculation,
     bad,
     cancelled_error,
-    resolve_speculation,
     timeout_error,
     unavailable_error,
 )
+from specdec.serve.keys import ANONYMOUS
+from specdec.serve.metrics import Metrics, RoundMark
+from specdec.serve.origins import OriginTracker
+from specdec.serve.protocol import GenParams
+from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
 from specdec.serve.text import TextAssembler
 
 log = logging.getLogger(__name__)
@@ -265,6 +269,8 @@ class Engine:
         prompt_cache: bool | None = None,
         # None: no draft pool (`specdec serve` passes ServeConfig.pool_config(): one per API key)
         draft_pool: PoolConfig | None = None,
+        # None: k="auto" policies kept for the engine's life, their curves in backends.costs
+        policies: AutoPolicies | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -272,6 +278,8 @@ class Engine:
         self.draft = draft
         self.model_id = model_id or target.name
         self.spec = spec
+        # What one request's k="auto" learned carries to the next (core.policy.AutoPolicies)
+        self.policies = policies if policies is not None else AutoPolicies(CurveFiles())
         # What a request gets when its `speculation` object does not say (the start-up flags)
         self.defaults = SpecDefaults.of(spec, draft is not None)
         # Keep the target's KV of the prefix shared with the previous request, in whole blocks
@@ -335,14 +343,15 @@ class Engine:
     def stream_args(
         self, sp: Speculation, prediction: object, pool: DraftPool | None = None
     ) -> dict[str, object]:
-        """`decode.stream`'s draft, spec, prediction and pool for a request's speculation: the
-        draft model only for the drafters that run it, no prediction for "none" (it drafts
-        nothing), the draft pool only for the drafters that run prompt lookup."""
+        """`decode.stream`'s draft, spec, prediction, pool and policies for a request's
+        speculation: the draft model only for the drafters that run it, no prediction for "none"
+        (it drafts nothing), the draft pool only for the drafters that run prompt lookup."""
         return {
             "draft": self.draft if sp.uses_draft else None,
             "spec": sp.spec_config(),
             "prediction": None if sp.drafter == "none" else prediction,
             "pool": pool if sp.uses_lookup else None,
+            "policies": self.policies,
         }
 
     def start(self) -> None:
@@ -445,6 +454,13 @@ class Engine:
             raise bad(f"{self.model_id} has no tokenizer to read a prediction with", "prediction")
         with self.tokenizer_lock:
             return prompting.encode_prediction(self.tokenizer, text)
+
+    def prediction_index(self, prediction: list[int], instruction: str) -> PredictionIndex:
+        """A request's prediction with its n-gram index, and the rewrites its instruction names
+        as hints (backends.chat.prediction_hints): built before the request takes the engine."""
+        with self.tokenizer_lock:
+            hints = prompting.prediction_hints(self.tokenizer, instruction)
+        return PredictionIndex(prediction, PredictionDrafter.N_MAX, hints)
 
     def encode_text(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -15,7 +15,7 @@ import hmac
 import secrets
 from collections.abc import Iterable
 
-from specdec.serve.protocol import ApiError
+from specdec.serve.errors import ApiError
 
 #: The tenant of every request on a server without API keys (a Bearer token sent anyway
 #: authenticates nothing there, so it chooses nothing either).

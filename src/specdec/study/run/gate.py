@@ -8,9 +8,9 @@ sampled  For prompt i (chat-templated, stop ids honoured) generate up to `max_ne
          with equal seeds they would share random numbers and the test would be miscalibrated.
          All tokens of each method are pooled into frequency counts and compared with a
          two-sample chi-square over bins where every expected count is >= 5 (top tokens by
-         combined count, the rest pooled: `study.significance.frequency_bins`). The verdict uses
+         combined count, the rest pooled: `significance.frequency_bins`). The verdict uses
          that statistic's permutation p-value (swapping the two methods' generations within
-         prompts, `specdec.study.significance.paired_permutation_p`): tokens within a generation are
+         prompts, `significance.paired_permutation_p`): tokens within a generation are
          correlated, which makes the asymptotic chi2(dof) p-value too small, so a correct engine
          would fail the asymptotic test more often than 1% of the time (significance.py has
          the measurement). Both p-values are recorded; pass at permutation p > 0.01.
@@ -37,16 +37,16 @@ import numpy as np
 from specdec.core import decode
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.model import SpecModel
-from specdec.study.artifacts import (
+from specdec.study.artifacts.provenance import meta_block
+from specdec.study.artifacts.schema import (
     GateArtifact,
     GateBin,
     GreedyLeg,
     GreedyRow,
     Model,
     SampledLeg,
-    meta_block,
 )
-from specdec.study.significance import (
+from specdec.study.run.significance import (
     KL_SMOOTHING,
     MIN_EXPECTED,
     PERMUTATIONS,
@@ -115,7 +115,7 @@ class Sample:
 #: The two methods a gate compares, behind one call: (method "baseline" | "speculative",
 #: prompt, seed, temperature, max_new_tokens) -> Sample. A prompt is (prompt id, whatever the
 #: methods take: token ids in-process, the text for an endpoint). `local_methods` runs the
-#: in-process pair; study/endpoint_gate.py sends to two servers.
+#: in-process pair; `endpoint_methods` sends to two servers.
 Methods = Callable[[str, tuple[str, Any], int, float, int], Sample]
 #: What a method may raise to say "this prompt failed" (recorded, the gate goes on).
 PromptFailure: tuple[type[Exception], ...] = ()
@@ -138,10 +138,10 @@ def local_methods(
 
 
 def endpoint_methods(speculative: Any, baseline: Any, tokenizer: Any) -> Methods:
-    """The same two methods sent to two OpenAI-compatible servers (study.endpoint.Client each);
+    """The same two methods sent to two OpenAI-compatible servers (engines.endpoint.Client each);
     a prompt is (id, text) and the answer's text is tokenized with the target's `tokenizer`.
     Drafted/accepted come from llama-server's `timings` where the server sends them."""
-    from specdec.study import endpoint
+    from specdec.study.engines import endpoint
 
     def run(method: str, prompt: tuple[str, Any], seed: int, t: float, n: int) -> Sample:
         client = speculative if method == "speculative" else baseline
@@ -167,10 +167,10 @@ def run_endpoint_gate(
     progress: bool = True,
     greedy_prompts: Sequence[tuple[str, str]] | None = None,
 ) -> GateResult:
-    """Both legs against two endpoints (study.endpoint.Client each): `speculative` is the
+    """Both legs against two endpoints (engines.endpoint.Client each): `speculative` is the
     server under test, `baseline` the reference (e.g. the same engine without speculation).
     An endpoint error on a prompt is recorded and the gate goes on (see sample_pairs)."""
-    from specdec.study.endpoint import EndpointError
+    from specdec.study.engines.endpoint import EndpointError
 
     methods = endpoint_methods(speculative, baseline, tokenizer)
     return both_legs(

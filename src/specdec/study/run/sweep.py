@@ -11,15 +11,15 @@ from pathlib import Path
 
 from specdec.core.config import check_int
 from specdec.core.model import SpecModel
-from specdec.study import fmt
-from specdec.study.artifacts import (
+from specdec.study.artifacts.provenance import meta_block
+from specdec.study.artifacts.schema import (
     BenchArtifact,
     SweepArtifact,
     SweepPoint,
-    meta_block,
     write_json,
 )
-from specdec.study.bench import (
+from specdec.study.present import fmt
+from specdec.study.run.bench import (
     BenchConfig,
     artifact_name,
     categories_part,
@@ -68,9 +68,9 @@ def run_sweep(
             write_json(path, summary)
             raise
         point = sweep_point(art, artifact_name(c, tag))
-        summary = replace(summary, points=(*summary.points, point))
+        summary = summary.model_copy(update={"points": (*summary.points, point)})
         write_json(path, summary)
-    summary = replace(summary, complete=True)
+    summary = summary.model_copy(update={"complete": True})
     write_json(path, summary)
     return summary
 

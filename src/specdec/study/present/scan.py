@@ -1,6 +1,6 @@
 """Every artifact under one directory, read into the artifact model: what figures and report see.
 
-`scan(DIR)` reads every `*.json` under DIR, checks it with `artifacts.validate` and reads it with
+`scan(DIR)` reads every `*.json` under DIR, checks it with `schema.validate` and reads it with
 its kind's `from_json`; each read artifact keeps `src`, its path relative to DIR, so each plotted
 or tabulated number can name the file it came from.
 
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdec.study import artifacts
-from specdec.study.artifacts import (
+from specdec.study.artifacts import schema
+from specdec.study.artifacts.schema import (
     ArtifactError,
     BenchArtifact,
     GateArtifact,
@@ -36,7 +36,7 @@ from specdec.study.artifacts import (
     SchemaError,
     SweepArtifact,
 )
-from specdec.study.fmt import p_value
+from specdec.study.present.fmt import p_value
 
 SIDE_NAMES = {"baseline": "target-only", "speculative": "speculative", "hf_assisted": "HF assisted"}
 
@@ -66,7 +66,7 @@ DRAWN_KINDS = ("specdec.bench", "specdec.sweep", "specdec.microbench", "specdec.
 
 
 def _read(data: dict[str, Any], src: str, path: Path) -> Any:
-    art = artifacts.read(data, src, path)
+    art = schema.read(data, src, path)
     if isinstance(art, BenchArtifact):
         agg = art.aggregates
         if not art.rows or agg.baseline.tok_s_mean is None or agg.speculative.tok_s_mean is None:
@@ -75,7 +75,7 @@ def _read(data: dict[str, Any], src: str, path: Path) -> Any:
             raise ArtifactError(f"{src}: missing field 'aggregates.speedup'")
     if isinstance(art, SweepArtifact):  # a K whose run recorded no prompt has nothing to show
         points = sorted((p for p in art.points if p.speedup is not None), key=lambda p: p.k)
-        art = replace(art, points=tuple(points))
+        art = art.model_copy(update={"points": tuple(points)})
     return art
 
 
@@ -146,8 +146,8 @@ def _attach_members(
             hit = None  # a rerun at another K overwrote it: not this point's run
         if hit is not None:
             members.add(hit.src)
-        points.append(replace(pt, member=hit))
-    return replace(sweep, points=tuple(points))
+        points.append(pt.model_copy(update={"member": hit}))
+    return sweep.model_copy(update={"points": tuple(points)})
 
 
 def _labelled(benches: list[BenchArtifact]) -> list[BenchArtifact]:
@@ -182,7 +182,7 @@ def _labelled(benches: list[BenchArtifact]) -> list[BenchArtifact]:
                 if differing and len(set(combos)) == len(combos):
                     parts = ", ".join(fmt.format(get(b)) for fmt, get in differing)
                     label = f"{b.name} ({parts})"
-        out.append(replace(b, label=label))
+        out.append(b.model_copy(update={"label": label}))
     return out
 
 

@@ -1,7 +1,7 @@
 """Multi-turn edit sessions as a benchmark category: the per-turn table of a session run.
 
 A session run is `specdec bench --category session ...` (bench.py's session protocol; the
-sessions are study/data/sessions.jsonl, prompts.load_sessions). Its rows are turns, in the
+sessions are study/run/data/sessions.jsonl, prompts.load_sessions). Its rows are turns, in the
 categories session-t1 (the opening turn: the file in the prompt) and session-t2+ (later turns:
 the conversation so far, which a server's prompt cache holds). `format_sessions` reads them
 back: per method and turn kind, time to first token, end-to-end rate, the tokens drafted and
@@ -14,25 +14,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from specdec.study import fmt
-from specdec.study.anchors import SpecdecServer
-from specdec.study.artifacts import BenchArtifact
+from specdec.study.artifacts.schema import BenchArtifact
+from specdec.study.present import fmt
 
 KINDS = ("session-t1", "session-t2+")
 _PEERS = ("llama-server", "llama-lookup")  # method names of stock llama.cpp (anchors)
-
-
-@dataclass
-class PromptCachingServer(SpecdecServer):
-    """`specdec serve` with its prompt cache on, as an editor's server runs between the turns
-    of a conversation (the bench's served methods otherwise run with it off, as llama-server's
-    is there)."""
-
-    def command(self) -> list[str]:
-        return ["--prompt-cache" if a == "--no-prompt-cache" else a for a in super().command()]
 
 
 def is_session_run(art: BenchArtifact) -> bool:

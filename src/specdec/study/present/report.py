@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.core.metrics import PREDICTION_SOURCE
-from specdec.study import fmt
-from specdec.study.artifacts import (
+from specdec.study.artifacts.schema import (
     PHASES,
     Agg,
     BenchArtifact,
@@ -24,7 +23,8 @@ from specdec.study.artifacts import (
     SweepPoint,
     variant_method,
 )
-from specdec.study.scan import (
+from specdec.study.present import fmt
+from specdec.study.present.scan import (
     SIDE_NAMES,
     Study,
     gate_p_text,
@@ -212,30 +212,19 @@ def _methods_table(b: BenchArtifact) -> list[str]:
     return out
 
 
-def _sweep_cell(mean: float | None, std: float | None, member: Agg | None) -> str:
-    """mean ± std; a summary without the std takes it from the per-K artifact."""
-    return fmt.pm(mean, std if std is not None or member is None else member.tok_s_std)
-
-
 def _sweep_row(p: SweepPoint, best: bool) -> list[str]:
     m = p.member
     b = "**" if best else ""
-    base = _sweep_cell(p.baseline_tok_s, p.baseline_tok_s_std, m.aggregates.baseline if m else None)
-    spec = _sweep_cell(
-        p.speculative_tok_s, p.speculative_tok_s_std, m.aggregates.speculative if m else None
-    )
+    base = fmt.pm(p.baseline_tok_s, p.baseline_tok_s_std)
+    spec = fmt.pm(p.speculative_tok_s, p.speculative_tok_s_std)
     where = _cite(m.src) if m else (f"`{p.artifact}` (not under DIR)" if p.artifact else "—")
-    # summaries older than mean_acceptance_length: the per-K artifact may have it
-    mal = p.mean_acceptance_length
-    if mal is None and m is not None:
-        mal = m.aggregates.speculative.mean_acceptance_length
     return [
         f"{b}{p.k}{b}",
         base,
         f"{b}{spec}{b}",
         fmt.pct(p.acceptance_rate),
         fmt.num(p.tokens_per_round, ".2f"),
-        fmt.num(mal, ".2f"),
+        fmt.num(p.mean_acceptance_length, ".2f"),
         f"{b}{fmt.x(p.speedup)}{b}",
         where,
     ]

@@ -124,7 +124,7 @@ def run_profile(
     """Profile a pass over each b in `batches` after each context length, in this process."""
     from specdec.backends import load_model
     from specdec.backends.llamacpp import OpTimer
-    from specdec.study.invariance import probe_ids
+    from specdec.study.run.invariance import probe_ids
 
     if not spec.startswith("llamacpp:"):
         raise ValueError(f"the op profile reads llama.cpp's graph; {spec!r} is not llamacpp:")

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.study import fmt
-from specdec.study.artifacts import PHASES, BenchArtifact, GateArtifact, variant_method
-from specdec.study.scan import (
+from specdec.study.artifacts.schema import PHASES, BenchArtifact, GateArtifact, variant_method
+from specdec.study.present import fmt
+from specdec.study.present.scan import (
     SIDE_NAMES,
     Study,
     gate_p_text,

@@ -51,7 +51,7 @@ MAX_COUNT = 1 << 40  # token counts the server reports: larger is not a count
 
 class EndpointError(RuntimeError):
     """One request failed; `kind` is connect, timeout, http, bad_body, stream_error or cut
-    (or "tool": a llama.cpp tool the bench runs per prompt, study.anchors.LlamaLookup)."""
+    (or "tool": a llama.cpp tool the bench runs per prompt, study.engines.anchors.LlamaLookup)."""
 
     def __init__(self, kind: str, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -473,9 +473,9 @@ def _error_text(raw: str) -> str:
 
 # ------------------------------------------------------------------------------ RUN records
 def run_record(reply: Reply, endpoint: Endpoint, tokenizer: Any) -> dict[str, Any]:
-    """The bench's RUN record for one reply (the keys `bench.aggregate_runs` reads, plus the
-    endpoint's own). Drafted/accepted come from llama-server's `timings` or specdec serve's
-    `spec` when the server sends them."""
+    """The bench's RUN record for one reply (the keys `artifacts.runs.aggregate_runs` reads,
+    plus the endpoint's own). Drafted/accepted come from llama-server's `timings` or specdec
+    serve's `spec` when the server sends them."""
     ids = tokenize(tokenizer, reply.text)
     usage_n = count((reply.usage or {}).get("completion_tokens"))
     n = usage_n if usage_n is not None else len(ids)

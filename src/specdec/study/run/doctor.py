@@ -1,7 +1,7 @@
 """`specdec doctor`: will speculative decoding pay on this machine? About a minute to find out.
 
 It measures what the paper asks every implementation to report, with the microbench's probe and
-protocol (study.microbench.measure, at a few b instead of every one):
+protocol (study.run.microbench.measure, at a few b instead of every one):
 
     step       the target's single step, in ms, on a `prefix`-token context
     v(b)       a target pass over b tokens, in single steps, at b = 1, 2, 4, ..., 64 (a round at K
@@ -22,9 +22,9 @@ and turns them into answers with core.cost's formulas (nothing re-derived here),
                    the draft model
 
 v between the measured b is k=auto's own interpolation (core.policy.CostModelK.v), so the doctor
-reads the curve as k=auto will; the measured v(b), in seconds, is written to k=auto's cost store
-(core.policy.save_curve, as `specdec microbench` does), so the first request of a later process
-starts from this curve instead of the prior.
+reads the curve as k=auto will; the measured v(b), in seconds, is written where k=auto's curves
+are kept (backends.costs.CurveFiles, as `specdec microbench` does), so the first request of a
+later process starts from this curve instead of the prior.
 """
 
 from __future__ import annotations
@@ -37,15 +37,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.core.cost import (
-    cost_in_target_steps,
     expected_tokens_per_round,
     p_at_least_from_conditional,
     predicted_speedup,
+    round_cost,
 )
 from specdec.core.model import SpecModel
-from specdec.core.policy import CostModelK, save_curve
-from specdec.study import microbench
-from specdec.study.artifacts import Model, meta_block
+from specdec.core.policy import CostModelK, CurveStore
+from specdec.study.artifacts.provenance import meta_block
+from specdec.study.artifacts.schema import Model
+from specdec.study.run import microbench
 
 SCHEMA = "specdec.doctor/1"
 #: The b timed: powers of two, where k=auto's doubling depth cap puts K + 1, up to the
@@ -97,7 +98,7 @@ def dense_curve(v: Mapping[int, float]) -> list[float]:
 def break_even_acceptance(v: Sequence[float], c: float, k: int) -> float | None:
     """The alpha at which E(k) = cost(k) (core.cost), by bisection (E grows with alpha);
     None when even alpha = 1 falls short (cost(k) >= k + 1)."""
-    need = cost_in_target_steps(v, c, k)
+    need = round_cost(v, c, k)
 
     def tokens(alpha: float) -> float:
         return expected_tokens_per_round(p_at_least_from_conditional([alpha] * k), k)
@@ -129,9 +130,9 @@ def diagnose(v: Mapping[int, float], c: float | None) -> Diagnosis:
         BreakEven(
             k=k,
             v=dense[k],
-            free_cost=cost_in_target_steps(dense, 0.0, k),
+            free_cost=round_cost(dense, 0.0, k),
             free_acceptance=break_even_acceptance(dense, 0.0, k),
-            model_cost=cost_in_target_steps(dense, c, k) if c is not None else None,
+            model_cost=round_cost(dense, c, k) if c is not None else None,
             model_acceptance=break_even_acceptance(dense, c, k) if c is not None else None,
         )
         for k in ks
@@ -218,7 +219,7 @@ class DoctorReport:
     draft_step_ms: float | None
     diagnosis: Diagnosis
     contended: bool  # step_spread above microbench.CONTENDED_SPREAD: the numbers are flattened
-    cost_store: str | None  # where k=auto's curve was written; None: not written
+    cost_store: str | None  # the file k=auto's curve was written to; None: not written
     measure_s: float  # seconds the timed passes took
 
 
@@ -269,10 +270,11 @@ def run(
     prefix: int = 100,
     batches: Sequence[int] = BATCHES,
     seconds: float = SECONDS,
-    seed_store: bool = True,
+    curves: CurveStore | None = None,
     progress: bool = True,
 ) -> DoctorReport:
-    """Measure, diagnose, and (seed_store) write the curve where k=auto reads it."""
+    """Measure, diagnose, and write the curve to `curves` (the CLI's: backends.costs.CurveFiles),
+    where k=auto starts from it."""
     if prefix < 1 or seconds <= 0:
         raise ValueError("prefix must be >= 1 and seconds > 0")
     batches = tuple(sorted(set(batches) | {1}))
@@ -288,9 +290,9 @@ def run(
     c = draft_step / step if draft_step is not None else None
     diagnosis = diagnose({b: ms / step for b, ms in medians.items()}, c)
     store = None
-    if seed_store and target.cost_store is not None:
-        if save_curve(target.cost_store, {b: ms / 1e3 for b, ms in medians.items()}):
-            store = str(target.cost_store)
+    if curves is not None:
+        written = curves.save(target, {b: ms / 1e3 for b, ms in medians.items()})
+        store = str(written) if written else None
     return DoctorReport(
         schema=SCHEMA,
         meta=meta_block(),

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from specdec.backends import llamacpp_build, parse_spec
 from specdec.backends.registry import resolve, specdec_home
-from specdec.study.endpoint import Endpoint
+from specdec.study.engines.endpoint import Endpoint
 
 PACKAGE = llamacpp_build.PACKAGE
 VERSION = llamacpp_build.VERSION
@@ -490,6 +490,16 @@ class SpecdecServer(LlamaServer):
         if self.threads:
             cmd += ["--threads", str(self.threads)]
         return [*cmd, *self.args]
+
+
+@dataclass
+class PromptCachingServer(SpecdecServer):
+    """`specdec serve` with its prompt cache on, as an editor's server runs between the turns
+    of a conversation (the bench's served methods otherwise run with it off, as llama-server's
+    is there)."""
+
+    def command(self) -> list[str]:
+        return ["--prompt-cache" if a == "--no-prompt-cache" else a for a in super().command()]
 
 
 #: llama-lookup's closing report (examples/lookup/lookup.cpp, on stderr)

@@ -1,13 +1,13 @@
 """The vendored prompt set: id, category, text, and for whole-file rewrites the original file.
 
-    study/data/prompts.jsonl   the paper's categories (coding, explanation, summarization...)
-    study/data/rewrite.jsonl   "rewrite": a source file (30-120 lines) plus one edit instruction
-                               asking for the whole updated file; `prediction` is that file,
-                               verbatim (OpenAI's Predicted Outputs, Cursor's speculative edits)
-    study/data/sessions.jsonl  "session": multi-turn edit sessions on one file (`load_sessions`):
-                               each turn's instruction applies to the previous turn's answer, as
-                               an editor sends them; not in `load_prompts` (a session is several
-                               requests, run by the bench's session protocol)
+    data/prompts.jsonl   the paper's categories (coding, explanation, summarization...)
+    data/rewrite.jsonl   "rewrite": a source file (30-120 lines) plus one edit instruction
+                         asking for the whole updated file; `prediction` is that file,
+                         verbatim (OpenAI's Predicted Outputs, Cursor's speculative edits)
+    data/sessions.jsonl  "session": multi-turn edit sessions on one file (`load_sessions`):
+                         each turn's instruction applies to the previous turn's answer, as
+                         an editor sends them; not in `load_prompts` (a session is several
+                         requests, run by the bench's session protocol)
 
 Files are read in that order, so the first N prompts of the set stay the same as before the
 rewrite tasks were added.
@@ -32,10 +32,10 @@ class Prompt:
 
 
 def load_prompts(limit: int | None = None) -> list[Prompt]:
-    """The vendored prompt set (src/specdec/study/data/*.jsonl), in file order."""
+    """The vendored prompt set (src/specdec/study/run/data/*.jsonl), in file order."""
     prompts = []
     for name in FILES:
-        raw = resources.files("specdec.study").joinpath(name).read_text("utf-8")
+        raw = resources.files("specdec.study.run").joinpath(name).read_text("utf-8")
         for line in raw.splitlines():
             if line.strip():
                 r = json.loads(line)
@@ -72,8 +72,8 @@ class Session:
 
 
 def load_sessions(limit: int | None = None) -> list[Session]:
-    """The vendored edit sessions (src/specdec/study/data/sessions.jsonl), in file order."""
-    raw = resources.files("specdec.study").joinpath(SESSIONS).read_text("utf-8")
+    """The vendored edit sessions (src/specdec/study/run/data/sessions.jsonl), in file order."""
+    raw = resources.files("specdec.study.run").joinpath(SESSIONS).read_text("utf-8")
     out = []
     for line in raw.splitlines():
         if line.strip():

@@ -54,8 +54,9 @@ from specdec.core.drafters import (
 )
 from specdec.core.edits import hint_ids, named_rewrites
 from specdec.core.metrics import GenerationStats, Round
-from specdec.core.policy import LOADED_WEIGHT, POLICIES, CostModelK, KPolicy, make_policy
-from specdec.study import artifacts
+from specdec.core.policy import POLICIES, CostModelK, KPolicy, make_policy
+from specdec.study.artifacts import provenance, schema
+from specdec.study.artifacts.runs import read_round_log
 
 SCHEMA = "specdec.replay/1"
 #: best-fixed: the fixed K tried (b = K + 1 at and below the curve's steps: 16, 32, 64 rows)
@@ -116,8 +117,8 @@ class Curve:
 def load_curve(path: str | Path) -> Curve:
     """The verify curve of a microbench artifact (its `ratio` per b and its one-step time)."""
     path = Path(path)
-    art = artifacts.read(json.loads(path.read_text()), str(path), path)
-    if not isinstance(art, artifacts.MicrobenchArtifact):
+    art = schema.read(json.loads(path.read_text()), str(path), path)
+    if not isinstance(art, schema.MicrobenchArtifact):
         raise ValueError(f"{path}: not a microbench artifact (give `specdec microbench`'s JSON)")
     if not art.verify or art.verify[0].b != 1:
         raise ValueError(f"{path}: its verify curve does not start at b = 1")
@@ -129,11 +130,11 @@ def from_bench(path: str | Path, method: str = "baseline", tokenizer: Any = None
     default: a T = 0 bench's greedy output), the prompt and prediction rebuilt from the vendored
     prompt set with the target's tokenizer (checked against the row's prompt_tokens), and that
     method's round log when it has one. `tokenizer`: the target's, if already loaded."""
-    from specdec.study import bench
+    from specdec.study.run import bench
 
     path = Path(path)
-    art = artifacts.read(json.loads(path.read_text()), str(path), path)
-    if not isinstance(art, artifacts.BenchArtifact):
+    art = schema.read(json.loads(path.read_text()), str(path), path)
+    if not isinstance(art, schema.BenchArtifact):
         raise ValueError(f"{path}: not a bench artifact")
     if bench.SESSION in (art.config.get("categories") or ()):
         raise ValueError(
@@ -174,7 +175,7 @@ def from_bench(path: str | Path, method: str = "baseline", tokenizer: Any = None
                 hints=_hints(tokenizer, prompt.text),
                 stopped=run.get("stop_reason") == "stop",
                 max_new_tokens=art.max_new_tokens or len(run["tokens"]),
-                rounds=None if log is None else artifacts.read_round_log(log, str(path)),
+                rounds=None if log is None else read_round_log(log, str(path)),
                 drafter=drafter,
                 k=k,
             )
@@ -192,7 +193,7 @@ def _hints(tokenizer: Any, text: str) -> tuple[Hint, ...]:
     return tuple(hint_ids(named_rewrites(text), lambda t: chat.encode_prediction(tokenizer, t)))
 
 
-def _run_of(row: artifacts.BenchRow, method: str, path: Path) -> Mapping[str, Any]:
+def _run_of(row: schema.BenchRow, method: str, path: Path) -> Mapping[str, Any]:
     try:
         run = row.run(method)
     except KeyError:
@@ -203,7 +204,7 @@ def _run_of(row: artifacts.BenchRow, method: str, path: Path) -> Mapping[str, An
     return run
 
 
-def _method_setting(art: artifacts.BenchArtifact, method: str) -> tuple[str | None, Any]:
+def _method_setting(art: schema.BenchArtifact, method: str) -> tuple[str | None, Any]:
     """(drafter, K) of a bench method: the config's for "speculative", the variant's own."""
     if method == "speculative":
         return art.drafter, art.k
@@ -231,7 +232,7 @@ def from_jsonl(path: str | Path, tokenizer: Any) -> list[Recorded]:
     length) and `hint_ids` ([[old ids], [new ids]] pairs: the rewrites the instruction names).
     Text needs `tokenizer` (the target's)."""
     from specdec.backends import chat
-    from specdec.study.bench import another_prediction as bench_another
+    from specdec.study.run.bench import another_prediction as bench_another
 
     out = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
@@ -296,16 +297,20 @@ def record(
     """Greedy outputs of `target` for vendored prompts, written to `path` as replay JSONL (ids
     only, so reading it back needs no tokenizer). `drafter` "prediction" (the prompt's
     prediction at k=auto, then lookup) makes recording faster; its greedy output is
-    target-only's where the backend is batch-invariant (mock, llama.cpp --deterministic, and
-    llama.cpp's default mode on AMX hosts: README); None decodes target-only."""
+    target-only's where the backend is batch-invariant (mock; llama.cpp on files whose weights
+    specdec's kernels or ggml's per-row kernels multiply: docs/exactness.md); None decodes
+    target-only."""
     import sys
 
     from specdec.backends import chat
+    from specdec.backends.costs import CurveFiles
     from specdec.core.config import SpecConfig, Warp
     from specdec.core.decode import generate
-    from specdec.study import bench
+    from specdec.core.policy import AutoPolicies
+    from specdec.study.run import bench
 
     stops = chat.stop_ids(target.tokenizer)
+    policies = AutoPolicies(CurveFiles())  # k=auto carries over from prompt to prompt
     out, lines = [], []
     for i, prompt in enumerate(prompts):
         ids, pred = bench.task_ids(target.tokenizer, prompt, target.vocab_size)
@@ -314,7 +319,13 @@ def record(
             kw = {"spec": SpecConfig(drafter if pred is not None else "lookup", "auto")}
             kw.update({"prediction": pred} if pred is not None else {})
         res = generate(
-            target, ids, warp=Warp(0.0), max_new_tokens=max_new_tokens, stop_ids=stops, **kw
+            target,
+            ids,
+            warp=Warp(0.0),
+            max_new_tokens=max_new_tokens,
+            stop_ids=stops,
+            policies=policies,
+            **kw,
         )
         rec = Recorded(
             prompt.id,
@@ -466,8 +477,6 @@ def replay_task(
     target's answer read from the record."""
     if isinstance(policy, PlanOracle):
         policy.plan(accept_lengths(task, make_drafter(drafter, task), policy.k_max))
-    if not isinstance(policy, Oracle):  # a new generation, as decode._loop starts one
-        policy.prepare(_NO_STORE, list(task.prompt))
     drafter_ = make_drafter(drafter, task)
     seq, made, out = list(task.prompt), 0, task.output
     run = ReplayRun(task.id, GenerationStats(prompt_tokens=len(task.prompt)), 0.0)
@@ -494,15 +503,6 @@ def replay_task(
         if not isinstance(policy, Oracle):
             policy.observe(r)
     return run
-
-
-class _NoStore:
-    """The target a replayed policy prepares for: no cost store (the curve is seeded)."""
-
-    cost_store = None
-
-
-_NO_STORE: Any = _NoStore()
 
 
 def _choose(
@@ -543,9 +543,8 @@ def make_replay_policy(name: str, curve: Curve, k_max: int, c: float = 0.0) -> K
     else:
         known = ", ".join(["oracle", "oracle-plan", "auto", "schedule", "N", *POLICIES])
         raise ValueError(f"unknown policy {name!r}; choose from {known} or module:attr")
-    if isinstance(policy, CostModelK):  # as prepare() reads a cost store microbench seeded
-        for b, steps in curve.v.items():
-            policy.verify_s[b], policy.verify_n[b] = steps * curve.step_s, LOADED_WEIGHT
+    if isinstance(policy, CostModelK):  # as a process starts from the curve microbench stored
+        policy.load_curve({b: steps * curve.step_s for b, steps in curve.v.items()})
     return policy
 
 
@@ -680,7 +679,7 @@ def reproduce_bench(path: str | Path, curve: Curve, tokenizer: Any = None) -> li
     from specdec.core.config import SpecConfig
 
     path = Path(path)
-    art = artifacts.read(json.loads(path.read_text()), str(path), path)
+    art = schema.read(json.loads(path.read_text()), str(path), path)
     methods = [m for m in ("speculative", *art.variants) if _method_setting(art, m)[0]]
     recs = {m: from_bench(path, m, tokenizer) for m in methods}
     logged = {m: r for m, r in recs.items() if all(t.rounds is not None for t in r)}
@@ -704,7 +703,7 @@ def reproduce_bench(path: str | Path, curve: Curve, tokenizer: Any = None) -> li
 # ------------------------------------------------------------------------------ output
 def format_table(results: Sequence[PolicyResult], tasks: Sequence[Recorded]) -> str:
     """Per policy: pooled and per-task decode speedup, rounds, drafted, accepted."""
-    from specdec.study import fmt
+    from specdec.study.present import fmt
 
     header = ["policy", "decode", "geomean", *(t.id for t in tasks)]
     header += ["rounds", "drafted", "accepted", "pred. acc./rej."]
@@ -753,7 +752,7 @@ def to_artifact(
         }
     return {
         "schema": SCHEMA,
-        "meta": artifacts.meta_block(),
+        "meta": provenance.meta_block(),
         "config": dict(config),
         "tasks": [
             {"id": t.id, "prompt_tokens": len(t.prompt), "output_tokens": len(t.output)}

@@ -35,24 +35,24 @@ from typing import Any
 
 from specdec.core.cost import (
     best_k,
-    cost_in_target_steps,
     expected_tokens_per_round,
     predicted_speedup,
+    round_cost,
 )
 from specdec.core.device import synchronize
 from specdec.core.model import SpecModel
-from specdec.study import fmt
-from specdec.study.artifacts import (
+from specdec.study.artifacts.provenance import meta_block
+from specdec.study.artifacts.schema import (
     Acceptance,
     Check,
     MicrobenchArtifact,
     Model,
     Prediction,
     VerifyPoint,
-    meta_block,
     named_artifact,
     validate,
 )
+from specdec.study.present import fmt
 
 SCHEMA = MicrobenchArtifact.SCHEMA
 
@@ -143,7 +143,7 @@ def probe_ids(tokenizer: Any, vocab_size: int, n: int) -> list[int]:
     if tokenizer is None:
         return [(7 * i + 3) % vocab_size for i in range(n)]
     from specdec.backends.chat import encode
-    from specdec.study.prompts import load_prompts
+    from specdec.study.run.prompts import load_prompts
 
     ids: list[int] = []
     for p in load_prompts():
@@ -238,7 +238,7 @@ def build_artifact(
         Prediction(
             k=k,
             expected_tokens_per_round=expected_tokens_per_round(p, k) if p is not None else None,
-            cost_in_target_steps=cost_in_target_steps(v, c_used, k),
+            cost_in_target_steps=round_cost(v, c_used, k),
             predicted_speedup=predicted_speedup(v, c_used, p, k) if p is not None else None,
         )
         for k in range(1, k_max + 1)

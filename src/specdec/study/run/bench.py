@@ -14,9 +14,10 @@ Protocol (`run_bench`):
     * clocks are read after a device synchronize (`decode._Clock`); prompt tokens never count as
       generated tokens.
 
-Statistics: `aggregate_runs` pools one method's rows into an `artifacts.Agg`, whose field
-comments define each one (means of per-prompt rates, pooled sums and ratios, the latency split);
-`aggregate` adds the speedups, the variants and the per-category means (`artifacts.Aggregates`).
+Statistics (artifacts/runs.py): `aggregate_runs` pools one method's rows into an
+`artifacts.schema.Agg`, whose field comments define each one (means of per-prompt rates, pooled
+sums and ratios, the latency split); `aggregate` adds the speedups, the variants and the
+per-category means (`Aggregates`).
 
 `--compare hf-assisted` adds transformers' own assisted generation (hf_assisted.py) as a third
 method on the same prompts: the outside anchor for our implementation's speed. `sweep.py` runs
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import os
 import re
-import statistics
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -38,6 +38,7 @@ from typing import Any
 from specdec.backends import chat as prompting
 from specdec.backends import load_model, parse_spec
 from specdec.backends.configs import CONFIGS as PAIRS
+from specdec.backends.costs import CurveFiles
 from specdec.core.config import DRAFTERS, SpecConfig, Warp, check_k
 from specdec.core.config import check_int as _check_int
 from specdec.core.decode import generate
@@ -45,34 +46,31 @@ from specdec.core.drafters import PredictionDrafter, PredictionIndex
 from specdec.core.edits import hint_ids, named_rewrites
 from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
-from specdec.study import anchors, endpoint, fmt
-from specdec.study import hf_assisted as hf
-from specdec.study import prompts as prompt_set
-from specdec.study.artifacts import (
+from specdec.core.policy import AutoPolicies
+from specdec.study.artifacts.provenance import (
+    meta_block,
+    model_block,
+    reset_peak_vram,
+)
+from specdec.study.artifacts.runs import aggregate, round_log
+from specdec.study.artifacts.schema import (
     MAIN_METHODS,
-    PHASES,
-    Agg,
     Aggregates,
     BenchArtifact,
     BenchRow,
-    CategoryAgg,
-    VariantAgg,
-    meta_block,
-    model_block,
-    peak_rss_mb,
-    peak_vram_mb,
-    pooled_acceptance_length,
-    reset_peak_vram,
-    round_log,
     write_json,
 )
-from specdec.study.sessions import PromptCachingServer, format_sessions
+from specdec.study.engines import anchors, endpoint
+from specdec.study.engines import hf_assisted as hf
+from specdec.study.present import fmt
+from specdec.study.present.sessions import format_sessions
+from specdec.study.run import prompts as prompt_set
 
 #: Named (draft, target) pairs, as in the paper's Table 2 but on the models we have; configs.py
 #: is the one definition (gate and microbench read it too).
 CONFIGS: dict[str, tuple[str, str]] = {n: (c.draft, c.target) for n, c in PAIRS.items()}
 CUSTOM = "custom"  # the config name of a --draft/--target pair
-#: --compare: transformers' assisted generation, or llama.cpp's own server (study/anchors.py)
+#: --compare: transformers' assisted generation, or llama.cpp's own server (engines/anchors.py)
 COMPARES = ("hf-assisted", "llama-server")
 #: The drafters a bench method may use: the core's, plus "wrong-prediction", the prediction
 #: drafter given another task's file (the leg that shows a wrong prediction costs nothing).
@@ -108,7 +106,7 @@ class BenchConfig:
     # Prompt categories to run (prompts.jsonl's "category"); () = every prompt. Applied before
     # n_prompts: the run takes the first n_prompts prompts of these categories, in file order.
     categories: tuple[str, ...] = ()
-    # OpenAI-compatible servers (study/endpoint.py) that stand in for the in-process methods:
+    # OpenAI-compatible servers (engines/endpoint.py) that stand in for the in-process methods:
     # `endpoint` runs "speculative", `endpoint_baseline` runs "baseline". With both, no model
     # is loaded (the target's tokenizer only, to count tokens where `usage` is missing).
     endpoint: str | None = None
@@ -195,7 +193,7 @@ def prompt_categories() -> tuple[str, ...]:
 
 
 #: The categories --category accepts: the prompt set's, and "session" (multi-turn edit sessions:
-#: study/data/sessions.jsonl, run by the session protocol below; alone, not with others)
+#: study/run/data/sessions.jsonl, run by the session protocol below; alone, not with others)
 SESSION = prompt_set.SESSION
 CATEGORIES = (*prompt_categories(), SESSION)
 
@@ -421,7 +419,7 @@ def _specdec_servers(cfg: BenchConfig) -> dict[str, anchors.SpecdecServer]:
     if cfg.deterministic:
         args += ["--deterministic"]
     base = ["--deterministic"] if cfg.deterministic else []
-    server = PromptCachingServer if cfg.sessions else anchors.SpecdecServer
+    server = anchors.PromptCachingServer if cfg.sessions else anchors.SpecdecServer
     return {
         "baseline": server(Path(), tuple(base), target=cfg.target, name="served"),
         "speculative": server(Path(), tuple(args), target=cfg.target, name=f"served-{cfg.drafter}"),
@@ -461,8 +459,10 @@ def _runners(
 ) -> dict[str, Runner]:
     """Every method of the run, in run order: baseline, speculative, then hf_assisted or the
     llama-server methods (one --compare at a time), then the variants. An endpoint's client
-    replaces the in-process baseline or speculative method it stands for."""
+    replaces the in-process baseline or speculative method it stands for. k="auto" methods keep
+    their policies across the run's prompts, as a server does across requests."""
     sampling = dict(max_new_tokens=cfg.max_new_tokens, warp=cfg.warp, stop_ids=stops)
+    policies = AutoPolicies(CurveFiles())
 
     def speculative(drafter: str, k: int | str) -> Runner:
         free = drafter in ("lookup", "prediction", WRONG_PREDICTION)
@@ -485,6 +485,7 @@ def _runners(
                 spec=spec,
                 seed=t.seed,
                 on_round=rounds.append,
+                policies=policies,
                 **sampling,
                 **kw,
             )
@@ -649,13 +650,8 @@ def _run(
     )
 
     def snapshot(**kw: Any) -> BenchArtifact:
-        return replace(
-            art,
-            rows=tuple(rows),
-            aggregates=aggregate(rows, methods),
-            failed=tuple(failed) or None,
-            **kw,
-        )
+        update = {"rows": tuple(rows), "aggregates": aggregate(rows, methods)}
+        return art.model_copy(update={**update, "failed": tuple(failed) or None, **kw})
 
     plan = _Plan(runners, methods, variants, predictions, tokenizer, vocab, failed)
     try:
@@ -828,7 +824,7 @@ def task_ids(
     tokenizer: Any, prompt: prompt_set.Prompt, vocab_size: int
 ) -> tuple[list[int], list[int] | None]:
     """(prompt ids, prediction ids or None) of a vendored prompt as every method receives them;
-    a replay of a bench artifact rebuilds its tasks with this (study.replay)."""
+    a replay of a bench artifact rebuilds its tasks with this (study.run.replay)."""
     return _prompt_ids(tokenizer, prompt.text, vocab_size), _prediction_ids(
         tokenizer, prompt.prediction
     )
@@ -850,7 +846,7 @@ def _prediction_ids(tokenizer: Any, text: str | None) -> list[int] | None:
 
 def another_prediction(predictions: Sequence[list[int] | None], i: int) -> list[int] | None:
     """The next task's prediction after task i (cyclically), for the wrong-prediction leg (a
-    replay rebuilds the leg with it: study.replay)."""
+    replay rebuilds the leg with it: study.run.replay)."""
     n = len(predictions)
     for j in range(1, n):
         other = predictions[(i + j) % n]
@@ -862,109 +858,6 @@ def another_prediction(predictions: Sequence[list[int] | None], i: int) -> list[
 def _record(result: Any) -> dict[str, Any]:
     """RUN = GenerationStats.to_dict() + tokens + stop_reason (core.metrics defines each field)."""
     return {**result.stats.to_dict(), "tokens": result.tokens, "stop_reason": result.stop_reason}
-
-
-# -------------------------------------------------------------------------------- statistics
-def aggregate(rows: Sequence[BenchRow], methods: Sequence[str]) -> Aggregates:
-    """The `aggregates` block for these rows (artifacts.Aggregates defines each field)."""
-    aggs = {m: aggregate_runs([r.run(m) for r in rows]) for m in methods}
-    base, spec = aggs["baseline"], aggs["speculative"]
-    variants = {
-        m: VariantAgg(
-            **vars(agg),
-            speedup=_ratio(agg.tok_s_mean, base.tok_s_mean),
-            decode_speedup=_ratio(agg.decode_tok_s_pooled, base.decode_tok_s_pooled),
-        )
-        for m, agg in aggs.items()
-        if m not in METHODS
-    }
-    hf_agg = aggs.get("hf_assisted")
-    return Aggregates(
-        baseline=base,
-        speculative=spec,
-        hf_assisted=hf_agg,
-        variants=variants,
-        by_category=_by_category(rows, methods),
-        speedup=_ratio(spec.tok_s_mean, base.tok_s_mean),
-        speedup_pooled=_ratio(spec.tok_s_pooled, base.tok_s_pooled),
-        decode_speedup=_ratio(spec.decode_tok_s_pooled, base.decode_tok_s_pooled),
-        speedup_hf_assisted=_ratio(hf_agg.tok_s_mean, base.tok_s_mean) if hf_agg else None,
-        peak_rss_mb=peak_rss_mb(),
-        peak_vram_mb=peak_vram_mb(),
-    )
-
-
-def _by_category(
-    rows: Sequence[BenchRow], methods: Sequence[str]
-) -> dict[str, dict[str, CategoryAgg]]:
-    """{category: {method: CategoryAgg}}: speedup against the same prompts' baseline mean."""
-    out: dict[str, dict[str, CategoryAgg]] = {}
-    for cat in sorted({r.category for r in rows}):
-        sel = [r for r in rows if r.category == cat]
-        base = statistics.fmean(r.baseline["tokens_per_s"] for r in sel)
-        out[cat] = {}
-        for m in methods:
-            mean = statistics.fmean(r.run(m)["tokens_per_s"] for r in sel)
-            out[cat][m] = CategoryAgg(n=len(sel), tok_s_mean=mean, speedup=_ratio(mean, base))
-    return out
-
-
-def aggregate_runs(runs: Sequence[Mapping[str, Any]]) -> Agg:
-    """AGG for one method's RUN records; sums that a record kind lacks come out None."""
-
-    def total(key: str) -> Any:
-        if not runs or any(r.get(key) is None for r in runs):
-            return None
-        return sum(r[key] for r in runs)
-
-    rates = [r["tokens_per_s"] for r in runs]
-    generated, wall = total("generated"), total("wall_s")
-    rounds, drafted, accepted = total("rounds"), total("drafted"), total("accepted")
-    ttfts = [r["ttft_s"] for r in runs if r.get("ttft_s") is not None]
-    decode_s = None  # artifacts written before prefill_s existed have no decode phase
-    if runs and all("prefill_s" in r for r in runs):
-        decode_s = sum(r["wall_s"] - r["prefill_s"] - r.get("catchup_s", 0.0) for r in runs)
-    ms = None
-    if runs and generated and all("draft_s" in r for r in runs):
-        ms = {ph: 1000 * sum(r[f"{ph}_s"] for r in runs) / generated for ph in PHASES}
-    drafting_rounds, mal = pooled_acceptance_length(runs)
-    return Agg(
-        n=len(runs),
-        tok_s_mean=statistics.fmean(rates) if rates else None,
-        tok_s_std=statistics.stdev(rates) if len(rates) > 1 else (0.0 if rates else None),
-        tok_s_pooled=_ratio(generated, wall),
-        decode_tok_s_pooled=_ratio(generated, decode_s),
-        ttft_s_mean=statistics.fmean(ttfts) if ttfts else None,
-        generated=generated,
-        rounds=rounds,
-        drafting_rounds=drafting_rounds,
-        drafted=drafted,
-        accepted=accepted,
-        acceptance_rate=_ratio(accepted, drafted),
-        positional_acceptance=_positional(runs),
-        tokens_per_round=_ratio(generated, rounds),
-        mean_acceptance_length=mal,
-        ms_per_token=ms,
-    )
-
-
-def _positional(runs: Sequence[Mapping[str, Any]]) -> tuple[float, ...] | None:
-    """Pooled per draft position: sum accepted_per_pos / sum drafted_per_pos; None for records
-    without positions (HF-assisted)."""
-    if not runs or not all("drafted_per_pos" in r for r in runs):
-        return None
-    width = max(len(r["drafted_per_pos"]) for r in runs)  # K; shorter only near the budget
-    dr = [sum(_at(r["drafted_per_pos"], i) for r in runs) for i in range(width)]
-    ac = [sum(_at(r["accepted_per_pos"], i) for r in runs) for i in range(width)]
-    return tuple(a / d for a, d in zip(ac, dr, strict=True))
-
-
-def _at(xs: list[int], i: int) -> int:
-    return xs[i] if i < len(xs) else 0
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 # ------------------------------------------------------------------------------------- tables
