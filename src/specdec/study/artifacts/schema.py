@@ -185,6 +185,46 @@ class Model(Record):
 
 
 # ------------------------------------------------------------------------------ specdec.bench/1
+class RunConfig:
+    """What an artifact's `config` (the run's settings, as written by its command) says, for
+    the artifacts that keep one: bench, sweep, gate."""
+
+    @property
+    def name(self) -> str:
+        return str(self.config.get("name") or "?")  # type: ignore[attr-defined]
+
+    @property
+    def draft_spec(self) -> str:
+        """config.draft: what sweeps and microbenches are matched on."""
+        return str(self.config.get("draft") or "?")  # type: ignore[attr-defined]
+
+    @property
+    def target_spec(self) -> str:
+        return str(self.config.get("target") or "?")  # type: ignore[attr-defined]
+
+    @property
+    def temperature(self) -> float | None:
+        t = self.config.get("temperature")  # type: ignore[attr-defined]
+        return None if t is None else float(t)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        n = self.config.get("max_new_tokens")  # type: ignore[attr-defined]
+        return None if n is None else int(n)
+
+
+class RunModels:
+    """The draft and target model blocks of an artifact's `models`: bench, microbench, gate."""
+
+    @property
+    def draft(self) -> Model | None:
+        return self.models.get("draft")  # type: ignore[attr-defined]
+
+    @property
+    def target(self) -> Model | None:
+        return self.models.get("target")  # type: ignore[attr-defined]
+
+
 class Agg(Record):
     """AGG: one method of a bench run, pooled over its recorded rows (runs.aggregate_runs)."""
 
@@ -292,7 +332,7 @@ class BenchRow(Record):
         return getattr(self, method) if method in MAIN_METHODS else self.variants[method]
 
 
-class BenchArtifact(Artifact):
+class BenchArtifact(RunConfig, RunModels, Artifact):
     """specdec.bench/1: one `specdec bench` run."""
 
     SCHEMA: ClassVar[str] = "specdec.bench/1"
@@ -314,45 +354,14 @@ class BenchArtifact(Artifact):
     label: str = not_in_file("")  # unique among a study's benches
 
     @property
-    def name(self) -> str:
-        return str(self.config.get("name") or "?")
-
-    @property
     def k(self) -> int | str:
         """An int, or the policy name ("auto", "schedule") when K varies by round."""
         k = self.config["k"]
         return k if k in ("auto", "schedule") else int(k)
 
     @property
-    def temperature(self) -> float | None:
-        t = self.config.get("temperature")
-        return None if t is None else float(t)
-
-    @property
-    def max_new_tokens(self) -> int | None:
-        n = self.config.get("max_new_tokens")
-        return None if n is None else int(n)
-
-    @property
     def drafter(self) -> str:
         return str(self.config.get("drafter") or "model")
-
-    @property
-    def draft_spec(self) -> str:
-        """config.draft: what sweeps and microbenches are matched on."""
-        return str(self.config.get("draft") or "?")
-
-    @property
-    def target_spec(self) -> str:
-        return str(self.config.get("target") or "?")
-
-    @property
-    def draft(self) -> Model | None:
-        return self.models.get("draft")
-
-    @property
-    def target(self) -> Model | None:
-        return self.models.get("target")
 
     @property
     def method(self) -> str:
@@ -416,7 +425,7 @@ class SweepPoint(Record):
         return self
 
 
-class SweepArtifact(Artifact):
+class SweepArtifact(RunConfig, Artifact):
     """specdec.sweep/1: a K-sweep's summary (sweep.run_sweep), rewritten after every K."""
 
     SCHEMA: ClassVar[str] = "specdec.sweep/1"
@@ -428,28 +437,6 @@ class SweepArtifact(Artifact):
     complete: bool = True
     src: str = not_in_file("")
     path: Path | None = not_in_file(None)
-
-    @property
-    def name(self) -> str:
-        return str(self.config.get("name") or "?")
-
-    @property
-    def draft_spec(self) -> str:
-        return str(self.config.get("draft") or "?")
-
-    @property
-    def target_spec(self) -> str:
-        return str(self.config.get("target") or "?")
-
-    @property
-    def temperature(self) -> float | None:
-        t = self.config.get("temperature")
-        return None if t is None else float(t)
-
-    @property
-    def max_new_tokens(self) -> int | None:
-        n = self.config.get("max_new_tokens")
-        return None if n is None else int(n)
 
     @property
     def recorded_prompts(self) -> int | None:
@@ -518,7 +505,7 @@ class Check(Record):
     relative_error: float | None  # (predicted - measured decode) / measured decode
 
 
-class MicrobenchArtifact(Artifact):
+class MicrobenchArtifact(RunModels, Artifact):
     """specdec.microbench/1: cost curves (microbench.py defines each term)."""
 
     SCHEMA: ClassVar[str] = "specdec.microbench/1"
@@ -546,14 +533,6 @@ class MicrobenchArtifact(Artifact):
     checks: tuple[Check, ...] = ()  # --check
     src: str = not_in_file("")
     path: Path | None = not_in_file(None)
-
-    @property
-    def target(self) -> Model | None:
-        return self.models.get("target")
-
-    @property
-    def draft(self) -> Model | None:
-        return self.models.get("draft")
 
     @property
     def label(self) -> str:
@@ -670,7 +649,7 @@ class GreedyLeg(Record):
     passed: bool | None  # every row matches
 
 
-class GateArtifact(Artifact):
+class GateArtifact(RunConfig, RunModels, Artifact):
     """specdec.gate/1: level-3 equivalence (gate.py)."""
 
     SCHEMA: ClassVar[str] = "specdec.gate/1"
@@ -686,20 +665,8 @@ class GateArtifact(Artifact):
     path: Path | None = not_in_file(None)
 
     @property
-    def name(self) -> str:
-        return str(self.config.get("name") or "?")
-
-    @property
     def quick(self) -> bool:
         return bool(self.config.get("quick"))
-
-    @property
-    def draft(self) -> Model | None:
-        return self.models.get("draft")
-
-    @property
-    def target(self) -> Model | None:
-        return self.models.get("target")
 
 
 ARTIFACTS: dict[str, Any] = {
