@@ -43,7 +43,6 @@ from specdec.core.config import DRAFTERS, SpecConfig, Warp, check_k
 from specdec.core.config import check_int as _check_int
 from specdec.core.decode import generate
 from specdec.core.drafters import PredictionDrafter, PredictionIndex
-from specdec.core.edits import hint_ids, named_rewrites
 from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
 from specdec.core.policy import AutoPolicies
@@ -523,10 +522,7 @@ def _runners(
 def _with_hints(tokenizer: Any, pred: list[int], text: str) -> list[int] | PredictionIndex:
     """The prediction with the rewrites its instruction names (core.edits.named_rewrites: a
     "rename `X` to `Y`" is drafted as Y from the first occurrence on)."""
-    if tokenizer is None:
-        return pred
-    encode = lambda s: prompting.encode_prediction(tokenizer, s)  # noqa: E731
-    hints = hint_ids(named_rewrites(text), encode)
+    hints = prompting.prediction_hints(tokenizer, text)
     return PredictionIndex(pred, PredictionDrafter.N_MAX, hints) if hints else pred
 
 

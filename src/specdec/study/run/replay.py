@@ -52,7 +52,6 @@ from specdec.core.drafters import (
     PredictionDrafter,
     PredictionIndex,
 )
-from specdec.core.edits import hint_ids, named_rewrites
 from specdec.core.metrics import GenerationStats, Round
 from specdec.core.policy import POLICIES, CostModelK, KPolicy, make_policy
 from specdec.study.artifacts import provenance, schema
@@ -186,11 +185,9 @@ def from_bench(path: str | Path, method: str = "baseline", tokenizer: Any = None
 def _hints(tokenizer: Any, text: str) -> tuple[Hint, ...]:
     """The instruction's named rewrites as the prediction tokenizes them (none without a
     tokenizer)."""
-    if tokenizer is None:
-        return ()
     from specdec.backends import chat
 
-    return tuple(hint_ids(named_rewrites(text), lambda t: chat.encode_prediction(tokenizer, t)))
+    return tuple(chat.prediction_hints(tokenizer, text))
 
 
 def _run_of(row: schema.BenchRow, method: str, path: Path) -> Mapping[str, Any]:
