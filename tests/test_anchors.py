@@ -196,7 +196,7 @@ def test_bench_runs_llama_lookup_on_the_templated_prompt(tmp_path) -> None:
     """The bench's runner gives llama-lookup the task's chat-templated prompt as text and turns
     its report into a RUN record; a prompt that tokenizes differently is a recorded failure."""
     from specdec.study.engines import endpoint
-    from specdec.study.run import bench
+    from specdec.study.run import bench, methods
 
     class Tok:  # ids are characters: the round trip is exact
         def decode(self, ids, skip_special_tokens=True):
@@ -210,14 +210,14 @@ def test_bench_runs_llama_lookup_on_the_templated_prompt(tmp_path) -> None:
     (tmp_path / "report.txt").write_text(_REPORT.replace(" 512 tokens", f" {len(prompt)} tokens"))
     cfg = bench.BenchConfig("custom", "mock:vocab=300", "mock:vocab=300", max_new_tokens=300)
     tool = anchors.LlamaLookup(tmp_path / "t.gguf", exe=exe)
-    run = bench._tool_runner(cfg, "llama-lookup", tool, Tok())
-    task = bench.Task([ord(c) for c in prompt], 0, None, None, text="hi")
+    run = methods.tool_runner(cfg, "llama-lookup", tool, Tok())
+    task = methods.Task([ord(c) for c in prompt], 0, None, None, text="hi")
     rec = run(task)
     assert rec["generated"] == 301 and rec["tokens"] == [ord("o"), ord("k")]
     assert rec["wall_s"] == pytest.approx(19.75) and rec["prefill_s"] == 9.25
     assert rec["tokens_per_s"] == pytest.approx(301 / 19.75)
     with pytest.raises(endpoint.EndpointError, match=rf"read {len(prompt)} .* bench has 5"):
-        run(bench.Task([ord(c) for c in "hello"], 0, None, None, text="hi"))
+        run(methods.Task([ord(c) for c in "hello"], 0, None, None, text="hi"))
 
 
 # ------------------------------------------------------------------------------ whose port is it

@@ -18,8 +18,10 @@ from specdec.cli.main import main
 from specdec.core.config import Warp
 from specdec.core.decode import generate
 from specdec.study.artifacts import provenance, runs, schema
+from specdec.study.present.tables import format_table
+from specdec.study.run import methods
 from specdec.study.run import prompts as prompt_set
-from specdec.study.run.bench import BenchConfig, bench_config, format_table, run_bench
+from specdec.study.run.bench import BenchConfig, bench_config, run_bench
 from specdec.study.run.sweep import format_sweep_table, run_sweep
 
 V = 48
@@ -97,7 +99,7 @@ def test_bench_artifact_validates_and_matches_its_rows(pair, tmp_path) -> None:
     again = generate(pair[1], ids, max_new_tokens=12, warp=Warp(temperature=0.8), seed=2)
     assert rows[0]["baseline"]["tokens"] == again.tokens
 
-    table = bench.format_table(art)
+    table = format_table(art)
     assert "mock" in table and f"{agg['speedup']:.2f}x" in table
 
 
@@ -118,14 +120,14 @@ def test_ctrl_c_keeps_finished_rows(pair, tmp_path, monkeypatch) -> None:
             raise KeyboardInterrupt
         return generate(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "generate", interrupted_generate)
+    monkeypatch.setattr(methods, "generate", interrupted_generate)
     with pytest.raises(KeyboardInterrupt):
         run_bench(cfg, tmp_path, progress=False, models=pair, tag="cc")
     art = _load(tmp_path / "bench_mock_k3_t0.8_cc.json")
     assert art["complete"] is False
     assert [r["index"] for r in art["rows"]] == [1, 2]
     assert art["aggregates"]["baseline"]["n"] == 2
-    assert "(partial)" in bench.format_table(art)
+    assert "(partial)" in format_table(art)
 
 
 def test_sweep_on_mock(pair, tmp_path) -> None:
@@ -164,7 +166,7 @@ def test_cli_ctrl_c_exits_130_and_keeps_rows(tmp_path, monkeypatch) -> None:
             raise KeyboardInterrupt
         return generate(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "generate", interrupted_generate)
+    monkeypatch.setattr(methods, "generate", interrupted_generate)
     argv = [
         "bench",
         *MOCK_CLI,
@@ -340,9 +342,9 @@ def test_variants_and_categories_in_one_run(pair, tmp_path) -> None:
         assert agg["variants"][v]["speedup"] == pytest.approx(mean / agg["baseline"]["tok_s_mean"])
     cats = agg["by_category"]
     assert set(cats) == {r["category"] for r in art["rows"]}
-    for c, methods in cats.items():
-        assert methods["baseline"]["speedup"] == pytest.approx(1.0)
-        assert methods["baseline"]["n"] == sum(r["category"] == c for r in art["rows"])
+    for c, by_method in cats.items():
+        assert by_method["baseline"]["speedup"] == pytest.approx(1.0)
+        assert by_method["baseline"]["n"] == sum(r["category"] == c for r in art["rows"])
     assert "lookup-kauto" in format_table(art)
 
 

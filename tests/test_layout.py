@@ -308,3 +308,43 @@ def test_the_cycle_check_finds_cycles() -> None:
     ]
     assert _cycle({"a": {"b"}, "b": set()}) is None
     assert "decode" in _core_graph() and "sampling" in _core_graph()["decode"]
+
+
+#: The size rule: a module a reader can hold in mind, a function that fits on a screen or two.
+#: The one exception is a subcommand's argparse builder (cli/<name>.py `add`): a flat list of
+#: options, read as a table, longer when the command has more flags.
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 80
+
+
+def _oversized(path: Path) -> list[str]:
+    text = path.read_text()
+    found = []
+    if len(text.splitlines()) > MAX_MODULE_LINES:
+        found.append(f"{len(text.splitlines())} lines (at most {MAX_MODULE_LINES})")
+    builder = path.parent.name == "cli" and path.name != "args.py"
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        n = node.end_lineno - node.lineno + 1
+        if n > MAX_FUNCTION_LINES and not (builder and node.name == "add"):
+            found.append(f"{node.name} (line {node.lineno}): {n} lines")
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
+def test_modules_and_functions_stay_small(path: Path) -> None:
+    bad = _oversized(path)
+    assert not bad, f"{path.relative_to(SRC)}: split it:\n  " + "\n  ".join(bad)
+
+
+def test_the_size_check_catches_a_long_module_and_function(tmp_path: Path) -> None:
+    long_fn = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    f = tmp_path / "probe.py"
+    f.write_text(long_fn + "\n" * MAX_MODULE_LINES)
+    found = " ".join(_oversized(f))
+    assert "f (line 1)" in found and "lines (at most" in found
+    cli = tmp_path / "cli"
+    cli.mkdir()
+    (cli / "probe.py").write_text(long_fn.replace("def f", "def add"))
+    assert _oversized(cli / "probe.py") == []  # a subcommand's argparse builder

@@ -12,7 +12,8 @@ import pytest
 
 from specdec.study.engines import endpoint
 from specdec.study.present.sessions import format_sessions
-from specdec.study.run import bench
+from specdec.study.present.tables import format_table
+from specdec.study.run import bench, methods
 from specdec.study.run import prompts as prompt_set
 from specdec.study.run.bench import bench_config, run_bench
 
@@ -73,7 +74,7 @@ def test_session_category_is_selected_alone_and_checked() -> None:
 def test_the_session_protocol_on_mock_models(tmp_path, monkeypatch) -> None:
     """Every method gets the same turn: the conversation so far with the reference answers, and
     the prediction is the file the last reference answer left. Rows are turns."""
-    seen: list[bench.Task] = []
+    seen: list[methods.Task] = []
     real = bench._run_methods
 
     def spy(runners, sequence, task, *a):
@@ -114,7 +115,7 @@ def test_the_session_protocol_on_mock_models(tmp_path, monkeypatch) -> None:
     )  # the conversation grows
     table = format_sessions(art)
     assert table is not None and "session-t2+" in table and "speculative" in table
-    assert "sessions, per turn kind" in bench.format_table(art)
+    assert "sessions, per turn kind" in format_table(art)
     assert (
         format_sessions(
             run_bench(
@@ -146,7 +147,7 @@ def test_session_runs_turn_the_servers_prompt_cache_on() -> None:
         n_prompts=1,
         warmup=0,
     )
-    servers = bench._specdec_servers(cfg)
+    servers = methods.specdec_servers(cfg)
     for srv in servers.values():
         cmd = srv.command()
         assert "--prompt-cache" in cmd and "--no-prompt-cache" not in cmd
@@ -161,7 +162,7 @@ def test_session_runs_turn_the_servers_prompt_cache_on() -> None:
         n_prompts=1,
         warmup=0,
     )
-    assert all("--no-prompt-cache" in s.command() for s in bench._specdec_servers(plain).values())
+    assert all("--no-prompt-cache" in s.command() for s in methods.specdec_servers(plain).values())
 
 
 @pytest.mark.model

@@ -503,21 +503,49 @@ class LlamaCppModel(SpecModel):
         if deterministic:
             _check_deterministic_switches(self.name, n_gpu_layers, flash_attn, type_k, slow)
 
-        mparams = llama.llama_model_default_params()
+        self._model, self.extra_mib = self._load_weights(path, n_gpu_layers, repack, slow)
+        self.repacked_mib = sum(self.extra_mib.values())
+        self.batch_invariant = slow or (covered and self._weights_where_expected())
+        if deterministic:
+            self._check_placement(slow)
+        vocab = llama.llama_model_get_vocab(self._model)
+        # llama.cpp's logits are exactly n_vocab wide (the GGUF's token list, padding included).
+        self.vocab_size = int(llama.llama_vocab_n_tokens(vocab))
+        self.n_ctx, self.n_batch = self._context_size(n_ctx, n_batch)
+        if tokenizer is not None:
+            self._check_tokenizer(vocab, tokenizer)
+        self._cparams = self._context_params(n_threads, flash_attn, type_k, op_capture)
+        self._op_capture = op_capture  # keeps the callback alive with the context
+        try:
+            self._ctx = self._new_context()
+        except SpecModelError:
+            self.close()
+            raise
+        self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
+        offload = n_gpu_layers != 0 and bool(llama.llama_supports_gpu_offload())
+        self.device = torch.device("cuda" if offload else "cpu")
+
+    def _load_weights(
+        self, path: Path, n_gpu_layers: int, repack: bool | None, slow: bool
+    ) -> tuple[Any, dict[str, float]]:
+        """The llama_model and the MiB llama.cpp put in each extra buffer type (repacked)."""
+        mparams = self._llama.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         # Repacked weights are multiplied one way for batches and another for single rows.
         if repack and slow:
             raise SpecModelError(f"{self.name}: deterministic mode needs repack off")
         mparams.use_extra_bufts = not slow if repack is None else repack
-        self._model, self.extra_mib = _load_model(llama, path, mparams)
-        if not self._model:
+        model, extra_mib = _load_model(self._llama, path, mparams)
+        if not model:
             raise SpecModelError(
                 f"llama.cpp could not load {path} (unsupported architecture or damaged file); "
                 "check the file, or try the hf: backend"
             )
-        self.repacked_mib = sum(self.extra_mib.values())
-        self.batch_invariant = slow or (covered and self._weights_where_expected())
-        if deterministic and not self.batch_invariant:
+        return model, extra_mib
+
+    def _check_placement(self, slow: bool) -> None:
+        """A deterministic load: every matmul weight where its invariant kernel reads it."""
+        if not self.batch_invariant:
             where = ", ".join(f"{k} {v:.1f} MiB" for k, v in self.extra_mib.items()) or "none"
             self.close()
             raise SpecModelError(
@@ -533,10 +561,10 @@ class LlamaCppModel(SpecModel):
                 f"{self.repacked_mib:.1f} MiB were repacked; this llama-cpp-python build ignores "
                 "use_extra_bufts (use the pinned llama-cpp-python 0.3.36)"
             )
-        vocab = llama.llama_model_get_vocab(self._model)
-        # llama.cpp's logits are exactly n_vocab wide (the GGUF's token list, padding included).
-        self.vocab_size = int(llama.llama_vocab_n_tokens(vocab))
-        n_ctx_train = int(llama.llama_model_n_ctx_train(self._model))
+
+    def _context_size(self, n_ctx: int | None, n_batch: int) -> tuple[int, int]:
+        """(n_ctx, n_batch): n_ctx within the trained positions, a batch no longer than it."""
+        n_ctx_train = int(self._llama.llama_model_n_ctx_train(self._model))
         if n_ctx is None:
             n_ctx = min(DEFAULT_N_CTX, n_ctx_train)
         if not 1 <= n_ctx <= n_ctx_train or n_batch < 1:
@@ -545,11 +573,16 @@ class LlamaCppModel(SpecModel):
                 f"{self.name}: need 1 <= n_ctx <= {n_ctx_train} (the positions the model was "
                 f"trained for) and n_batch >= 1; got n_ctx={n_ctx}, n_batch={n_batch}"
             )
-        self.n_ctx = int(n_ctx)
-        self.n_batch = int(min(n_batch, n_ctx))
-        if tokenizer is not None:
-            self._check_tokenizer(vocab, tokenizer)
+        return int(n_ctx), int(min(n_batch, n_ctx))
 
+    def _context_params(
+        self,
+        n_threads: int | None,
+        flash_attn: bool,
+        type_k: int,
+        op_capture: OpCapture | OpTimer | None,
+    ) -> Any:
+        llama = self._llama
         cparams = llama.llama_context_default_params()
         cparams.n_ctx = self.n_ctx
         cparams.n_batch = cparams.n_ubatch = self.n_batch  # one physical pass per decode call
@@ -565,16 +598,7 @@ class LlamaCppModel(SpecModel):
         if op_capture is not None:  # diagnostics only (study.run.invariance, study.run.profile)
             cparams.cb_eval = op_capture.callback
             cparams.cb_eval_user_data = None
-        self._op_capture = op_capture  # keeps the callback alive with the context
-        self._cparams = cparams
-        try:
-            self._ctx = self._new_context()
-        except SpecModelError:
-            self.close()
-            raise
-        self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
-        offload = n_gpu_layers != 0 and bool(llama.llama_supports_gpu_offload())
-        self.device = torch.device("cuda" if offload else "cpu")
+        return cparams
 
     def _weights_where_expected(self) -> bool:
         """sdmm holds the K-quants (if the file has any) and no other kernel repacked anything

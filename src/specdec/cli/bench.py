@@ -7,6 +7,7 @@ from typing import Any
 
 from specdec.cli import args as cli_args
 from specdec.study.engines import anchors, endpoint
+from specdec.study.present.tables import format_table
 from specdec.study.run import prompts as prompt_set
 from specdec.study.run.bench import (
     CATEGORIES,
@@ -14,7 +15,6 @@ from specdec.study.run.bench import (
     CONFIGS,
     BenchConfig,
     bench_config,
-    format_table,
     parse_categories,
     run_bench,
     select_prompts,

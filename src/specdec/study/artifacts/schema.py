@@ -388,7 +388,7 @@ class BenchArtifact(RunConfig, RunModels, Artifact):
 
 
 def variant_method(name: str) -> str:
-    """'lookup K=auto' for the variant name 'lookup-kauto' (bench.variant_name)."""
+    """'lookup K=auto' for the variant name 'lookup-kauto' (study.run.methods.variant_name)."""
     drafter, sep, k = name.rpartition("-k")
     if sep and drafter and (k.isdigit() or k in ("auto", "schedule")):
         return f"{drafter} K={k}"

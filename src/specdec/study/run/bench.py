@@ -19,6 +19,9 @@ Statistics (artifacts/runs.py): `aggregate_runs` pools one method's rows into an
 sums and ratios, the latency split); `aggregate` adds the speedups, the variants and the
 per-category means (`Aggregates`).
 
+The methods themselves (in process, served, endpoints, llama.cpp's tools) are built in
+methods.py; the terminal table is present/tables.py.
+
 `--compare hf-assisted` adds transformers' own assisted generation (hf_assisted.py) as a third
 method on the same prompts: the outside anchor for our implementation's speed. `sweep.py` runs
 this protocol at several K.
@@ -29,40 +32,33 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from specdec.backends import chat as prompting
-from specdec.backends import load_model, parse_spec
+from specdec.backends import parse_spec
 from specdec.backends.configs import CONFIGS as PAIRS
-from specdec.backends.costs import CurveFiles
-from specdec.core.config import DRAFTERS, SpecConfig, Warp, check_k
+from specdec.core.config import DRAFTERS, SpecConfig, Warp
 from specdec.core.config import check_int as _check_int
-from specdec.core.decode import generate
-from specdec.core.drafters import PredictionDrafter, PredictionIndex
-from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
-from specdec.core.policy import AutoPolicies
 from specdec.study.artifacts.provenance import (
     meta_block,
     model_block,
     reset_peak_vram,
 )
-from specdec.study.artifacts.runs import aggregate, round_log
+from specdec.study.artifacts.runs import aggregate
 from specdec.study.artifacts.schema import (
     MAIN_METHODS,
-    Aggregates,
     BenchArtifact,
     BenchRow,
     write_json,
 )
 from specdec.study.engines import anchors, endpoint
 from specdec.study.engines import hf_assisted as hf
-from specdec.study.present import fmt
-from specdec.study.present.sessions import format_sessions
+from specdec.study.present import tables
+from specdec.study.run import methods
 from specdec.study.run import prompts as prompt_set
 
 #: Named (draft, target) pairs, as in the paper's Table 2 but on the models we have; configs.py
@@ -71,10 +67,6 @@ CONFIGS: dict[str, tuple[str, str]] = {n: (c.draft, c.target) for n, c in PAIRS.
 CUSTOM = "custom"  # the config name of a --draft/--target pair
 #: --compare: transformers' assisted generation, or llama.cpp's own server (engines/anchors.py)
 COMPARES = ("hf-assisted", "llama-server")
-#: The drafters a bench method may use: the core's, plus "wrong-prediction", the prediction
-#: drafter given another task's file (the leg that shows a wrong prediction costs nothing).
-WRONG_PREDICTION = "wrong-prediction"
-BENCH_DRAFTERS = (*DRAFTERS, WRONG_PREDICTION)
 METHODS = MAIN_METHODS  # in run order; variants follow
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # goes into file names
 
@@ -95,7 +87,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     compare: str | None = None  # None or "hf-assisted"
     device: str | None = None  # None: best available (specdec.core.device.get_device)
-    drafter: str = "model"  # one of BENCH_DRAFTERS
+    drafter: str = "model"  # one of methods.BENCH_DRAFTERS
     k_max: int | None = None  # the largest K for k="auto" / "schedule" (None: SpecConfig's)
     p_min: float | None = None  # draft confidence cutoff
     deterministic: bool = False  # batch-invariant llama.cpp numerics (backends.load_model)
@@ -127,7 +119,7 @@ class BenchConfig:
 
     @property
     def spec(self) -> SpecConfig:
-        return SpecConfig(_core_drafter(self.drafter), self.k, self.k_max, self.p_min)
+        return SpecConfig(methods.core_drafter(self.drafter), self.k, self.k_max, self.p_min)
 
     @property
     def warp(self) -> Warp:
@@ -142,7 +134,7 @@ class BenchConfig:
         self.spec  # noqa: B018 - SpecConfig and Warp check their fields (one rule each)
         self.warp  # noqa: B018
         for v in self.variants:
-            parse_variant(v)
+            methods.parse_variant(v)
         if isinstance(self.categories, str) or not all(isinstance(c, str) for c in self.categories):
             raise ValueError(f"categories must be a tuple of names, got {self.categories!r}")
         n_available = len(select_prompts(self.categories))  # checks the category names
@@ -231,27 +223,6 @@ def select_prompts(
     return prompts[:limit] if limit is not None else prompts
 
 
-def _core_drafter(drafter: str) -> str:
-    return "prediction" if drafter == WRONG_PREDICTION else drafter
-
-
-def parse_variant(text: str) -> tuple[str, int | str]:
-    """'DRAFTER:K' -> (drafter, K), e.g. 'lookup:auto' -> ('lookup', 'auto')."""
-    drafter, sep, k = text.partition(":")
-    if not sep or drafter not in BENCH_DRAFTERS:
-        raise ValueError(
-            f"variant {text!r} must be DRAFTER:K with DRAFTER one of {', '.join(BENCH_DRAFTERS)} "
-            "and K an int >= 1, 'auto' or 'schedule' (e.g. lookup:auto)"
-        )
-    kk: int | str = int(k) if k.isdigit() else k
-    check_k(kk)
-    return drafter, kk
-
-
-def variant_name(drafter: str, k: int | str) -> str:
-    return f"{drafter}-k{k}"
-
-
 def bench_config(
     name: str | None, draft: str | None = None, target: str | None = None, **settings: Any
 ) -> BenchConfig:
@@ -296,24 +267,6 @@ def tag_suffix(tag: str | None) -> str:
     return f"_{tag}"
 
 
-# ------------------------------------------------------------------------------------ running
-@dataclass(frozen=True)
-class Task:
-    """One prompt as every method receives it."""
-
-    ids: list[int]  # the chat-templated prompt
-    seed: int
-    prediction: list[int] | None  # the prompt's own prediction, tokenized (None: it has none)
-    other_prediction: list[int] | None  # another task's, for the wrong-prediction leg
-    text: str = ""  # the prompt as an endpoint receives it (the user turn)
-    prediction_text: str | None = None  # the prediction as text, for endpoints
-    # the conversation before the user turn (a session's later turns; `ids` include it)
-    history: tuple[Mapping[str, str], ...] = ()
-
-
-Runner = Callable[[Task], Mapping[str, Any]]  # -> RUN record
-
-
 def run_bench(
     cfg: BenchConfig,
     out_dir: str | os.PathLike[str],
@@ -330,280 +283,15 @@ def run_bench(
     """
     path = Path(out_dir) / artifact_name(cfg, tag)
     if models is None:
-        with loaded_pair(cfg) as (draft, target), _engines(cfg, progress) as engines:
+        with methods.loaded_pair(cfg) as (draft, target), methods.engines(cfg, progress) as engines:
             return _run(cfg, draft, target, path, progress, engines)
     draft, target = models
     if cfg.compare == "hf-assisted" and not all(hf.is_hf(m) for m in models):
         raise ValueError(
             "--compare hf-assisted needs transformers models (hf backend) on both sides"
         )
-    with _engines(cfg, progress) as engines:
+    with methods.engines(cfg, progress) as engines:
         return _run(cfg, draft, target, path, progress, engines)
-
-
-def _needs(cfg: BenchConfig) -> tuple[bool, bool]:
-    """(draft, target): which models the in-process methods run on."""
-    local = [(cfg.drafter, cfg.k)] if cfg.endpoint is None and not cfg.served else []
-    local += [parse_variant(v) for v in cfg.variants]
-    draft = cfg.compare == "hf-assisted" or any(d in ("model", "composite") for d, _ in local)
-    baseline_local = cfg.endpoint_baseline is None and not cfg.served
-    target = bool(local) or baseline_local or cfg.compare == "hf-assisted"
-    return draft, target
-
-
-@dataclass
-class Engines:
-    """The out-of-process methods of a run: method name -> endpoint client, or -> a llama.cpp
-    tool run once per prompt (anchors.LlamaLookup)."""
-
-    clients: dict[str, endpoint.Client]
-    settings: dict[str, Any]  # what the artifact records of them
-    tools: dict[str, anchors.LlamaLookup] = field(default_factory=dict)
-
-
-@contextmanager
-def _engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
-    """Endpoint clients for cfg.endpoint / endpoint_baseline and the llama-server anchors
-    (started one at a time before the first prompt, stopped after the last)."""
-    from contextlib import ExitStack
-
-    key = endpoint.api_key_from_env()
-    given = {"speculative": cfg.endpoint, "baseline": cfg.endpoint_baseline}
-    eps = {
-        m: endpoint.Endpoint(url, cfg.endpoint_model, cfg.endpoint_api, key, label=url)
-        for m, url in given.items()
-        if url is not None
-    }
-    settings: dict[str, Any] = {m: ep.describe() for m, ep in eps.items()}
-    tools: dict[str, anchors.LlamaLookup] = {}
-    with ExitStack() as stack:
-        for method, srv in _specdec_servers(cfg).items():
-            if progress:
-                print(f"starting specdec serve ({method}): {srv.args}", file=sys.stderr)
-            stack.enter_context(srv)
-            eps[method] = srv.endpoint()
-            settings[method] = srv.describe()
-        for srv in anchors.servers_for(cfg.llama_server, cfg.target, cfg.draft, tools=True):
-            name = anchors.method_name(srv.mode)
-            if isinstance(srv, anchors.LlamaLookup):
-                tools[name] = stack.enter_context(srv)
-                settings[name] = srv.describe()
-                continue
-            if progress:
-                print(f"starting {name}: {srv.args}", file=sys.stderr)
-            stack.enter_context(srv)
-            ep = srv.endpoint()
-            if cfg.sessions:  # its prompt cache on, as an editor's server has it
-                ep = replace(ep, extra={**ep.extra, "cache_prompt": True})
-            eps[ep.name] = ep
-            settings[ep.name] = {**ep.describe(), **srv.describe()}
-        clients = {m: stack.enter_context(endpoint.Client(ep)) for m, ep in eps.items()}
-        yield Engines(clients, settings, tools)
-
-
-def _specdec_servers(cfg: BenchConfig) -> dict[str, anchors.SpecdecServer]:
-    """With cfg.served: "baseline" (target-only) and "speculative" (the run's drafter and K) as
-    `specdec serve` processes; a prediction comes with each request, drafted first, then prompt
-    lookup (what the in-process prediction drafter does)."""
-    if not cfg.served:
-        return {}
-    drafter = "lookup" if cfg.drafter == "prediction" else _core_drafter(cfg.drafter)
-    args = ["--drafter", drafter, "-k", str(cfg.k)]
-    if drafter in ("model", "composite"):
-        args = ["--draft", cfg.draft, *args]
-    if cfg.k_max is not None:
-        args += ["--k-max", str(cfg.k_max)]
-    if cfg.p_min is not None:
-        args += ["--p-min", str(cfg.p_min)]
-    if cfg.deterministic:
-        args += ["--deterministic"]
-    base = ["--deterministic"] if cfg.deterministic else []
-    server = anchors.PromptCachingServer if cfg.sessions else anchors.SpecdecServer
-    return {
-        "baseline": server(Path(), tuple(base), target=cfg.target, name="served"),
-        "speculative": server(Path(), tuple(args), target=cfg.target, name=f"served-{cfg.drafter}"),
-    }
-
-
-@contextmanager
-def loaded_pair(cfg: BenchConfig) -> Iterator[tuple[SpecModel | None, SpecModel | None]]:
-    """(draft, target) loaded from `cfg`, closed on exit; None for a model no in-process
-    method of the run needs (lookup alone needs no draft; two endpoints need neither)."""
-    if cfg.device is not None:
-        from specdec.core.device import get_device
-
-        get_device(cfg.device)  # an unavailable device fails before minutes of loading
-    kw = {"device": cfg.device, "deterministic": cfg.deterministic}
-    need_draft, need_target = _needs(cfg)
-    draft = load_model(cfg.draft, **kw) if need_draft else None
-    try:
-        target = load_model(cfg.target, **kw) if need_target else None
-        try:
-            yield draft, target
-        finally:
-            if target is not None:
-                target.close()
-    finally:
-        if draft is not None:
-            draft.close()
-
-
-def _runners(
-    cfg: BenchConfig,
-    draft: SpecModel | None,
-    target: SpecModel | None,
-    stops: list[int],
-    engines: Engines,
-    tokenizer: Any,
-) -> dict[str, Runner]:
-    """Every method of the run, in run order: baseline, speculative, then hf_assisted or the
-    llama-server methods (one --compare at a time), then the variants. An endpoint's client
-    replaces the in-process baseline or speculative method it stands for. k="auto" methods keep
-    their policies across the run's prompts, as a server does across requests."""
-    sampling = dict(max_new_tokens=cfg.max_new_tokens, warp=cfg.warp, stop_ids=stops)
-    policies = AutoPolicies(CurveFiles())
-
-    def speculative(drafter: str, k: int | str) -> Runner:
-        free = drafter in ("lookup", "prediction", WRONG_PREDICTION)
-        d = None if free else draft  # model-free drafters need no draft model
-
-        def run(t: Task) -> Mapping[str, Any]:
-            pred = t.other_prediction if drafter == WRONG_PREDICTION else t.prediction
-            name = _core_drafter(drafter)
-            if name == "prediction" and pred is None:
-                name = "lookup"  # a prompt without a prediction: what the drafter falls back to
-            spec = SpecConfig(name, k, cfg.k_max, cfg.p_min)
-            kw = (
-                {"prediction": _with_hints(tokenizer, pred, t.text)} if name == "prediction" else {}
-            )
-            rounds: list[Round] = []
-            result = generate(
-                target,
-                t.ids,
-                draft=d,
-                spec=spec,
-                seed=t.seed,
-                on_round=rounds.append,
-                policies=policies,
-                **sampling,
-                **kw,
-            )
-            return {**_record(result), "round_log": round_log(rounds)}
-
-        return run
-
-    runners: dict[str, Runner] = {
-        "baseline": lambda t: _record(generate(target, t.ids, seed=t.seed, **sampling)),
-        "speculative": speculative(cfg.drafter, cfg.k),
-    }
-    for name, client in engines.clients.items():
-        # OpenAI's `prediction` field goes to --endpoint only, and only for --drafter prediction
-        # (llama-server, like most engines, has no such field)
-        pred = name == "speculative" and cfg.drafter == "prediction"
-        runners[name] = _endpoint_runner(cfg, client, tokenizer, with_prediction=pred)
-    for name, tool in engines.tools.items():
-        runners[name] = _tool_runner(cfg, name, tool, tokenizer)
-    if cfg.compare == "hf-assisted":
-        runners["hf_assisted"] = lambda t: hf.run(
-            draft,
-            target,
-            t.ids,
-            k=cfg.k,
-            max_new_tokens=cfg.max_new_tokens,
-            warp=cfg.warp,
-            seed=t.seed,
-            stops=stops,
-        )
-    for v in cfg.variants:
-        runners[variant_name(*parse_variant(v))] = speculative(*parse_variant(v))
-    return runners
-
-
-def _with_hints(tokenizer: Any, pred: list[int], text: str) -> list[int] | PredictionIndex:
-    """The prediction with the rewrites its instruction names (core.edits.named_rewrites: a
-    "rename `X` to `Y`" is drafted as Y from the first occurrence on)."""
-    hints = prompting.prediction_hints(tokenizer, text)
-    return PredictionIndex(pred, PredictionDrafter.N_MAX, hints) if hints else pred
-
-
-def _endpoint_runner(
-    cfg: BenchConfig, client: endpoint.Client, tokenizer: Any, with_prediction: bool
-) -> Runner:
-    """A method sent to an endpoint; `with_prediction`: the prompt's prediction goes in the
-    request as OpenAI's `prediction` field."""
-
-    def run(t: Task) -> Mapping[str, Any]:
-        req = endpoint.Request(
-            t.text,
-            cfg.max_new_tokens,
-            cfg.temperature,
-            t.seed,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            prediction=t.prediction_text if with_prediction else None,
-            history=t.history,
-        )
-        reply = client.stream(req)
-        return {**endpoint.run_record(reply, client.endpoint, tokenizer), **_usage_details(reply)}
-
-    return run
-
-
-def _usage_details(reply: endpoint.Reply) -> dict[str, Any]:
-    """What OpenAI's usage details say, when the server sends them: prompt tokens served from
-    its prompt cache (`cached_prompt_tokens`) and the prediction's accepted / rejected tokens
-    (specdec serve; llama-server reports its cache in `server_timings.cache_n`)."""
-    usage = reply.usage or {}
-    out = {}
-    fields = (
-        ("prompt_tokens_details", "cached_tokens", "cached_prompt_tokens"),
-        ("completion_tokens_details", "accepted_prediction_tokens", "accepted_prediction_tokens"),
-        ("completion_tokens_details", "rejected_prediction_tokens", "rejected_prediction_tokens"),
-    )
-    for block, key, name in fields:
-        details = usage.get(block)
-        n = endpoint.count(details.get(key)) if isinstance(details, dict) else None
-        if n is not None:
-            out[name] = n
-    return out
-
-
-def _tool_runner(cfg: BenchConfig, name: str, tool: anchors.LlamaLookup, tokenizer: Any) -> Runner:
-    """A llama.cpp tool run once per prompt on the task's chat-templated prompt (as text, the
-    special tokens spelled out: the tool tokenizes them back); the RUN record has the keys of an
-    endpoint's (endpoint.run_record), times from the tool's own report (no model load)."""
-
-    def run(t: Task) -> Mapping[str, Any]:
-        prompt = tokenizer.decode(t.ids, skip_special_tokens=False)
-        try:
-            r = tool.run(prompt, cfg.max_new_tokens, cfg.temperature, t.seed)
-        except anchors.AnchorError as e:  # one prompt's failure, recorded like an endpoint's
-            raise endpoint.EndpointError("tool", str(e)) from e
-        if r["prompt_tokens"] != len(t.ids):  # it would be timing another prompt
-            raise endpoint.EndpointError(
-                "tool",
-                f"{name} read {r['prompt_tokens']} prompt tokens where the bench has "
-                f"{len(t.ids)}: the prompt did not survive the text round trip",
-            )
-        wall = r["prefill_s"] + r["decode_s"]
-        return {
-            "endpoint": name,
-            "generated": r["generated"],
-            "usage_source": "tool report",
-            "wall_s": wall,
-            "ttft_s": r["prefill_s"],
-            "prefill_s": r["prefill_s"],
-            "tokens_per_s": r["generated"] / wall if wall > 0 else 0.0,
-            "prompt_tokens": r["prompt_tokens"],
-            "stop_reason": None,
-            "drafted": r["drafted"],
-            "accepted": r["accepted"],
-            "process_s": r["process_s"],
-            "text": r["text"],
-            "tokens": endpoint.tokenize(tokenizer, r["text"]),
-        }
-
-    return run
 
 
 def _run(
@@ -612,16 +300,16 @@ def _run(
     target: SpecModel | None,
     path: Path,
     progress: bool,
-    engines: Engines,
+    engines: methods.Engines,
 ) -> BenchArtifact:
     from tqdm import tqdm
 
     tokenizer = _tokenizer(cfg, draft, target)
     vocab = target.vocab_size if target is not None else len(tokenizer)
     stops = prompting.stop_ids(tokenizer)
-    runners = _runners(cfg, draft, target, stops, engines, tokenizer)
-    methods = list(runners)
-    variants = tuple(m for m in methods if m not in METHODS)
+    runners = methods.runners(cfg, draft, target, stops, engines, tokenizer)
+    names = list(runners)
+    variants = tuple(m for m in names if m not in METHODS)
     reset_peak_vram()
     blocks = {"draft": (cfg.draft, draft), "target": (cfg.target, target)}
     art = BenchArtifact(
@@ -629,7 +317,7 @@ def _run(
         config={**asdict(cfg), "engines": engines.settings},
         models={r: model_block(s, m) if m is not None else None for r, (s, m) in blocks.items()},
         rows=(),
-        aggregates=aggregate([], methods),
+        aggregates=aggregate([], names),
         variants=variants,
         complete=False,
         path=path,
@@ -646,10 +334,10 @@ def _run(
     )
 
     def snapshot(**kw: Any) -> BenchArtifact:
-        update = {"rows": tuple(rows), "aggregates": aggregate(rows, methods)}
+        update = {"rows": tuple(rows), "aggregates": aggregate(rows, names)}
         return art.model_copy(update={**update, "failed": tuple(failed) or None, **kw})
 
-    plan = _Plan(runners, methods, variants, predictions, tokenizer, vocab, failed)
+    plan = _Plan(runners, names, variants, predictions, tokenizer, vocab, failed)
     try:
         for i, prompt in enumerate(bar):
             for row in _prompt_rows(plan, i, prompt):
@@ -657,7 +345,7 @@ def _run(
                     rows.append(row)
                 art = snapshot()
                 write_json(path, art)
-            bar.set_postfix_str(_postfix(art.aggregates) if rows else "warm-up")
+            bar.set_postfix_str(tables.postfix(art.aggregates) if rows else "warm-up")
     except KeyboardInterrupt:
         art = snapshot()
         write_json(path, art)
@@ -674,8 +362,8 @@ def _run(
 class _Plan:
     """What every prompt of a run is run with (`_run`'s loop)."""
 
-    runners: dict[str, Runner]
-    methods: list[str]
+    runners: dict[str, methods.Runner]
+    order: list[str]  # the methods in run order (reversed on odd prompts)
     variants: tuple[str, ...]
     predictions: list[list[int] | None]  # each selected prompt's, tokenized
     tokenizer: Any
@@ -690,8 +378,8 @@ def _prompt_rows(plan: _Plan, i: int, prompt: prompt_set.Prompt) -> Iterator[Ben
         return
     ids = _prompt_ids(plan.tokenizer, prompt.text, plan.vocab)
     other = another_prediction(plan.predictions, i)
-    task = Task(ids, i, plan.predictions[i], other, prompt.text, prompt.prediction)
-    sequence = plan.methods if i % 2 == 0 else plan.methods[::-1]
+    task = methods.Task(ids, i, plan.predictions[i], other, prompt.text, prompt.prediction)
+    sequence = plan.order if i % 2 == 0 else plan.order[::-1]
     runs = _run_methods(plan.runners, sequence, task, i, prompt.id, plan.failed)
     yield None if runs is None else _row(i, prompt, ids, sequence, runs, plan.variants)
 
@@ -713,10 +401,10 @@ def _session_rows(plan: _Plan, i: int, opening: prompt_set.Prompt) -> Iterator[B
         messages = [*history, {"role": "user", "content": user}]
         ids = _conversation_ids(plan.tokenizer, messages, plan.vocab)
         pred = _prediction_ids(plan.tokenizer, file)
-        task = Task(ids, i, pred, other, user, file, tuple(history))
+        task = methods.Task(ids, i, pred, other, user, file, tuple(history))
         category = "session-t1" if n == 0 else "session-t2+"
         turn = prompt_set.Prompt(f"{session.id}/t{n + 1}", category, user, file)
-        sequence = plan.methods if (i + n) % 2 == 0 else plan.methods[::-1]
+        sequence = plan.order if (i + n) % 2 == 0 else plan.order[::-1]
         runs = _run_methods(plan.runners, sequence, task, i, turn.id, plan.failed)
         if runs is None:
             yield None
@@ -752,9 +440,9 @@ def _answer_text(run: Mapping[str, Any], tokenizer: Any) -> str:
 
 
 def _run_methods(
-    runners: Mapping[str, Runner],
+    runners: Mapping[str, methods.Runner],
     sequence: Sequence[str],
-    task: Task,
+    task: methods.Task,
     i: int,
     prompt_id: str,
     failed: list[dict[str, Any]],
@@ -849,84 +537,3 @@ def another_prediction(predictions: Sequence[list[int] | None], i: int) -> list[
         if other is not None:
             return other
     return None
-
-
-def _record(result: Any) -> dict[str, Any]:
-    """RUN = GenerationStats.to_dict() + tokens + stop_reason (core.metrics defines each field)."""
-    return {**result.stats.to_dict(), "tokens": result.tokens, "stop_reason": result.stop_reason}
-
-
-# ------------------------------------------------------------------------------------- tables
-def _bench(art: BenchArtifact | Mapping[str, Any]) -> BenchArtifact:
-    return art if isinstance(art, BenchArtifact) else BenchArtifact.from_json(dict(art))
-
-
-def format_table(artifacts: BenchArtifact | Mapping[str, Any] | Sequence[Any]) -> str:
-    """Bench artifacts (read or as run) as a table in the shape of the paper's Table 3 (one line
-    per artifact), then each run's extra methods and per-category speedups."""
-    many = isinstance(artifacts, Sequence) and not isinstance(artifacts, Mapping)
-    arts = [_bench(a) for a in (artifacts if many else [artifacts])]
-    header = ["config", "K", "base tok/s", "spec tok/s", "speedup", "accept."]
-    header += ["TTFT_b (s)", "TTFT_s (s)", "peak RSS (GB)"]
-    rows, notes = [], []
-    for a in arts:
-        agg = a.aggregates
-        b, s = agg.baseline, agg.speculative
-        rss = agg.peak_rss_mb
-        rows.append(
-            [
-                a.name + ("" if a.complete else " (partial)"),
-                str(a.config["k"]),
-                fmt.pm(b.tok_s_mean, b.tok_s_std, plain=True),
-                fmt.pm(s.tok_s_mean, s.tok_s_std, plain=True),
-                fmt.x(agg.speedup, plain=True),
-                fmt.pct(s.acceptance_rate, plain=True),
-                fmt.num(b.ttft_s_mean, ".3f", plain=True),
-                fmt.num(s.ttft_s_mean, ".3f", plain=True),
-                fmt.num(rss / 1024 if rss is not None else None, ".2f", plain=True),
-            ]
-        )
-        notes += _notes(a)
-    n = {a.aggregates.baseline.n for a in arts}
-    foot = f"mean ± sample std over {'/'.join(map(str, sorted(n)))} recorded prompts; peak RSS is"
-    foot += " a process-wide high-water mark (an upper bound)"
-    return "\n".join([fmt.text_table(header, rows), *notes, foot])
-
-
-def _notes(a: BenchArtifact) -> list[str]:
-    """format_table's lines under the table for one run: HF-assisted, variants, categories."""
-    agg, notes = a.aggregates, []
-    h = agg.hf_assisted
-    if h is not None:
-        notes.append(
-            f"{a.name} K={a.config['k']}: transformers assisted generation "
-            f"{fmt.pm(h.tok_s_mean, h.tok_s_std, plain=True)} tok/s, "
-            f"{fmt.x(agg.speedup_hf_assisted, plain=True)} of baseline, "
-            f"acceptance {fmt.pct(h.acceptance_rate, plain=True)}"
-        )
-    for vname, v in agg.variants.items():
-        mal = v.mean_acceptance_length
-        notes.append(
-            f"{a.name} {vname}: {fmt.pm(v.tok_s_mean, v.tok_s_std, plain=True)} tok/s, "
-            f"{fmt.x(v.speedup, plain=True)} of baseline, acceptance "
-            f"{fmt.pct(v.acceptance_rate, plain=True)}, "
-            f"{fmt.num(v.tokens_per_round, '.2f', plain=True)} tokens/round"
-            + ("" if mal is None else f", mean acceptance length {mal:.2f}")
-        )
-    sessions = format_sessions(a)
-    if sessions is not None:
-        notes.append(sessions)
-    cats = agg.by_category
-    if cats:
-        methods = list(next(iter(cats.values())))
-        crow = [[c, *(fmt.x(cats[c][m].speedup, plain=True) for m in methods)] for c in cats]
-        notes.append("speedup by prompt category (vs the same prompts' baseline):")
-        notes.append(fmt.text_table(["category", *methods], crow))
-    return notes
-
-
-def _postfix(agg: Aggregates) -> str:
-    parts = [f"base {agg.baseline.tok_s_mean:.1f}", f"spec {agg.speculative.tok_s_mean:.1f}"]
-    if agg.hf_assisted is not None:
-        parts.append(f"hf {agg.hf_assisted.tok_s_mean:.1f}")
-    return " | ".join(parts) + f" tok/s ({fmt.x(agg.speedup, plain=True)})"

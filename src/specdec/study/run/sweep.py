@@ -19,11 +19,11 @@ from specdec.study.artifacts.schema import (
     write_json,
 )
 from specdec.study.present import fmt
+from specdec.study.run import methods
 from specdec.study.run.bench import (
     BenchConfig,
     artifact_name,
     categories_part,
-    loaded_pair,
     run_bench,
     tag_suffix,
 )
@@ -51,7 +51,7 @@ def run_sweep(
         check_int("every K of the sweep", k, 1)
     path = Path(out_dir) / sweep_name(cfg, tag)
     if models is None:
-        with loaded_pair(cfg) as pair:
+        with methods.loaded_pair(cfg) as pair:
             return run_sweep(cfg, ks, out_dir, progress, pair, tag)
     summary = SweepArtifact(
         meta=meta_block(),
