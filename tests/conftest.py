@@ -2,9 +2,9 @@
 
     smol_path        Path of smollm2-135m.gguf (SmolLM2-135M-Instruct Q4_1, vocab 49152), fetched
                      into $SPECDEC_HOME on first use.
-    smol_hf          load_model("hf:smollm2-135m"): dequantized, fp32, CPU, 1 thread.
+    smol_hf          load_model("hf:smollm2-135m"): dequantized, fp32, CPU, TEST_THREADS threads.
     smol_llamacpp    load_model("llamacpp:smollm2-135m"): Q4_1 in llama.cpp, default settings
-                     except 1 thread (see TEST_THREADS).
+                     (TEST_THREADS threads).
     smol_prompt_ids  ~300 token ids of real text: a chat-templated prompt plus an answer.
     qwen05_path      Path of qwen2.5-coder-0.5b.gguf, fetched on first use.
 A test that needs a model fetches it (`fetched`); where it cannot, the test fails, never skips.
@@ -32,16 +32,18 @@ from pathlib import Path
 import pytest
 
 from specdec.backends import load_model
+from specdec.backends.llamacpp import usable_cores
 from specdec.core.model import SpecModel
 
 SMOL = "smollm2-135m"
-# One thread per model, not the library default (all cores). Both ggml and torch's OpenMP sync
-# every op with spinning barriers, so when another process holds a core a 2-thread pool stalls at
-# each barrier. Measured per single-token decode on the 2-core test box with one core busy:
-# llama.cpp 2000 ms with 2 threads vs 18 ms with 1; HF 612 ms vs 59 ms (33 ms with 2 threads on an
-# idle box). Tests share their machine. No logits depend on the thread count here (llama.cpp: q8_0
-# K cache; HF: fp32, checked within the contract tolerance).
-TEST_THREADS = 1
+# Threads per model: every core this process may use (the library's default), as CI's box runs
+# the suite alone; set SPECDEC_TEST_THREADS=1 where the box is shared. Both ggml and torch's
+# OpenMP sync every op with spinning barriers, so a 2-thread pool with one core held by another
+# process stalls at each barrier (docs/results.md has the numbers). No logits depend on the
+# thread count here (llama.cpp: the matmuls split rows, never a sum; HF: fp32, checked within the
+# contract tolerance). Exported, so that the tests' own subprocesses use the same count.
+TEST_THREADS = int(os.environ.get("SPECDEC_TEST_THREADS") or 0) or usable_cores()
+os.environ["SPECDEC_TEST_THREADS"] = str(TEST_THREADS)
 # llama.cpp's tiled K-quant matmul off for the whole test process: it reads the switch once per
 # process, and default-mode and deterministic models share this one (backends/llamacpp.py). It
 # changes nothing for smollm2's Q4_1 weights, nor on a CPU with AMX.

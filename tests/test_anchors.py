@@ -247,6 +247,7 @@ class _Impostor:
         self.httpd.server_close()
 
 
+@pytest.mark.slow
 def test_a_taken_port_is_retried_and_an_impostor_is_never_trusted(monkeypatch) -> None:
     """Between free_port() and the bind another process can take the port, and whatever then
     answered /health was taken for the server (issue 21, item 10)."""

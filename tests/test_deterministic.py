@@ -23,6 +23,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import TEST_THREADS
 
 from specdec.backends import load_model
 from specdec.core.config import SpecConfig, Warp
@@ -62,7 +63,7 @@ def _batch_shapes_agree(model, context: list[int], tokens: list[int]) -> list[st
 
 @pytest.fixture(scope="module")
 def smol_det():
-    model = load_model("llamacpp:smollm2-135m", n_threads=1, deterministic=True)
+    model = load_model("llamacpp:smollm2-135m", n_threads=TEST_THREADS, deterministic=True)
     yield model
     model.close()
 
@@ -77,13 +78,13 @@ def test_smollm2_is_bit_identical_across_batch_shapes(smol_det) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", QWEN)
 def test_qwen_is_bit_identical_across_batch_shapes_in_the_default_mode(name) -> None:
-    model = load_model(f"llamacpp:{name}", n_threads=1)
+    model = load_model(f"llamacpp:{name}", n_threads=TEST_THREADS)
     try:
         ids = probe_ids(model.vocab_size, CONTEXT + N_PROBE)
         assert model.batch_invariant and model.extra_mib.get("SDMM", 0) > 0, model.extra_mib
         assert _batch_shapes_agree(model, ids[:CONTEXT], ids[CONTEXT:]) == []
         # deterministic mode is the same model and kernels here: nothing to switch off
-        det = load_model(f"llamacpp:{name}", n_threads=1, n_ctx=64, deterministic=True)
+        det = load_model(f"llamacpp:{name}", n_threads=TEST_THREADS, n_ctx=64, deterministic=True)
         assert det.extra_mib == model.extra_mib and det.batch_invariant
         det.close()
     finally:
@@ -197,8 +198,8 @@ def test_greedy_speculative_equals_target_only_on_qwen_in_the_default_mode() -> 
     """The end-to-end promise, in the default mode: on a long prompt (~1,000 tokens), prompt
     lookup at K = 15 (verify passes of 16 rows), a prediction drafter and a draft model at K = 5
     give token for token the target-only output of the Qwen 1.5B at T = 0."""
-    target = load_model("llamacpp:qwen2.5-coder-1.5b", n_threads=1)
-    draft = load_model("llamacpp:qwen2.5-coder-0.5b", n_threads=1)
+    target = load_model("llamacpp:qwen2.5-coder-1.5b", n_threads=TEST_THREADS)
+    draft = load_model("llamacpp:qwen2.5-coder-0.5b", n_threads=TEST_THREADS)
     try:
         prompt = list(target.tokenizer(_LONG_TASK)["input_ids"])
         assert len(prompt) > 800

@@ -200,6 +200,7 @@ def test_report_table_names_every_number(monkeypatch) -> None:
     assert text.count("\n   ") >= len(BATCHES) - 1  # a break-even row per K
 
 
+@pytest.mark.slow
 def test_cli_doctor_json_on_mock_models(tmp_path: Path) -> None:
     out = tmp_path / "doctor.json"
     res = subprocess.run(

@@ -376,6 +376,7 @@ def test_a_request_cut_off_still_feeds_its_pool() -> None:
 
 
 # ---------------------------------------------------------------------------- soak
+@pytest.mark.slow
 def test_a_500_request_soak_stays_under_the_cap() -> None:
     """3 keys, 2 pools of 256 tokens: once both pools exist the pools' memory never moves from
     their fixed size (the cap), the tokens held never pass capacity, old text is evicted, and a

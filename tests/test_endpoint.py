@@ -97,6 +97,7 @@ def test_stream_reads_text_usage_and_timing_and_matches_the_non_streamed_answer(
 
 
 # ------------------------------------------------------------------------------ the gate
+@pytest.mark.stats
 def test_endpoint_gate_passes_specdec_speculative_server_against_target_only(servers) -> None:
     with _client(servers["spec"]) as a, _client(servers["base"]) as b:
         res = run_endpoint_gate(
@@ -110,6 +111,7 @@ def test_endpoint_gate_passes_specdec_speculative_server_against_target_only(ser
     assert res.greedy.passed and res.passed
 
 
+@pytest.mark.stats
 def test_endpoint_gate_fails_a_server_that_samples_from_the_draft(servers) -> None:
     with _client(servers["wrong"]) as a, _client(servers["base"]) as b:
         res = run_endpoint_gate(
@@ -364,9 +366,9 @@ def _trickle(piece: bytes, head: bytes = _SSE_HEAD) -> Any:
     ids=["keep-alives", "trickled-headers", "endless-text"],
 )
 def test_the_client_ends_a_trickling_upstream_at_its_deadline(script) -> None:
-    err, took = _hostile_stream(script, timeout_s=2.0)
+    err, took = _hostile_stream(script, timeout_s=1.0)
     assert err.kind == "timeout", err
-    assert 1.5 < took < 3.0  # the deadline, +- 1 s (it was unbounded: httpx times each read)
+    assert 0.6 < took < 2.0  # the deadline, +- 1 s (it was unbounded: httpx times each read)
 
 
 def test_the_client_caps_lines_streams_and_error_bodies(monkeypatch) -> None:

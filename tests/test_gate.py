@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_THREADS
 
 import specdec.backends as models_mod
 import specdec.core.decode as decode_mod
@@ -213,7 +214,6 @@ CI_P_MIN = 0.001
 
 @pytest.mark.model
 def test_gate_quick_on_smoke_passes(tmp_path) -> None:
-    # one thread: the test box is shared (see conftest.TEST_THREADS)
     rc = cli.main(
         [
             "gate",
@@ -221,7 +221,7 @@ def test_gate_quick_on_smoke_passes(tmp_path) -> None:
             "--config",
             "smoke",
             "--threads",
-            "1",
+            str(TEST_THREADS),
             "--out",
             str(tmp_path),
             "--no-progress",

@@ -196,7 +196,8 @@ def test_admission_comes_before_tokenizing() -> None:
 
     s.engine.tokenizer = Counting()
     try:
-        ids = {"model": MOCK_SPEC, "prompt": [1, 2], "max_tokens": 50}
+        # busy for 20 x 0.05 s each: the flood below is answered in milliseconds
+        ids = {"model": MOCK_SPEC, "prompt": [1, 2], "max_tokens": 20}
         pool = ThreadPoolExecutor(8)
         running = pool.submit(s.request, "POST", "/v1/completions", ids)
         while not s.engine.busy:

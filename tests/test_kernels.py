@@ -9,17 +9,18 @@ code path a lesser CPU would take still runs and agrees.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from specdec.backends import llamacpp_build
-from specdec.backends.llamacpp import kernels
+from specdec.backends.llamacpp import _package_dir, kernels
 
 #: llama.cpp's feature name -> the /proc/cpuinfo flag: with -march=native, each one the CPU has
 #: is compiled in, and none it lacks.
@@ -63,6 +64,7 @@ def test_a_build_for_another_cpu_is_refused_before_it_loads(tmp_path: Path) -> N
     llamacpp_build.check_build(tmp_path)
 
 
+@pytest.mark.slow
 def test_the_backend_refuses_such_a_build_with_the_fix(tmp_path: Path) -> None:
     """A whole process: a shadow llama_cpp package whose manifest names a CPU flag this one
     lacks is refused by the backend before libllama is loaded (no SIGILL)."""
@@ -79,16 +81,19 @@ def test_the_backend_refuses_such_a_build_with_the_fix(tmp_path: Path) -> None:
 
 
 _GREEDY = """
-import json
+import hashlib, json
 from specdec.backends import load_model
-from specdec.backends.llamacpp import kernels
+from specdec.backends.llamacpp import _package_dir, kernels
 from specdec.core.config import Warp
 from specdec.core.decode import generate
 m = load_model("llamacpp:smollm2-135m", n_threads=1)
 ids = m.tokenizer.encode("The three primary colours are")
 out = generate(m, ids, warp=Warp(0.0), max_new_tokens=32)
 row = m.forward(ids)[-1]
-print(json.dumps({"kernels": kernels(), "tokens": out.tokens, "row": row.tolist()}))
+# the libggml-cpu this process mapped, by content: which build's kernels ran
+cpu_lib = next(line.split()[-1] for line in open("/proc/self/maps") if "libggml-cpu" in line)
+lib = hashlib.sha256(open(cpu_lib, "rb").read()).hexdigest()
+print(json.dumps({"kernels": kernels(), "tokens": out.tokens, "row": row.tolist(), "lib": lib}))
 """
 
 
@@ -161,15 +166,18 @@ def _kernel_digest(isa: str, pythonpath: str | None = None) -> str:
 
 @pytest.mark.slow
 def test_the_portable_code_path_runs_and_agrees(smol_path: Path, tmp_path: Path) -> None:
-    """The AVX2 kernels a CPU without AVX-512 would run (the portable flavor, built once and
-    cached, ~3 min): same greedy tokens on smollm2 (Q4_1) as the native build, the same top-3
-    of the last position (the 5th was a near-tie), logits within 1.5 (other kernels quantize
+    """The kernels a CPU without AVX-512 would run: the installed package with its CPU backend
+    rebuilt portable (GGML_NATIVE=OFF, AVX2; llamacpp_build.build_cpu_backend, built once and
+    cached). Same greedy tokens on smollm2 (Q4_1) as the native build, the same top-3 of the
+    last position (the 5th was a near-tie), logits within 1.5 (other kernels quantize
     activations and sum in another order: 0.79 measured between AVX2 and AMX)."""
-    wheel = llamacpp_build.build_wheel("portable", log=lambda s: None)
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(tmp_path)
+    lib = llamacpp_build.build_cpu_backend("portable", log=lambda s: None)
+    shutil.copytree(_package_dir(), tmp_path / "llama_cpp")
+    for name in (tmp_path / "llama_cpp" / "lib").glob("libggml-cpu.so*"):
+        shutil.copy2(lib, name)
     low, best = _greedy(str(tmp_path)), _greedy(None)
-    assert low["kernels"]["build"] == "portable" and best["kernels"]["build"] == "native"
+    portable = hashlib.sha256(lib.read_bytes()).hexdigest()
+    assert low["lib"] == portable != best["lib"]  # each process ran the build it was given
     assert "AVX2" in low["kernels"]["features"]
     assert "AVX512" not in low["kernels"]["features"]
     assert low["tokens"] == best["tokens"]
@@ -189,6 +197,7 @@ def test_the_portable_code_path_runs_and_agrees(smol_path: Path, tmp_path: Path)
     assert _kernel_digest("ref", str(tmp_path)) == native
 
 
+@pytest.mark.slow
 def test_the_patches_apply_to_the_pinned_sdist(tmp_path: Path) -> None:
     """The build's source: the pinned sdist (sha256 checked) with every patch applied and
     specdec's kernels (sdmm) hooked into ggml-cpu; the stock peer's source gets the fixes only."""
@@ -207,6 +216,7 @@ def test_the_patches_apply_to_the_pinned_sdist(tmp_path: Path) -> None:
     assert "sdmm" not in (stock_cpu / "ggml-cpu.cpp").read_text()
 
 
+@pytest.mark.slow
 def test_a_patch_that_does_not_apply_stops_the_build(tmp_path: Path, monkeypatch) -> None:
     sdist = llamacpp_build.fetch_sdist(llamacpp_build.home() / "sdists")
     patches = tmp_path / "patches"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import TEST_THREADS
 
 from specdec.backends.mock import MockModel
 from specdec.cli import main as cli
@@ -252,14 +253,13 @@ def test_microbench_bad_acceptance_path_is_a_clean_error(tmp_path, capsys) -> No
 @pytest.mark.model
 def test_microbench_real_tiny_run(tmp_path) -> None:
     out = tmp_path / "results"
-    # one thread: the test box is shared (see conftest.TEST_THREADS)
     rc = cli.main(
         [
             "microbench",
             "--target",
             "llamacpp:smollm2-135m",
             "--threads",
-            "1",
+            str(TEST_THREADS),
             "--max-batch",
             "4",
             "--repeats",

@@ -593,6 +593,7 @@ def test_models_health_and_metrics(mock: Server) -> None:
     )
 
 
+@pytest.mark.slow
 def test_cli_serve_subprocess_binds_loopback() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1163,6 +1164,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.slow
 def test_cli_serve_decodes_in_the_main_thread_and_stops_on_sigterm() -> None:
     """`specdec serve` runs the engine's worker in the main thread (serve/engine.py: llama.cpp's
     OpenMP barriers stop spinning for a decode started from any other thread, +40% per token),
@@ -1200,6 +1202,7 @@ def test_cli_serve_decodes_in_the_main_thread_and_stops_on_sigterm() -> None:
             proc.wait(30)
 
 
+@pytest.mark.slow
 def test_cli_serve_on_a_taken_port_exits_with_1() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

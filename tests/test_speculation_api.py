@@ -538,6 +538,7 @@ def _wait_ready(proc: subprocess.Popen, port: int) -> None:
             time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_serve_drafter_prediction_starts_and_drafts_prediction_else_lookup() -> None:
     """`specdec serve --drafter prediction` used to exit at start-up ("drafter 'prediction' needs
     a prediction"); now it serves, drafting from a request's prediction, else prompt lookup."""

@@ -19,7 +19,8 @@ patch in patches/ applied by `git apply` (a patch that does not apply stops the 
 `specdec-*` patches are specdec's own changes. specdec-sdmm.patch hooks specdec's matmul for
 verify batches (native/, copied into ggml-cpu/sdmm/ before the patches apply) into ggml-cpu as an
 extra buffer type: docs/kernels.md. The "portable" flavor (GGML_NATIVE=OFF, AVX2) is built only
-to test that a lesser CPU's code path runs and agrees (tests/test_kernels.py).
+to test that a lesser CPU's code path runs and agrees, and there only its CPU backend
+(build_cpu_backend; tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -250,6 +251,46 @@ def build_wheel(flavor: str = "native", jobs: int | None = None, log=print) -> P
     # from `out`, whose key was taken before the sources were copied: a source edited during
     # the build gets a build of its own next time
     return next(out.glob("*.whl"))
+
+
+def build_cpu_backend(flavor: str = "portable", jobs: int | None = None, log=print) -> Path:
+    """libggml-cpu.so alone for `flavor`, from the wheel's patched source, built once and cached:
+    the CPU kernels are all a flavor changes, and the rest of llama.cpp (libllama, ggml's other
+    libraries) costs two thirds of a wheel's compile. A copy of the installed package with this
+    library in place of its own runs the flavor's kernels (tests/test_kernels.py)."""
+    out = home() / "wheels" / f"ggml-cpu-{VERSION}-{flavor}-{wheel_key(flavor)}"
+    lib = out / "libggml-cpu.so"
+    if lib.is_file():
+        return lib
+    if shutil.which("cmake") is None:
+        raise BuildError("building ggml-cpu alone needs cmake (apt-get install cmake)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
+        work = Path(tmp)
+        src = prepare_source(fetch_sdist(home() / "sdists"), work / "src") / "vendor" / "llama.cpp"
+        build = work / "build"
+        log(f"building ggml-cpu of {PACKAGE} {VERSION} ({flavor})")
+        configure = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release"]
+        configure += ["-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_COMMON=OFF", *cmake_flags(flavor)]
+        compile_ = ["cmake", "--build", str(build), "--target", "ggml-cpu"]
+        compile_ += ["-j", str(jobs or os.cpu_count() or 1)]
+        with (work / "build.log").open("w") as f:
+            for cmd in (configure, compile_):
+                res = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+                if res.returncode != 0:
+                    tail = "\n".join((work / "build.log").read_text().splitlines()[-20:])
+                    raise BuildError(f"building ggml-cpu failed ({res.returncode}):\n{tail}")
+        built = [p for p in build.rglob("libggml-cpu.so") if p.is_file()]
+        if len(built) != 1:
+            raise BuildError(f"the ggml-cpu build left {len(built)} libggml-cpu.so, not one")
+        staged = work / "out"
+        staged.mkdir()
+        shutil.copy2(built[0], staged / lib.name)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(staged, out)
+    log(f"built in {time.monotonic() - t0:.0f} s -> {lib}")
+    return lib
 
 
 def install(jobs: int | None = None) -> Path:

@@ -1,17 +1,23 @@
-"""argparse flags that several `specdec` subcommands share, declared once.
+"""argparse flags that several `specdec` subcommands share, declared once, and their readers.
 
 Each `add_*` function adds a group of flags to a parser with the canonical name, type, default and
 help text (the help states type, range and default). Where a subcommand has always described a
 flag in its own words or with its own default, it passes that text or default in; the flag's
-parsing and validation stay the ones defined here.
+parsing and validation stay the ones defined here. Values that several commands read the same
+way are read here too (`spec_options`, `warp_options`, `load_pair`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, Any
 
 from specdec.core.config import DRAFTERS, NAMED_K
+
+if TYPE_CHECKING:
+    from specdec.core.model import SpecModel
+    from specdec.study.artifacts.schema import Model
 
 # ------------------------------------------------------------------------------ exit codes
 EXIT_FAILED = 1  # the command ran and found a failure: a gate verdict, a missing model, bad JSON
@@ -60,6 +66,10 @@ TOP_P_HELP = "nucleus mass in (0, 1] (float; default off)"
 SEED_HELP = "random seed (int; default 0)"
 MAX_NEW_TOKENS_HELP = "generation budget >= 1 (int; default 128)"
 NO_PROGRESS_HELP = "hide the progress bar (flag; default off)"
+TARGET_HELP = "target model, BACKEND:NAME_OR_PATH (str; required)"
+DRAFT_HELP = "draft model SPEC, or 'none' for target-only decoding (str; default none)"
+TAG_HELP = "suffix for the artifact name (str; default none)"
+PREFIX_HELP = "tokens cached before each probe, >= 1 (int; default 100)"
 
 
 # ------------------------------------------------------------------------------ types / checks
@@ -85,6 +95,25 @@ def check_threads(threads: int | None) -> None:
 
 
 # ------------------------------------------------------------------------------ flag groups
+def add_model_args(
+    p: argparse.ArgumentParser,
+    target_default: str | None = None,
+    target_help: str = TARGET_HELP,
+    draft_default: str | None = "none",
+    draft_help: str = DRAFT_HELP,
+) -> None:
+    """--target SPEC (required unless given a default) and --draft SPEC, where 'none' (any case)
+    means no draft model (`draft_spec`; `load_pair` loads both)."""
+    p.add_argument(
+        "--target",
+        required=target_default is None,
+        default=target_default,
+        metavar="SPEC",
+        help=target_help,
+    )
+    p.add_argument("--draft", default=draft_default, metavar="SPEC", help=draft_help)
+
+
 def add_device_args(
     p: argparse.ArgumentParser,
     threads: bool = True,
@@ -140,3 +169,66 @@ def add_deterministic_arg(p: argparse.ArgumentParser, help: str = DETERMINISTIC_
 
 def add_no_progress_arg(p: argparse.ArgumentParser, help: str = NO_PROGRESS_HELP) -> None:
     p.add_argument("--no-progress", action="store_true", help=help)
+
+
+def add_prefix_arg(p: argparse.ArgumentParser, help: str = PREFIX_HELP) -> None:
+    """--prefix (int, default 100): the context a cost probe runs on (microbench, doctor), so
+    that their step times compare; the consumer checks it is >= 1."""
+    p.add_argument("--prefix", type=int, default=100, help=help)
+
+
+def add_out_arg(p: argparse.ArgumentParser, artifact: str) -> None:
+    """--out DIR (default results/): the directory the command writes `artifact` into."""
+    p.add_argument(
+        "--out",
+        default="results",
+        metavar="DIR",
+        help=f"directory for {artifact} (path; default results/)",
+    )
+
+
+def add_tag_arg(p: argparse._ActionsContainer, help: str = TAG_HELP) -> None:
+    """--tag (str; None: no suffix) for the artifact's file name; study.run.bench.tag_suffix
+    checks it is safe in a file name."""
+    p.add_argument("--tag", default=None, help=help)
+
+
+# ------------------------------------------------------------------------------ reading flags
+def spec_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of `add_spec_args` as core.config.SpecConfig's keywords (None: not given)."""
+    return {"drafter": args.drafter, "k": args.k, "k_max": args.k_max, "p_min": args.p_min}
+
+
+def warp_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of `add_sampling_args` as core.config.Warp's keywords (None: not given)."""
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+
+
+def draft_spec(spec: str | None) -> str | None:
+    """--draft as a model spec: None when not given or 'none' (any case)."""
+    return None if spec is None or spec.lower() == "none" else spec
+
+
+def load_pair(
+    args: argparse.Namespace, target: str, draft: str | None
+) -> tuple[SpecModel, SpecModel | None]:
+    """The target and the draft (`draft_spec`: None for none) loaded with the flags of
+    `add_device_args` and `add_deterministic_arg`; --threads is checked before any loading."""
+    from specdec.backends import load_model
+
+    check_threads(args.threads)
+    kw = {"device": args.device, "n_threads": args.threads, "deterministic": args.deterministic}
+    spec = draft_spec(draft)
+    return load_model(target, **kw), None if spec is None else load_model(spec, **kw)
+
+
+def model_blocks(
+    args: argparse.Namespace, target: SpecModel, draft: SpecModel | None
+) -> dict[str, Model | None]:
+    """The artifact's `models` block of --target and --draft as `load_pair` loaded them."""
+    from specdec.study.artifacts.provenance import model_block
+
+    return {
+        "target": model_block(args.target, target),
+        "draft": model_block(args.draft, draft) if draft is not None else None,
+    }

@@ -96,10 +96,8 @@ def _add_common(p: argparse.ArgumentParser, prompts: int, max_new: int, out: str
     cli_args.add_device_args(
         p, threads=False, device_help="cpu, cuda or mps (str; default: best available)"
     )
-    p.add_argument(
-        "--tag",
-        default=None,
-        help="suffix for the artifact file names, [A-Za-z0-9_.-] (str; default none)",
+    cli_args.add_tag_arg(
+        p, "suffix for the artifact file names, [A-Za-z0-9_.-] (str; default none)"
     )
     cli_args.add_deterministic_arg(p)
     cli_args.add_no_progress_arg(p)
@@ -223,9 +221,7 @@ def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) ->
         args.draft,
         args.target,
         k=k,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
+        **cli_args.warp_options(args),
         n_prompts=n_prompts,
         warmup=args.warmup,
         max_new_tokens=args.max_new_tokens,

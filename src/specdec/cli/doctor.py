@@ -32,24 +32,16 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help="will speculation pay here? target step, verify curve v(b), draft ratio c, "
         "ceilings, break-even acceptance and a verdict (~1 min); seeds k=auto's cost store",
     )
-    p.add_argument(
-        "--target",
-        default=DEFAULT.target,
-        metavar="SPEC",
-        help=f"target model, BACKEND:NAME_OR_PATH (str; default {DEFAULT.target})",
-    )
-    p.add_argument(
-        "--draft",
-        default=DEFAULT.draft,
-        metavar="SPEC",
-        help=f"draft model SPEC for its step ratio c, or none (str; default {DEFAULT.draft})",
+    cli_args.add_model_args(
+        p,
+        target_default=DEFAULT.target,
+        target_help=f"target model, BACKEND:NAME_OR_PATH (str; default {DEFAULT.target})",
+        draft_default=DEFAULT.draft,
+        draft_help=f"draft model SPEC for its step ratio c, or none (str; default {DEFAULT.draft})",
     )
     cli_args.add_device_args(p)
-    p.add_argument(
-        "--prefix",
-        type=int,
-        default=100,
-        help="tokens cached before each probe, >= 1 (int; default 100, as specdec microbench)",
+    cli_args.add_prefix_arg(
+        p, help="tokens cached before each probe, >= 1 (int; default 100, as specdec microbench)"
     )
     p.add_argument(
         "--batches",
@@ -84,29 +76,20 @@ def add(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from specdec.backends import load_model
     from specdec.backends.costs import CurveFiles
     from specdec.cli.main import version_line
-    from specdec.study.artifacts.provenance import model_block
     from specdec.study.artifacts.schema import to_json, write_json
     from specdec.study.run.doctor import format_report, run
 
-    cli_args.check_threads(args.threads)
     if args.prefix < 1:
         raise ValueError(f"--prefix must be >= 1, got {args.prefix}")
     if not args.seconds > 0:
         raise ValueError(f"--seconds must be > 0, got {args.seconds}")
-    kw = {"device": args.device, "n_threads": args.threads, "deterministic": args.deterministic}
-    target = load_model(args.target, **kw)
-    draft = None if args.draft.lower() == "none" else load_model(args.draft, **kw)
-    models = {
-        "target": model_block(args.target, target),
-        "draft": model_block(args.draft, draft) if draft is not None else None,
-    }
+    target, draft = cli_args.load_pair(args, args.target, args.draft)
     rep = run(
         target,
         draft,
-        models,
+        cli_args.model_blocks(args, target, draft),
         prefix=args.prefix,
         batches=args.batches,
         seconds=args.seconds,

@@ -76,10 +76,8 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME[,NAME...]",
         help="draw the prompts from these categories only, e.g. code_editing (str; default all)",
     )
-    e.add_argument(
-        "--tag",
-        default=None,
-        help="artifact name gate_endpoint_<tag>.json, [A-Za-z0-9_.-] (str; default 'endpoint')",
+    cli_args.add_tag_arg(
+        e, help="artifact name gate_endpoint_<tag>.json, [A-Za-z0-9_.-] (str; default 'endpoint')"
     )
     cli_args.add_device_args(p)
     p.add_argument(
@@ -127,12 +125,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         f"{QUICK.greedy_prompts} x {QUICK.greedy_tokens} greedy; explicit "
         "size flags still win (flag; default off)",
     )
-    p.add_argument(
-        "--out",
-        default="results",
-        metavar="DIR",
-        help="directory for gate_<config>.json (path; default results/)",
-    )
+    cli_args.add_out_arg(p, "gate_<config>.json")
     cli_args.add_deterministic_arg(p)
     cli_args.add_no_progress_arg(p, help="hide the progress bars (flag; default off)")
     p.set_defaults(func=_cmd_gate)
@@ -166,7 +159,6 @@ def _token_label(tokenizer: Any, token_id: int) -> str:
 
 def _cmd_gate(args: argparse.Namespace) -> int:
     from specdec.backends import chat as prompting
-    from specdec.backends import load_model
     from specdec.backends.configs import resolve_config
     from specdec.study.artifacts.provenance import model_block
     from specdec.study.artifacts.schema import write_json
@@ -187,9 +179,7 @@ def _cmd_gate(args: argparse.Namespace) -> int:
     if need > len(prompts):
         raise ValueError(f"the gate needs {need} prompts; the vendored set has {len(prompts)}")
     try:
-        kw = {"device": args.device, "n_threads": args.threads, "deterministic": args.deterministic}
-        target = load_model(cfg.target, **kw)
-        draft = load_model(cfg.draft, **kw)
+        target, draft = cli_args.load_pair(args, cfg.target, cfg.draft)
         tok = target.tokenizer
         ids = [(p.id, prompting.encode(tok, p.text)) for p in prompts[:need]]
         greedy = [(p.id, prompting.encode(tok, p.text)) for p in _greedy_prompts(prompts, settings)]

@@ -12,33 +12,15 @@ if TYPE_CHECKING:
     from specdec.core.metrics import GenerationStats
 
 
-def _add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
-    p.add_argument(
-        "--target",
-        required=True,
-        metavar="SPEC",
-        help="target model, BACKEND:NAME_OR_PATH (str; e.g. llamacpp:qwen2.5-coder-1.5b)",
-    )
-    if draft:
-        p.add_argument(
-            "--draft",
-            default="none",
-            metavar="SPEC",
-            help="draft model SPEC, or 'none' for target-only decoding (str; default none)",
-        )
-    cli_args.add_device_args(p)
-    cli_args.add_deterministic_arg(p)
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    cli_args.add_spec_args(p)
-    cli_args.add_sampling_args(p)
-
-
 def add(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text, streaming it, then print stats")
-    _add_model_args(p)
-    _add_sampling_args(p)
+    cli_args.add_model_args(
+        p, target_help="target model, BACKEND:NAME_OR_PATH (str; e.g. llamacpp:qwen2.5-coder-1.5b)"
+    )
+    cli_args.add_device_args(p)
+    cli_args.add_deterministic_arg(p)
+    cli_args.add_spec_args(p)
+    cli_args.add_sampling_args(p)
     p.add_argument(
         "--no-chat",
         action="store_true",
@@ -65,7 +47,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from specdec.backends import chat as prompting
-    from specdec.backends import load_model
     from specdec.backends.costs import CurveFiles
     from specdec.core.decode import stream
     from specdec.core.drafters import PredictionDrafter, PredictionIndex
@@ -73,9 +54,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     cli_args.check_threads(args.threads)
     prediction_text = _read_prediction(args.prediction)  # before minutes of model loading
-    kw = {"device": args.device, "n_threads": args.threads, "deterministic": args.deterministic}
-    target = load_model(args.target, **kw)
-    draft = None if args.draft.lower() == "none" else load_model(args.draft, **kw)
+    target, draft = cli_args.load_pair(args, args.target, args.draft)
     tok = target.tokenizer if target.tokenizer is not None else getattr(draft, "tokenizer", None)
     prompt_ids = prompting.encode(tok, args.prompt, chat=not args.no_chat)
     prediction = None
@@ -89,13 +68,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         target,
         prompt_ids,
         draft=draft,
-        drafter=args.drafter,
-        k=args.k,
-        k_max=args.k_max,
-        p_min=args.p_min,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
+        **cli_args.spec_options(args),
+        **cli_args.warp_options(args),
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         stop_ids=prompting.stop_ids(tok),

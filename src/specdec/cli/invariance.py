@@ -64,12 +64,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "--batch", type=int, default=8, help="tokens b in the pass (int >= 1; default 8)"
     )
     cli_args.add_device_args(p)
-    p.add_argument(
-        "--out",
-        default="results",
-        metavar="DIR",
-        help="directory for invariance.json (path; default results/)",
-    )
+    cli_args.add_out_arg(p, "invariance.json")
     p.set_defaults(func=_cmd_invariance)
 
 

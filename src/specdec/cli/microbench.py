@@ -24,25 +24,11 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "microbench",
         help="verify-batch scaling curve, draft/target step ratio and predicted speedup per K",
     )
-    p.add_argument(
-        "--target",
-        required=True,
-        metavar="SPEC",
-        help="target model, BACKEND:NAME_OR_PATH (str; required)",
-    )
-    p.add_argument(
-        "--draft",
-        default="none",
-        metavar="SPEC",
-        help="draft model SPEC for the step ratio c, or 'none' (str; default none)",
+    cli_args.add_model_args(
+        p, draft_help="draft model SPEC for the step ratio c, or 'none' (str; default none)"
     )
     cli_args.add_device_args(p)
-    p.add_argument(
-        "--prefix",
-        type=int,
-        default=100,
-        help="tokens cached before each probe, >= 1 (int; default 100)",
-    )
+    cli_args.add_prefix_arg(p)
     p.add_argument(
         "--max-batch",
         type=int,
@@ -70,16 +56,9 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help="fixed-K bench artifacts (e.g. a sweep's) whose measured decode-phase speedup is "
         "compared with this curve's prediction from their own acceptance (paths; default none)",
     )
-    p.add_argument(
-        "--out",
-        default="results",
-        metavar="DIR",
-        help="directory for microbench_<target>.json (path; default results/)",
-    )
-    p.add_argument(
-        "--tag",
-        default=None,
-        help="suffix for the artifact name, e.g. the context (str; default none)",
+    cli_args.add_out_arg(p, "microbench_<target>.json")
+    cli_args.add_tag_arg(
+        p, help="suffix for the artifact name, e.g. the context (str; default none)"
     )
     cli_args.add_deterministic_arg(p)
     cli_args.add_no_progress_arg(p)
@@ -87,11 +66,9 @@ def add(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_microbench(args: argparse.Namespace) -> int:
-    from specdec.backends import load_model
-    from specdec.study.artifacts.provenance import model_block
     from specdec.study.artifacts.schema import write_json
 
-    cli_args.check_threads(args.threads)
+    cli_args.check_threads(args.threads)  # load_pair checks it too, but after the reading below
     acceptance = None
     if args.acceptance is not None:  # read it first: a bad path should not cost a model load
         path = Path(args.acceptance)
@@ -111,17 +88,11 @@ def _cmd_microbench(args: argparse.Namespace) -> int:
             raise ValueError(f"{path}: --check needs fixed-K bench artifacts, this one has k={k!r}")
         acceptance_profile(bench, source=str(path))  # validates the schema and the rows
         benches.append((str(path), bench))
-    kw = {"device": args.device, "n_threads": args.threads, "deterministic": args.deterministic}
-    target = load_model(args.target, **kw)
-    draft = None if args.draft.lower() == "none" else load_model(args.draft, **kw)
-    models = {
-        "target": model_block(args.target, target),
-        "draft": model_block(args.draft, draft) if draft is not None else None,
-    }
+    target, draft = cli_args.load_pair(args, args.target, args.draft)
     art = run(
         target,
         draft,
-        models,
+        cli_args.model_blocks(args, target, draft),
         prefix=args.prefix,
         max_batch=args.max_batch,
         repeats=args.repeats,

@@ -43,8 +43,8 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help="K cache type (default q8_0, specdec's; f16 is llama.cpp's default)",
     )
     cli_args.add_device_args(p)
-    p.add_argument("--out", default="results", metavar="DIR", help="directory (default results/)")
-    p.add_argument("--tag", default=None, help="suffix for the artifact name (str; default none)")
+    cli_args.add_out_arg(p, "the profile artifact")
+    cli_args.add_tag_arg(p)
     p.set_defaults(func=_cmd_profile)
 
 

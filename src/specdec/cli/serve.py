@@ -33,18 +33,13 @@ API_KEY_ENV = "SPECDEC_API_KEY"
 
 def add(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat + completions)")
-    p.add_argument(
-        "--target",
-        required=True,
-        metavar="SPEC",
-        help="target model, BACKEND:NAME_OR_PATH (str; e.g. llamacpp:smollm2-135m); "
+    cli_args.add_model_args(
+        p,
+        target_help="target model, BACKEND:NAME_OR_PATH (str; e.g. llamacpp:smollm2-135m); "
         "also the model id clients send",
-    )
-    p.add_argument(
-        "--draft",
-        default=None,
-        metavar="SPEC",
-        help="draft model SPEC, or none (str; default none: target-only unless --drafter lookup)",
+        draft_default=None,
+        draft_help="draft model SPEC, or none (str; default none: target-only unless --drafter "
+        "lookup)",
     )
     cli_args.add_spec_args(
         p,
@@ -199,15 +194,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for name in ("request_timeout", "body_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    draft = None if args.draft is None or args.draft.lower() == "none" else args.draft
     return serve(
         ServeConfig(
             target=args.target,
-            draft=draft,
-            drafter=args.drafter,
-            k=args.k,
-            k_max=args.k_max,
-            p_min=args.p_min,
+            draft=cli_args.draft_spec(args.draft),
+            **cli_args.spec_options(args),
             device=args.device,
             threads=args.threads,
             host=args.host,

@@ -530,8 +530,9 @@ class Engine:
             rounds: list[RoundMark] = []
             output: list[int] = []  # the tokens committed, for the draft pool
             self._running, self.busy = job, True
+            done = None
             try:
-                outcome = self._rounds(job, s, rounds, origins, output)
+                outcome, done = self._rounds(job, s, rounds, origins, output)
             except Exception as e:
                 outcome = "error"
                 log.exception("generation failed")
@@ -547,6 +548,8 @@ class Engine:
             self._service_s = _SERVICE_EMA * self._service_s + (1 - _SERVICE_EMA) * wall
             self.metrics.record_generation(s.stats, outcome, job.arrived, started, rounds)
             self.metrics.inc("specdec_generations_by_drafter_total", drafter=p.speculation.drafter)
+            if done is not None:  # last: a client that has its answer finds it in /metrics
+                job.emit(done)
 
     def _reuse_prefix(self, tenant: str) -> int:
         """decode.stream's reuse_prefix for a request: blocks of the KV the target holds, if the
@@ -561,9 +564,10 @@ class Engine:
         rounds: list[RoundMark],
         origins: OriginTracker | None,
         output: list[int],
-    ) -> str:
+    ) -> tuple[str, Done | None]:
         """Hand each round's text (and origins, if asked) to the job until the end, collecting
-        the committed tokens in `output`; return the outcome for metrics."""
+        the committed tokens in `output`; return the outcome for metrics and, for a finished
+        generation, its Done (sent after the metrics are recorded)."""
         text = TextAssembler(self.decode, job.params.stop)
         drafted = 0
         for ids in s:
@@ -577,18 +581,17 @@ class Engine:
             reason = job.stopped()
             if reason is not None:
                 job.emit(Failed(error_for(reason)))
-                return reason
+                return reason, None
         if s.result is not None and s.result.stop_reason == "cancelled":  # during the prefill
             reason = job.stopped() or "cancelled"
             job.emit(Failed(error_for(reason)))
-            return reason
+            return reason, None
         rest = text.flush()
         if rest:
             job.emit(Delta(rest, ()))
         # A stop string, else decode.stream's reason: "stop" (a stop id) or "length".
         finish = "stop" if text.stopped or s.result is None else s.result.stop_reason
-        job.emit(Done(finish, s.stats))
-        return "finished"
+        return "finished", Done(finish, s.stats)
 
     def _reset_models(self) -> None:
         # Leave nothing half-written for the next request (stream() resets them too).

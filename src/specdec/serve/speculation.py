@@ -8,10 +8,13 @@ which says what `decode.stream` runs with (`spec_config`) and what the response 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specdec.core.config import MODEL_DRAFTERS, NAMED_K, SpecConfig, default_drafter
+from specdec.core.config import MODEL_DRAFTERS, NAMED_K, KName, SpecConfig, default_drafter
 from specdec.serve.errors import bad
+
+if TYPE_CHECKING:
+    from specdec.core.policy import KPolicy
 
 #: What a request's speculation.drafter may name: core.config.DRAFTERS and "none" (no drafting at
 #: all, not even from the request's prediction: the target decodes alone).
@@ -39,7 +42,7 @@ class SpecDefaults:
     """
 
     drafter: str | None = None
-    k: Any = "auto"
+    k: int | KName | KPolicy = "auto"
     k_max: int | None = None
     p_min: float | None = None
     has_draft: bool = False

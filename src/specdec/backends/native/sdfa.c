@@ -2,41 +2,13 @@
  * SIMD kernels do them, and the dispatch. The contract is in sdfa.h. */
 #include "sdfa.h"
 
+#include "sd-common.h"
 #include "sdmm.h"
 
 #include <math.h>
 #include <string.h>
 
-typedef struct {
-    uint16_t d;
-    int8_t qs[32];
-} sdfa_block_q8_0; /* ggml's block_q8_0 */
-
 _Static_assert(sizeof(sdfa_block_q8_0) == 34, "ggml's block_q8_0 is 34 bytes");
-
-static float h2f(uint16_t h) { /* exact; sdmm.c has the same */
-    const uint32_t sign = (uint32_t) (h & 0x8000) << 16;
-    const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {
-        int e = -1;
-        uint32_t m = man;
-        do {
-            e++;
-            m <<= 1;
-        } while ((m & 0x400) == 0);
-        bits = sign | ((uint32_t) (112 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 /* sdfa's exp: 0 below -87 (and for -inf); the SIMD kernels do these operations per lane. */
 static float sdfa_exp(float x) {
@@ -77,10 +49,10 @@ void sdfa_kernel_ref(const sdfa_tile * t) {
                     (const sdfa_block_q8_0 *) ((const char *) t->k + (size_t) p * t->k_stride);
                 float dot = 0.0f;
                 for (int i = 0; i < d; i++) {
-                    const float kf = (float) k[i / 32].qs[i % 32] * h2f(k[i / 32].d); /* exact */
+                    const float kf = (float) k[i / 32].qs[i % 32] * sd_h2f(k[i / 32].d); /* exact */
                     dot = fmaf(t->q[r][i], kf, dot);
                 }
-                const float mv = t->mask[r] ? h2f(t->mask[r][p]) : 0.0f;
+                const float mv = t->mask[r] ? sd_h2f(t->mask[r][p]) : 0.0f;
                 s[j] = fmaf(dot, t->scale, mv);
             }
             float mb = s[0];
@@ -105,7 +77,7 @@ void sdfa_kernel_ref(const sdfa_tile * t) {
                 const int pos = b * SDFA_P + j;
                 const uint16_t * v = (const uint16_t *) ((const char *) t->v + (size_t) pos * t->v_stride);
                 for (int i = 0; i < d; i++) { /* a position past the cache has v = 0 */
-                    acc[i] = fmaf(p[j], pos < t->n_kv ? h2f(v[i]) : 0.0f, acc[i]);
+                    acc[i] = fmaf(p[j], pos < t->n_kv ? sd_h2f(v[i]) : 0.0f, acc[i]);
                 }
             }
             M = Mn;

@@ -27,6 +27,13 @@
 extern "C" {
 #endif
 
+/* ggml's block_q8_0 (ggml-common.h), mirrored so that the kernels build without ggml: a K row
+ * is d/32 of them */
+typedef struct {
+    uint16_t d; /* f16 scale */
+    int8_t qs[32];
+} sdfa_block_q8_0;
+
 #define SDFA_P 16       /* positions per softmax block */
 #define SDFA_MAX_D 256  /* largest head dimension (DK = DV) */
 #define SDFA_MAX_W 16   /* rows per tile on the widest path */

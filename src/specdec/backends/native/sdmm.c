@@ -2,6 +2,8 @@
  * The contract and the layouts are in sdmm.h. */
 #include "sdmm.h"
 
+#include "sd-common.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,34 +13,6 @@ _Static_assert(sizeof(sdmm_block_q6_K) == 210, "ggml's block_q6_K is 210 bytes")
 _Static_assert(sizeof(sdmm_q4k_r16) == 2368, "sdmm_q4k_r16 layout");
 _Static_assert(sizeof(sdmm_q6k_r16) == 3360, "sdmm_q6k_r16 layout");
 _Static_assert(sizeof(sdmm_act) == 384, "sdmm_act layout");
-
-/* ------------------------------------------------------------------------------------------ */
-/* fp16 -> fp32, exact (every binary16 value is a binary32 value)                             */
-
-static float h2f(sdmm_half h) {
-    const uint32_t sign = (uint32_t) (h & 0x8000) << 16;
-    const uint32_t exp = (h >> 10) & 0x1f;
-    const uint32_t man = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13); /* inf, nan */
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: normalize */
-        int e = -1;
-        uint32_t m = man;
-        do {
-            e++;
-            m <<= 1;
-        } while ((m & 0x400) == 0);
-        bits = sign | ((uint32_t) (112 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 /* ------------------------------------------------------------------------------------------ */
 /* quants of ggml's blocks, by value index v in 0..255                                        */
@@ -205,29 +179,52 @@ void sdmm_quantize_row(const float * x, int64_t k, sdmm_act * out) {
 /* ------------------------------------------------------------------------------------------ */
 /* the reference kernels: the same operations as the SIMD ones, one lane at a time            */
 
-void sdmm_kernel_q4k_ref(const void * w, int nsb, int ngroups, int n_valid, const sdmm_act * a,
-                         int b, float * y, size_t ldy) {
-    const sdmm_q4k_r16 * groups = (const sdmm_q4k_r16 *) w;
+/* row r of a Q4_K group's super-block blk against one activation super-block A: acc plus its two
+ * float terms */
+static float q4k_ref_block(const sdmm_q4k_r16 * blk, int r, const sdmm_act * A, float acc) {
+    int32_t sumi = 0, summ = 0;
+    for (int j = 0; j < 8; j++) {
+        int32_t dot = 0;
+        for (int v = 0; v < 32; v++) {
+            dot += q4k_packed(blk, r, j, v) * A->qs[32 * j + v];
+        }
+        sumi += dot * blk->sc[j][r];
+        summ += blk->m[j / 2][r][j % 2] * A->b32[j];
+    }
+    const float f1 = sd_h2f(blk->d[r]) * A->d;
+    const float f2 = sd_h2f(blk->dmin[r]) * A->d;
+    acc = fmaf((float) sumi, f1, acc);
+    return fmaf(-(float) summ, f2, acc);
+}
+
+/* the same for Q6_K: acc plus its float term */
+static float q6k_ref_block(const sdmm_q6k_r16 * blk, int r, const sdmm_act * A, float acc) {
+    int32_t sumi = 0;
+    for (int j = 0; j < 16; j++) {
+        int32_t dot = A->nb16[j];
+        for (int v = 0; v < 16; v++) {
+            dot += q6k_packed(blk, r, j, v) * A->qs[16 * j + v];
+        }
+        sumi += dot * blk->sc[j][r];
+    }
+    const float f1 = sd_h2f(blk->d[r]) * A->d;
+    return fmaf((float) sumi, f1, acc);
+}
+
+/* sdmm_kernel_fn for `type`, one output at a time: the super-blocks in order into one float */
+static void kernel_ref(int type, const void * w, int nsb, int ngroups, int n_valid,
+                       const sdmm_act * a, int b, float * y, size_t ldy) {
+    const char * groups = (const char *) w;
+    const size_t group_bytes = sdmm_group_bytes(type);
     for (int g = 0; g < ngroups; g++) {
         for (int i = 0; i < b; i++) {
             for (int r = 0; r < SDMM_R && g * SDMM_R + r < n_valid; r++) {
                 float acc = 0.0f;
                 for (int s = 0; s < nsb; s++) {
-                    const sdmm_q4k_r16 * blk = groups + (size_t) g * nsb + s;
+                    const void * blk = groups + ((size_t) g * nsb + s) * group_bytes;
                     const sdmm_act * A = a + (size_t) i * nsb + s;
-                    int32_t sumi = 0, summ = 0;
-                    for (int j = 0; j < 8; j++) {
-                        int32_t dot = 0;
-                        for (int v = 0; v < 32; v++) {
-                            dot += q4k_packed(blk, r, j, v) * A->qs[32 * j + v];
-                        }
-                        sumi += dot * blk->sc[j][r];
-                        summ += blk->m[j / 2][r][j % 2] * A->b32[j];
-                    }
-                    const float f1 = h2f(blk->d[r]) * A->d;
-                    const float f2 = h2f(blk->dmin[r]) * A->d;
-                    acc = fmaf((float) sumi, f1, acc);
-                    acc = fmaf(-(float) summ, f2, acc);
+                    acc = type == SDMM_TYPE_Q4_K ? q4k_ref_block(blk, r, A, acc)
+                                                 : q6k_ref_block(blk, r, A, acc);
                 }
                 y[(size_t) i * ldy + g * SDMM_R + r] = acc;
             }
@@ -235,31 +232,14 @@ void sdmm_kernel_q4k_ref(const void * w, int nsb, int ngroups, int n_valid, cons
     }
 }
 
+void sdmm_kernel_q4k_ref(const void * w, int nsb, int ngroups, int n_valid, const sdmm_act * a,
+                         int b, float * y, size_t ldy) {
+    kernel_ref(SDMM_TYPE_Q4_K, w, nsb, ngroups, n_valid, a, b, y, ldy);
+}
+
 void sdmm_kernel_q6k_ref(const void * w, int nsb, int ngroups, int n_valid, const sdmm_act * a,
                          int b, float * y, size_t ldy) {
-    const sdmm_q6k_r16 * groups = (const sdmm_q6k_r16 *) w;
-    for (int g = 0; g < ngroups; g++) {
-        for (int i = 0; i < b; i++) {
-            for (int r = 0; r < SDMM_R && g * SDMM_R + r < n_valid; r++) {
-                float acc = 0.0f;
-                for (int s = 0; s < nsb; s++) {
-                    const sdmm_q6k_r16 * blk = groups + (size_t) g * nsb + s;
-                    const sdmm_act * A = a + (size_t) i * nsb + s;
-                    int32_t sumi = 0;
-                    for (int j = 0; j < 16; j++) {
-                        int32_t dot = A->nb16[j];
-                        for (int v = 0; v < 16; v++) {
-                            dot += q6k_packed(blk, r, j, v) * A->qs[16 * j + v];
-                        }
-                        sumi += dot * blk->sc[j][r];
-                    }
-                    const float f1 = h2f(blk->d[r]) * A->d;
-                    acc = fmaf((float) sumi, f1, acc);
-                }
-                y[(size_t) i * ldy + g * SDMM_R + r] = acc;
-            }
-        }
-    }
+    kernel_ref(SDMM_TYPE_Q6_K, w, nsb, ngroups, n_valid, a, b, y, ldy);
 }
 
 /* ------------------------------------------------------------------------------------------ */

@@ -227,60 +227,38 @@ class Client:
         raise AssertionError("unreachable")
 
     def _stream_once(self, path: str, body: dict[str, Any], attempt: int) -> Reply:
-        import httpx2 as httpx
-
         url = f"{self.endpoint.url}{path}"
         t0 = time.perf_counter()
         text: list[str] = []
         stamps: list[float] = []
         finish = usage = timings = spec = None
         done = False
-        watchdog = _Watchdog(self.endpoint.timeout_s)
-        try:
-            with self._http.stream(
+        with (
+            self._transport(url) as watchdog,
+            self._http.stream(
                 "POST", path, json=body, extensions={"trace": watchdog.trace}
-            ) as resp:
-                if resp.status_code != 200:
-                    raw = _read_capped(resp, MAX_ERROR_BYTES).decode("utf-8", "replace")
-                    raise EndpointError(
-                        "http",
-                        f"{url} answered {resp.status_code}: {_error_text(raw)}",
-                        resp.status_code,
-                    )
-                for line in _sse_lines(resp, url):
-                    if watchdog.expired:
-                        break
-                    if not line.startswith("data:"):
-                        continue  # SSE comments, event names, keep-alives
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    chunk = _chunk(data, url)
-                    piece, reason = _delta(chunk, url)
-                    if piece:
-                        text.append(piece)
-                        stamps.append(time.perf_counter())
-                    finish = reason or finish
-                    usage = _dict_or(chunk.get("usage"), usage)
-                    timings = _dict_or(chunk.get("timings"), timings)
-                    spec = _dict_or(chunk.get("spec"), spec)
-        except httpx.TimeoutException as e:
-            raise EndpointError(
-                "timeout", f"{url}: no answer within the timeout ({type(e).__name__})"
-            ) from None
-        except httpx.ConnectError as e:
-            raise EndpointError("connect", f"cannot connect to {url}: {e}") from None
-        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
-            if watchdog.expired:
-                raise _deadline_error(url, self.endpoint.timeout_s) from None
-            raise EndpointError("cut", f"{url}: the stream broke off: {e}") from None
-        except httpx.HTTPError as e:
-            if watchdog.expired:
-                raise _deadline_error(url, self.endpoint.timeout_s) from None
-            raise EndpointError("connect", f"{url}: {type(e).__name__}: {e}") from None
-        finally:
-            watchdog.cancel()
+            ) as resp,
+        ):
+            if resp.status_code != 200:
+                raise _http_error(url, resp.status_code, _read_capped(resp, MAX_ERROR_BYTES))
+            for line in _sse_lines(resp, url):
+                if watchdog.expired:
+                    break
+                if not line.startswith("data:"):
+                    continue  # SSE comments, event names, keep-alives
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = _chunk(data, url)
+                piece, reason = _delta(chunk, url)
+                if piece:
+                    text.append(piece)
+                    stamps.append(time.perf_counter())
+                finish = reason or finish
+                usage = _dict_or(chunk.get("usage"), usage)
+                timings = _dict_or(chunk.get("timings"), timings)
+                spec = _dict_or(chunk.get("spec"), spec)
         if watchdog.expired:
             raise _deadline_error(url, self.endpoint.timeout_s)
         wall = time.perf_counter() - t0
@@ -303,28 +281,44 @@ class Client:
 
     # ------------------------------------------------------------------------ plumbing
     def _send(self, method: str, path: str) -> Any:
+        url = f"{self.endpoint.url}{path}"
+        with (
+            self._transport(url) as watchdog,
+            self._http.stream(method, path, extensions={"trace": watchdog.trace}) as resp,
+        ):
+            cap = MAX_ERROR_BYTES if resp.status_code != 200 else MAX_EVENT_BYTES
+            raw = _read_capped(resp, cap)
+        if resp.status_code != 200:
+            raise _http_error(url, resp.status_code, raw)
+        return raw
+
+    @contextlib.contextmanager
+    def _transport(self, url: str) -> Iterator[_Watchdog]:
+        """One request to `url` under its deadline (`_Watchdog`, cancelled on exit), with
+        httpx's errors raised as EndpointErrors: timeout; connect (nothing arrived: retried);
+        cut (the answer broke off: never retried); the deadline's timeout where the watchdog
+        shut the socket."""
         import httpx2 as httpx
 
-        url = f"{self.endpoint.url}{path}"
         watchdog = _Watchdog(self.endpoint.timeout_s)
         try:
-            with self._http.stream(method, path, extensions={"trace": watchdog.trace}) as resp:
-                cap = MAX_ERROR_BYTES if resp.status_code != 200 else MAX_EVENT_BYTES
-                raw = _read_capped(resp, cap)
-        except httpx.TimeoutException:
-            raise EndpointError("timeout", f"{url}: no answer within the timeout") from None
+            yield watchdog
+        except httpx.TimeoutException as e:
+            raise EndpointError(
+                "timeout", f"{url}: no answer within the timeout ({type(e).__name__})"
+            ) from None
+        except httpx.ConnectError as e:
+            raise EndpointError("connect", f"cannot connect to {url}: {e}") from None
+        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+            if watchdog.expired:
+                raise _deadline_error(url, self.endpoint.timeout_s) from None
+            raise EndpointError("cut", f"{url}: the stream broke off: {e}") from None
         except httpx.HTTPError as e:
             if watchdog.expired:
                 raise _deadline_error(url, self.endpoint.timeout_s) from None
-            raise EndpointError("connect", f"cannot connect to {url}: {e}") from None
+            raise EndpointError("connect", f"{url}: {type(e).__name__}: {e}") from None
         finally:
             watchdog.cancel()
-        if resp.status_code != 200:
-            text = raw.decode("utf-8", "replace")
-            raise EndpointError(
-                "http", f"{url} answered {resp.status_code}: {_error_text(text)}", resp.status_code
-            )
-        return raw
 
     def _json(self, raw: bytes, what: str) -> Any:
         try:
@@ -373,6 +367,13 @@ class _Watchdog:
 
 def _deadline_error(url: str, seconds: float) -> EndpointError:
     return EndpointError("timeout", f"{url}: the answer did not end within {seconds:g} s")
+
+
+def _http_error(url: str, status: int, body: bytes) -> EndpointError:
+    """A non-200 answer, quoting its body's message."""
+    return EndpointError(
+        "http", f"{url} answered {status}: {_error_text(body.decode('utf-8', 'replace'))}", status
+    )
 
 
 def _read_capped(resp: Any, cap: int) -> bytes:

@@ -9,21 +9,14 @@ a b-token verify pass in single-token target steps, c the draft-step / target-st
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specdec.study.artifacts.schema import PHASES, BenchArtifact, GateArtifact, variant_method
-from specdec.study.present import fmt
-from specdec.study.present.scan import (
-    SIDE_NAMES,
-    Study,
-    gate_p_text,
-    same_pair,
-    shared_settings,
-    sweep_label,
-)
+from specdec.study.present import fmt, scan
+from specdec.study.present.scan import Study
 
 _DPI = 120
 _FOOTNOTE_CHARS = 160  # footnote wraps at this width
@@ -78,7 +71,7 @@ def _gate_lines(g: GateArtifact) -> list[str]:
     s, rows = g.sampled, g.greedy.rows
     rule = f" (threshold p > {s.p_min:g})" if s.p_min is not None else ""
     lines = [
-        f"χ² = {s.chi2:.1f}, dof = {s.dof}, {gate_p_text(g)} "
+        f"χ² = {s.chi2:.1f}, dof = {s.dof}, {scan.gate_p_text(g)} "
         f"→ {'pass' if s.passed else 'FAIL'}{rule}"
     ]
     if s.tokens_speculative is not None and s.tokens_baseline is not None:
@@ -127,7 +120,7 @@ def fig_token_frequency(study: Study, path: Path) -> Path | None:
                 lw=1,
                 alpha=0.85,
                 color=_COLORS[side],
-                label=SIDE_NAMES[side],
+                label=scan.SIDE_NAMES[side],
             )
         ax.set_yscale("log")
         # Plain numbers ("4", "10", "200"), not 4×10⁰; minor ticks labelled only on short ranges.
@@ -227,7 +220,7 @@ def _bar_colors(groups: Sequence[Sequence[_Bar]]) -> dict[str, str]:
 def _legend_name(bar: _Bar) -> str:
     if bar.key == "speculative":
         return "speculative (the run's main method)"
-    return SIDE_NAMES.get(bar.key, f"variant {bar.method}")
+    return scan.SIDE_NAMES.get(bar.key, f"variant {bar.method}")
 
 
 def fig_throughput(study: Study, path: Path) -> Path | None:
@@ -288,7 +281,7 @@ def fig_throughput(study: Study, path: Path) -> Path | None:
     ax.set_ylim(0, top * 1.15)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8.5)
-    settings = shared_settings(benches)
+    settings = scan.shared_settings(benches)
     ax.set_title(
         "Throughput per method; label = speedup over the same run's target-only"
         + (f"\n({settings})" if settings else ""),
@@ -306,7 +299,7 @@ def fig_speedup_vs_k(study: Study, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(8, 5))
     sources, ks, top = [], set(), 1.0
     for i, s in enumerate(sweeps):
-        color, label = f"C{i % 10}", sweep_label(s, sweeps)
+        color, label = f"C{i % 10}", scan.sweep_label(s, sweeps)
         ks.update(p.k for p in s.points)
         top = max(top, *(p.speedup for p in s.points))
         ax.plot(
@@ -330,7 +323,7 @@ def fig_speedup_vs_k(study: Study, path: Path) -> Path | None:
         sources.append(s.src)
         for m in study.micros:
             preds = [(p.k, p.predicted_speedup) for p in m.prediction if p.predicted_speedup]
-            if preds and same_pair(s.draft_spec, s.target_spec, s.device, m):
+            if preds and scan.same_pair(s.draft_spec, s.target_spec, s.device, m):
                 ax.plot(
                     [k for k, _ in preds],
                     [sp for _, sp in preds],
@@ -376,29 +369,23 @@ def fig_acceptance_by_position(study: Study, path: Path) -> Path | None:
     ax.set_ylim(0, 100)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=9)
-    settings = shared_settings(benches)
+    settings = scan.shared_settings(benches)
     ax.set_title(
         "Acceptance by draft position" + (f" ({settings})" if settings else ""), fontsize=11
     )
     return _finish(fig, path, (b.src for b in benches))
 
 
-def _timed(b: BenchArtifact) -> tuple[Mapping[str, float], ...]:
-    """(baseline, speculative) ms_per_token when both were timed, else ()."""
-    base, spec = b.aggregates.baseline.ms_per_token, b.aggregates.speculative.ms_per_token
-    return (base, spec) if base and spec else ()
-
-
 def fig_latency_split(study: Study, path: Path) -> Path | None:
     """Figure 5: stacked ms per generated token, draft/verify/sampling/other, per config."""
-    benches = [b for b in study.benches if _timed(b)]
+    benches = [b for b in study.benches if scan.timed(b)]
     if not benches:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 2.0 * len(benches) + 2), 5))
     stacks = []  # [(x, [ms per PHASES])]: a config's two bars at x = 2.6 i and 2.6 i + 1
     for i, b in enumerate(benches):
-        for j, ms in enumerate(_timed(b)):
+        for j, ms in enumerate(scan.timed(b)):
             stacks.append((i * 2.6 + j, [ms[p] for p in PHASES]))
     for n, phase in enumerate(PHASES):
         ax.bar(

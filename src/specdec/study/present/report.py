@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +23,8 @@ from specdec.study.artifacts.schema import (
     SweepPoint,
     variant_method,
 )
-from specdec.study.present import fmt
-from specdec.study.present.scan import (
-    SIDE_NAMES,
-    Study,
-    gate_p_text,
-    same_pair,
-    shared_settings,
-    sweep_label,
-)
+from specdec.study.present import fmt, scan
+from specdec.study.present.scan import Study
 
 
 def _cite(src: str) -> str:
@@ -72,15 +65,14 @@ def _section_machine(s: Study) -> list[str]:
     return out
 
 
-def _section_main(s: Study, figures: Path, report: Path) -> list[str]:
-    out = ["## Main results (Table 3 shape)", ""]
+def _section_main(s: Study) -> list[str]:
     if not s.benches:
-        return [*out, "No artifact: no stand-alone `specdec bench` run under this directory.", ""]
+        return []
     benches = sorted(s.benches, key=lambda b: (-(b.aggregates.speedup or 0.0), b.label))
     hf = any(b.aggregates.hf_assisted for b in benches)
     vram = any(b.aggregates.peak_vram_mb is not None for b in benches)
-    settings = shared_settings(benches)
-    out += [
+    settings = scan.shared_settings(benches)
+    out = [
         (f"Settings shared by every run: {settings}. " if settings else "")
         + "Throughput is the mean ± std over the recorded prompts of per-prompt tok/s; Speedup "
         "is spec mean / baseline mean (`aggregates.speedup`); Pooled is the ratio of total "
@@ -126,7 +118,7 @@ def _section_main(s: Study, figures: Path, report: Path) -> list[str]:
     )
     for b in benches:
         out += _methods_table(b)
-    return [*out, "", *_figure("throughput.png", figures, report)]
+    return out
 
 
 def _main_row(
@@ -230,17 +222,15 @@ def _sweep_row(p: SweepPoint, best: bool) -> list[str]:
     ]
 
 
-def _section_sweeps(s: Study, figures: Path, report: Path) -> list[str]:
-    out = ["## K-sweeps (Table 4 shape)", ""]
-    if not s.sweeps:
-        return [*out, "No artifact: no `specdec sweep` summary under this directory.", ""]
+def _section_sweeps(s: Study) -> list[str]:
+    out: list[str] = []
     for sw in s.sweeps:
         setup = fmt.join(
             f"{sw.max_new_tokens} new tokens" if sw.max_new_tokens else "",
             f"{sw.recorded_prompts} recorded prompts" if sw.recorded_prompts else "",
             f"T={sw.temperature:g}" if sw.temperature is not None else "",
         )
-        out += [f"### {sweep_label(sw, s.sweeps)}: {sw.draft_spec} → {sw.target_spec}", ""]
+        out += [f"### {scan.sweep_label(sw, s.sweeps)}: {sw.draft_spec} → {sw.target_spec}", ""]
         out += [
             f"From {_cite(sw.src)}"
             + (f" ({setup})" if setup else "")
@@ -264,14 +254,13 @@ def _section_sweeps(s: Study, figures: Path, report: Path) -> list[str]:
             out += ["", f"Positional acceptance at each K (from {_cite(sw.src)}):", ""]
             out += fmt.md_table(["K", "Position 1 … K"], pos)
         out.append("")
-    return [*out, *_figure("speedup_vs_k.png", figures, report)]
+    return out
 
 
-def _section_positional(s: Study, figures: Path, report: Path) -> list[str]:
-    out = ["## Acceptance by draft position", ""]
+def _section_positional(s: Study) -> list[str]:
     benches = [b for b in s.benches if b.aggregates.speculative.positional]
     if not benches:
-        return [*out, "No artifact: no stand-alone bench run with speculative rounds.", ""]
+        return []
     kmax = max(len(b.aggregates.speculative.positional) for b in benches)
     rows = []
     for b in benches:
@@ -287,7 +276,7 @@ def _section_positional(s: Study, figures: Path, report: Path) -> list[str]:
                 _cite(b.src),
             ]
         )
-    out += [
+    out = [
         "Acceptance at position i = rounds whose i-th draft was accepted / rounds that "
         "drafted an i-th token; tokens per round includes the bonus or recovered token.",
         "Mean acc. length = 1 + accepted / rounds that drafted (vLLM's mean acceptance length); "
@@ -295,72 +284,56 @@ def _section_positional(s: Study, figures: Path, report: Path) -> list[str]:
         "",
     ]
     cols = ["Config", *(f"Pos {i}" for i in range(1, kmax + 1)), "Pooled", "Tokens/round"]
-    out += fmt.md_table([*cols, "Mean acc. length", "Source"], rows)
-    return [*out, "", *_figure("acceptance_by_position.png", figures, report)]
+    return out + fmt.md_table([*cols, "Mean acc. length", "Source"], rows)
 
 
-def _timed(b: BenchArtifact) -> tuple[Mapping[str, float], ...]:
-    """(baseline, speculative) ms_per_token when both were timed, else ()."""
-    base, spec = b.aggregates.baseline.ms_per_token, b.aggregates.speculative.ms_per_token
-    return (base, spec) if base and spec else ()
-
-
-def _section_latency(s: Study, figures: Path, report: Path) -> list[str]:
-    out = ["## Per-token latency split", ""]
-    benches = [b for b in s.benches if _timed(b)]
+def _section_latency(s: Study) -> list[str]:
+    benches = [b for b in s.benches if scan.timed(b)]
     if not benches:
-        return [*out, "No artifact: no stand-alone bench run with phase timings.", ""]
-    out += [
+        return []
+    out = [
         "Milliseconds per generated token (`aggregates.*.ms_per_token`); verify includes the "
         "prefill, other is wall time outside the three timed phases.",
         "",
     ]
     rows = []
     for b in benches:
-        for side, ms in zip(("baseline", "speculative"), _timed(b), strict=True):
+        for side, ms in zip(("baseline", "speculative"), scan.timed(b), strict=True):
             total = sum(ms.values())
             rows.append(
                 [
                     b.label,
-                    SIDE_NAMES[side],
+                    scan.SIDE_NAMES[side],
                     *(f"{ms[p]:.2f}" for p in PHASES),
                     f"{total:.2f}",
                     fmt.pct(ms["sampling"] / total if total else None),
                     _cite(b.src),
                 ]
             )
-    out += fmt.md_table(
-        [
-            "Config",
-            "Path",
-            *(f"{p} (ms)" for p in PHASES),
-            "Total (ms)",
-            "Sampling share",
-            "Source",
-        ],
-        rows,
-    )
-    return [*out, "", *_figure("latency_split.png", figures, report)]
+    header = ["Config", "Path", *(f"{p} (ms)" for p in PHASES), "Total (ms)", "Sampling share"]
+    return out + fmt.md_table([*header, "Source"], rows)
 
 
 def _measured(s: Study, m: MicrobenchArtifact, k: int) -> tuple[float, str] | None:
     """The measured speedup at K for the microbench's pair: a sweep point, else a bench run."""
     for sw in s.sweeps:
-        if same_pair(sw.draft_spec, sw.target_spec, sw.device, m):
+        if scan.same_pair(sw.draft_spec, sw.target_spec, sw.device, m):
             for p in sw.points:
                 if p.k == k and p.speedup is not None:
                     return p.speedup, sw.src
     for b in s.benches:
         device = b.target.device if b.target else None
-        if b.k == k and b.aggregates.speedup and same_pair(b.draft_spec, b.target_spec, device, m):
+        if (
+            b.k == k
+            and b.aggregates.speedup
+            and scan.same_pair(b.draft_spec, b.target_spec, device, m)
+        ):
             return b.aggregates.speedup, b.src
     return None
 
 
-def _section_micro(s: Study, figures: Path, report: Path) -> list[str]:
-    out = ["## Microbenchmarks: verify scaling and draft cost", ""]
-    if not s.micros:
-        return [*out, "No artifact: no `specdec microbench` run under this directory.", ""]
+def _section_micro(s: Study) -> list[str]:
+    out: list[str] = []
     for m in s.micros:
         what = fmt.join(
             f"cached prefix of {m.prefix_tokens} tokens" if m.prefix_tokens is not None else "",
@@ -390,7 +363,7 @@ def _section_micro(s: Study, figures: Path, report: Path) -> list[str]:
                 [[str(p.k), f"{p.cost_in_target_steps:.2f}"] for p in m.prediction],
             )
         out.append("")
-    return [*out, *_figure("verify_scaling.png", figures, report)]
+    return out
 
 
 def _micro_predictions(s: Study, m: MicrobenchArtifact) -> list[str]:
@@ -451,10 +424,8 @@ def _micro_checks(m: MicrobenchArtifact) -> list[str]:
     return out + fmt.md_table([*header, "Error", "Bench"], rows)
 
 
-def _section_gate(s: Study, figures: Path, report: Path) -> list[str]:
-    out = ["## Correctness gate (level 3)", ""]
-    if not s.gates:
-        return [*out, "No artifact: no `specdec gate` run under this directory.", ""]
+def _section_gate(s: Study) -> list[str]:
+    out: list[str] = []
     for g in s.gates:
         pair = f"{g.draft.short} → {g.target.short}" if g.draft and g.target else "?"
         ep, ref = g.config.get("endpoint"), g.config.get("endpoint_baseline")
@@ -464,7 +435,7 @@ def _section_gate(s: Study, figures: Path, report: Path) -> list[str]:
         quick = " (`--quick`: CI-sized, low power)" if g.quick else ""
         out += [f"### {g.name}: {pair}", "", f"From {_cite(g.src)}: **{verdict}**{quick}.", ""]
         out += [_sampled_line(g), *_greedy_lines(g), ""]
-    return [*out, *_figure("token_frequency.png", figures, report)]
+    return out
 
 
 def _sampled_line(g: GateArtifact) -> str:
@@ -483,7 +454,7 @@ def _sampled_line(g: GateArtifact) -> str:
         binning += f", every expected count ≥ {sm.min_expected:g}"
     line = (
         f"- Sampled leg ({setup}): χ² = {sm.chi2:.2f}, dof = {sm.dof}, "
-        f"{gate_p_text(g)} → {'pass' if sm.passed else 'FAIL'}{rule}; {binning}."
+        f"{scan.gate_p_text(g)} → {'pass' if sm.passed else 'FAIL'}{rule}; {binning}."
     )
     if sm.acceptance_rate is not None:
         line += f"\n- Acceptance rate during the sampled leg: {fmt.pct(sm.acceptance_rate)}"
@@ -547,7 +518,7 @@ def _k_hist(run: Mapping[str, Any]) -> str:
     return " ".join(f"{k}:{n}" for k, n in sorted(hist.items(), key=lambda kv: int(kv[0])))
 
 
-def _section_predictions(s: Study, figures: Path, report: Path) -> list[str]:
+def _section_predictions(s: Study) -> list[str]:
     """Per task, for every method of a run that drafted from a prediction: the speedup over
     target-only on that prompt, accepted / rejected prediction tokens, and the chosen K's."""
     out: list[str] = []
@@ -601,6 +572,48 @@ def _decode_ratio(base: Mapping[str, Any], run: Mapping[str, Any]) -> float | No
     return r / b if b and r else None
 
 
+#: REPORT.md's sections between the machine's and the predictions': heading, body (empty when its
+#: inputs are absent), the figure linked below it, and what "No artifact:" then names as absent.
+_SECTIONS: tuple[tuple[str, Callable[[Study], list[str]], str, str], ...] = (
+    (
+        "Main results (Table 3 shape)",
+        _section_main,
+        "throughput.png",
+        "no stand-alone `specdec bench` run under this directory",
+    ),
+    (
+        "K-sweeps (Table 4 shape)",
+        _section_sweeps,
+        "speedup_vs_k.png",
+        "no `specdec sweep` summary under this directory",
+    ),
+    (
+        "Acceptance by draft position",
+        _section_positional,
+        "acceptance_by_position.png",
+        "no stand-alone bench run with speculative rounds",
+    ),
+    (
+        "Per-token latency split",
+        _section_latency,
+        "latency_split.png",
+        "no stand-alone bench run with phase timings",
+    ),
+    (
+        "Microbenchmarks: verify scaling and draft cost",
+        _section_micro,
+        "verify_scaling.png",
+        "no `specdec microbench` run under this directory",
+    ),
+    (
+        "Correctness gate (level 3)",
+        _section_gate,
+        "token_frequency.png",
+        "no `specdec gate` run under this directory",
+    ),
+)
+
+
 def render_report(study: Study, figures: Path, report: Path) -> str:
     """REPORT.md's text; figures under `figures` are linked relative to `report` when present."""
     n = len(study.metas)
@@ -612,16 +625,13 @@ def render_report(study: Study, figures: Path, report: Path) -> str:
         "",
         *_section_machine(study),
     ]
-    for section in (
-        _section_main,
-        _section_sweeps,
-        _section_positional,
-        _section_latency,
-        _section_micro,
-        _section_gate,
-        _section_predictions,
-    ):
-        out += section(study, figures, report)
+    for heading, section, figure, missing in _SECTIONS:
+        body = section(study)
+        if body:  # a blank line too many is harmless: runs of blank lines are folded below
+            out += [f"## {heading}", "", *body, "", *_figure(figure, figures, report)]
+        else:
+            out += [f"## {heading}", "", f"No artifact: {missing}.", ""]
+    out += _section_predictions(study)
     out += _section_files(study)
     text = "\n".join(out)
     while "\n\n\n" in text:

@@ -22,7 +22,7 @@ hold the stand-alone bench runs only (as in the paper, Table 3 vs Table 4).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,6 +232,13 @@ def shared_settings(benches: Sequence[BenchArtifact]) -> str:
         if v is not None:
             parts.append(fmt.format(v))
     return ", ".join(parts)
+
+
+def timed(b: BenchArtifact) -> tuple[Mapping[str, float], ...]:
+    """(baseline, speculative) ms_per_token when both were timed, else () (the latency split
+    in the figure and the report)."""
+    base, spec = b.aggregates.baseline.ms_per_token, b.aggregates.speculative.ms_per_token
+    return (base, spec) if base and spec else ()
 
 
 def gate_p_text(g: GateArtifact) -> str:

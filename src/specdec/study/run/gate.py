@@ -112,19 +112,28 @@ class Sample:
     accepted: int = 0
 
 
-#: The two methods a gate compares, behind one call: (method "baseline" | "speculative",
-#: prompt, seed, temperature, max_new_tokens) -> Sample. A prompt is (prompt id, whatever the
-#: methods take: token ids in-process, the text for an endpoint). `local_methods` runs the
-#: in-process pair; `endpoint_methods` sends to two servers.
-Methods = Callable[[str, tuple[str, Any], int, float, int], Sample]
-#: What a method may raise to say "this prompt failed" (recorded, the gate goes on).
-PromptFailure: tuple[type[Exception], ...] = ()
+@dataclass(frozen=True)
+class Methods:
+    """The two methods a gate compares, behind one call, and what the legs must know of them.
+    `local_methods` runs the in-process pair; `endpoint_methods` sends to two servers.
+
+    run       (method "baseline" | "speculative", prompt, seed, temperature, max_new_tokens)
+              -> Sample; a prompt is (prompt id, whatever the methods take: token ids
+              in-process, the text for an endpoint)
+    width     token ids lie in [0, width): the sampling width V the tokens are counted over
+    failures  what `run` raises to say "this prompt failed" (recorded, the gate goes on)
+    """
+
+    run: Callable[[str, tuple[str, Any], int, float, int], Sample]
+    width: int
+    failures: tuple[type[Exception], ...] = ()
 
 
 def local_methods(
     target: SpecModel, draft: SpecModel, k: int, stop_ids: Sequence[int] = ()
 ) -> Methods:
-    """Target-only vs the speculative pair at fixed K, in-process."""
+    """Target-only vs the speculative pair at fixed K, in-process (the pair checked first)."""
+    from specdec.core.pair import check_pair
 
     def run(method: str, prompt: tuple[str, Any], seed: int, t: float, n: int) -> Sample:
         kw = {"max_new_tokens": n, "warp": Warp(t), "stop_ids": stop_ids, "seed": seed}
@@ -134,13 +143,14 @@ def local_methods(
             r = decode.generate(target, prompt[1], draft=draft, spec=SpecConfig(k=k), **kw)
         return Sample(r.tokens, r.stats.drafted, r.stats.accepted)
 
-    return run
+    return Methods(run, check_pair(draft, target))
 
 
 def endpoint_methods(speculative: Any, baseline: Any, tokenizer: Any) -> Methods:
     """The same two methods sent to two OpenAI-compatible servers (engines.endpoint.Client each);
     a prompt is (id, text) and the answer's text is tokenized with the target's `tokenizer`.
-    Drafted/accepted come from llama-server's `timings` where the server sends them."""
+    Drafted/accepted come from llama-server's `timings` where the server sends them. An
+    endpoint's error fails that prompt only (see sample_pairs)."""
     from specdec.study.engines import endpoint
 
     def run(method: str, prompt: tuple[str, Any], seed: int, t: float, n: int) -> Sample:
@@ -153,7 +163,7 @@ def endpoint_methods(speculative: Any, baseline: Any, tokenizer: Any) -> Methods
             endpoint.count(timings.get("draft_n_accepted")) or 0,
         )
 
-    return run
+    return Methods(run, _width(tokenizer), (endpoint.EndpointError,))
 
 
 def run_endpoint_gate(
@@ -170,18 +180,9 @@ def run_endpoint_gate(
     """Both legs against two endpoints (engines.endpoint.Client each): `speculative` is the
     server under test, `baseline` the reference (e.g. the same engine without speculation).
     An endpoint error on a prompt is recorded and the gate goes on (see sample_pairs)."""
-    from specdec.study.engines.endpoint import EndpointError
-
     methods = endpoint_methods(speculative, baseline, tokenizer)
     return both_legs(
-        methods,
-        prompts,
-        settings,
-        width=_width(tokenizer),
-        label=label,
-        progress=progress,
-        greedy_prompts=greedy_prompts,
-        failures=(EndpointError,),
+        methods, prompts, settings, label=label, progress=progress, greedy_prompts=greedy_prompts
     )
 
 
@@ -199,10 +200,9 @@ def sample_pairs(
     settings: GateSettings,
     *,
     progress: bool = True,
-    failures: tuple[type[Exception], ...] = PromptFailure,
 ) -> PairedSamples:
     """Generate with both methods on every prompt, seeds kept apart. A prompt on which a
-    method raises one of `failures` is left out of both samples and recorded."""
+    method raises one of `methods.failures` is left out of both samples and recorded."""
     from tqdm import tqdm
 
     out = PairedSamples([], [], [], [])
@@ -211,9 +211,9 @@ def sample_pairs(
     for i, prompt in enumerate(bar):
         seeds = SEED_BASE + i, SEED_BASE + i + SPEC_SEED_OFFSET
         try:
-            base = methods("baseline", prompt, seeds[0], t, n)
-            spec = methods("speculative", prompt, seeds[1], t, n)
-        except failures as e:
+            base = methods.run("baseline", prompt, seeds[0], t, n)
+            spec = methods.run("speculative", prompt, seeds[1], t, n)
+        except methods.failures as e:
             out.failed.append({"prompt_id": prompt[0], "leg": "sampled", "error": str(e)})
             continue
         out.seeds_baseline.append(seeds[0])
@@ -281,18 +281,16 @@ def sampled_leg(
     prompts: Sequence[tuple[str, Any]],
     settings: GateSettings,
     *,
-    width: int,
     label: Callable[[int], str] = str,
     progress: bool = True,
-    failures: tuple[type[Exception], ...] = PromptFailure,
 ) -> SampledLeg:
     """T > 0: sample both methods on every prompt, then compare the pooled token frequencies.
     Fewer than MIN_PROMPTS answered prompts (failures) cannot pass: the test could not fail."""
     t0 = time.perf_counter()
-    samples = sample_pairs(methods, prompts, settings, progress=progress, failures=failures)
+    samples = sample_pairs(methods, prompts, settings, progress=progress)
     n = samples.drafted
     if any(samples.baseline) and any(samples.speculative):
-        tested = compare(samples, width, label)
+        tested = compare(samples, methods.width, label)
     else:  # every prompt failed (or answered nothing): nothing to compare, which is no pass
         tested = {"chi2": 0.0, "dof": 0, "p_value": 1.0, "p_value_permutation": 1.0}
         tested.update(p_min=P_MIN, decided_by="p_value_permutation", n_bins=0)
@@ -332,7 +330,6 @@ def greedy_leg(
     settings: GateSettings,
     *,
     progress: bool = True,
-    failures: tuple[type[Exception], ...] = PromptFailure,
 ) -> GreedyLeg:
     """T = 0: speculative tokens must equal target-only tokens exactly, prompt by prompt. A
     failed prompt is a row that does not match (with its error): the leg cannot pass on it."""
@@ -342,9 +339,9 @@ def greedy_leg(
     n = settings.greedy_tokens
     for prompt in tqdm(prompts, desc="gate: greedy", unit="prompt", disable=not progress):
         try:
-            base = methods("baseline", prompt, 0, 0.0, n).tokens
-            spec = methods("speculative", prompt, 0, 0.0, n).tokens
-        except failures as e:
+            base = methods.run("baseline", prompt, 0, 0.0, n).tokens
+            spec = methods.run("speculative", prompt, 0, 0.0, n).tokens
+        except methods.failures as e:
             rows.append(
                 GreedyRow(
                     prompt_id=prompt[0],
@@ -398,23 +395,14 @@ def run_gate(
     """Both legs on already-loaded models. `prompts` must hold at
     least max(settings.prompts, settings.greedy_prompts) prompts; the first ones are used, by
     the greedy leg too unless `greedy_prompts` names its own."""
-    from specdec.core.pair import check_pair
-
     need = max(settings.prompts, settings.greedy_prompts)
     if len(prompts) < need:
         raise ValueError(f"the gate needs {need} prompts, got {len(prompts)}")
     if settings.prompts < MIN_PROMPTS:
         raise ValueError(f"the sampled leg needs >= {MIN_PROMPTS} prompts to be able to fail")
-    width = check_pair(draft, target)
     methods = local_methods(target, draft, settings.k, stop_ids)
     return both_legs(
-        methods,
-        prompts,
-        settings,
-        width=width,
-        label=label,
-        progress=progress,
-        greedy_prompts=greedy_prompts,
+        methods, prompts, settings, label=label, progress=progress, greedy_prompts=greedy_prompts
     )
 
 
@@ -423,29 +411,20 @@ def both_legs(
     prompts: Sequence[tuple[str, Any]],
     settings: GateSettings,
     *,
-    width: int,
     label: Callable[[int], str] = str,
     progress: bool = True,
     greedy_prompts: Sequence[tuple[str, Any]] | None = None,
-    failures: tuple[type[Exception], ...] = PromptFailure,
 ) -> GateResult:
     """The sampled leg on the first settings.prompts prompts, the greedy leg on greedy_prompts
     (default: the first settings.greedy_prompts), one verdict."""
     sampled = sampled_leg(
-        methods,
-        prompts[: settings.prompts],
-        settings,
-        width=width,
-        label=label,
-        progress=progress,
-        failures=failures,
+        methods, prompts[: settings.prompts], settings, label=label, progress=progress
     )
     greedy = greedy_leg(
         methods,
         prompts[: settings.greedy_prompts] if greedy_prompts is None else greedy_prompts,
         settings,
         progress=progress,
-        failures=failures,
     )
     return GateResult(sampled, greedy, bool(sampled.passed and greedy.passed))
 

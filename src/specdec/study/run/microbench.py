@@ -265,12 +265,16 @@ def build_artifact(
     )
 
 
+#: Tokens cached before each probe: the context a step and v(b) are measured on (--prefix).
+PREFIX = 100
+
+
 def run(
     target: SpecModel,
     draft: SpecModel | None,
     models: Mapping[str, Model | None],
     *,
-    prefix: int = 100,
+    prefix: int = PREFIX,
     max_batch: int = 16,
     repeats: int = 7,
     acceptance: Acceptance | None = None,
