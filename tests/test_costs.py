@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import TEST_THREADS
 
 from specdec.backends.costs import CurveFiles, curve_key, read_curve, write_curve
 from specdec.backends.mock import MockModel
@@ -91,6 +92,7 @@ def test_policies_hand_a_generation_s_curve_to_the_store_when_it_changed(tmp_pat
 def test_a_llamacpp_model_names_its_build_and_settings(smol_llamacpp) -> None:
     key = curve_key(smol_llamacpp)
     assert key is not None and "/" not in key
-    for part in ("lcp", "-t1-", "det" if smol_llamacpp.deterministic else "def", "tiled"):
+    threads = f"-t{TEST_THREADS}-"  # the thread count the model was loaded with
+    for part in ("lcp", threads, "det" if smol_llamacpp.deterministic else "def", "tiled"):
         assert part in key, part
     assert CurveFiles(Path("/x")).path(smol_llamacpp) == Path("/x") / f"{key}.json"
