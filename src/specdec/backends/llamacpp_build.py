@@ -239,8 +239,7 @@ def build_wheel(flavor: str = "native", jobs: int | None = None, log=print) -> P
         with (work / "build.log").open("w") as f:
             res = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
         if res.returncode != 0:
-            tail = "\n".join((work / "build.log").read_text().splitlines()[-20:])
-            raise BuildError(f"building {PACKAGE} failed ({res.returncode}):\n{tail}")
+            raise _build_failed(PACKAGE, res.returncode, work / "build.log")
         info["build_s"] = round(time.monotonic() - t0, 1)
         info["built"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         (built / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
@@ -255,8 +254,8 @@ def build_wheel(flavor: str = "native", jobs: int | None = None, log=print) -> P
 
 def build_cpu_backend(flavor: str = "portable", jobs: int | None = None, log=print) -> Path:
     """libggml-cpu.so alone for `flavor`, from the wheel's patched source, built once and cached:
-    the CPU kernels are all a flavor changes, and the rest of llama.cpp (libllama, ggml's other
-    libraries) costs two thirds of a wheel's compile. A copy of the installed package with this
+    the CPU kernels are all a flavor changes, so the rest of llama.cpp (libllama, ggml's other
+    libraries) need not be compiled again. A copy of the installed package with this
     library in place of its own runs the flavor's kernels (tests/test_kernels.py)."""
     out = home() / "wheels" / f"ggml-cpu-{VERSION}-{flavor}-{wheel_key(flavor)}"
     lib = out / "libggml-cpu.so"
@@ -279,8 +278,7 @@ def build_cpu_backend(flavor: str = "portable", jobs: int | None = None, log=pri
             for cmd in (configure, compile_):
                 res = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
                 if res.returncode != 0:
-                    tail = "\n".join((work / "build.log").read_text().splitlines()[-20:])
-                    raise BuildError(f"building ggml-cpu failed ({res.returncode}):\n{tail}")
+                    raise _build_failed("ggml-cpu", res.returncode, work / "build.log")
         built = [p for p in build.rglob("libggml-cpu.so") if p.is_file()]
         if len(built) != 1:
             raise BuildError(f"the ggml-cpu build left {len(built)} libggml-cpu.so, not one")
@@ -291,6 +289,12 @@ def build_cpu_backend(flavor: str = "portable", jobs: int | None = None, log=pri
         os.replace(staged, out)
     log(f"built in {time.monotonic() - t0:.0f} s -> {lib}")
     return lib
+
+
+def _build_failed(what: str, returncode: int, log: Path) -> BuildError:
+    """The error for a failed compile, with the last lines of its log."""
+    tail = "\n".join(log.read_text().splitlines()[-20:])
+    return BuildError(f"building {what} failed ({returncode}):\n{tail}")
 
 
 def install(jobs: int | None = None) -> Path:
