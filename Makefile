@@ -50,7 +50,7 @@ browser:
 	fi
 
 test: venv browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The edit-test loop: the suite without real models, statistical tests and slow runs (the
 # markers in pyproject.toml; under 2 minutes on the 2-core box). `make test` runs them all.

@@ -4,6 +4,8 @@
  * CPU has them). Internal to native/: no public names. */
 #pragma once
 
+#include "sd-isa.h"
+
 #include <stdint.h>
 #include <string.h>
 
@@ -34,18 +36,11 @@ static inline float sd_h2f(uint16_t h) {
     return f;
 }
 
-/* SD_X86: the compiler can target x86-64's SIMD instruction sets function by function, so the
- * AVX2 and AVX-512 files build (and the dispatch offers them) whatever -march says. */
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#    define SD_X86 1
-#else
-#    define SD_X86 0
-#endif
-
 #if SD_X86
 /* SD_TARGET_PUSH("avx2,fma,f16c") ... SD_TARGET_POP: every function between them, the inline
  * intrinsics wrappers included, is compiled for those instructions. No ';' after either (a
- * stray one at file scope is a -Wpedantic warning). */
+ * stray one at file scope is a -Wpedantic warning). A kernel file names its path's feature list
+ * instead (SD_TARGET_PUSH_PATH, sd-isa.h), so that it and the run-time check cannot differ. */
 #    define SD_PRAGMA_(...) _Pragma(#__VA_ARGS__)
 #    if defined(__clang__)
 #        define SD_TARGET_PUSH(isa) \
@@ -55,6 +50,9 @@ static inline float sd_h2f(uint16_t h) {
 #        define SD_TARGET_PUSH(isa) SD_PRAGMA_(GCC push_options) SD_PRAGMA_(GCC target(isa))
 #        define SD_TARGET_POP SD_PRAGMA_(GCC pop_options)
 #    endif
+/* "sse2" (x86-64's baseline) then ",avx2" ",fma" ...: one target string from a feature list */
+#    define SD_TARGET_ITEM_(feature) "," feature
+#    define SD_TARGET_PUSH_PATH(features) SD_TARGET_PUSH("sse2" features(SD_TARGET_ITEM_))
 /* the kernels' helpers: inlined, so a tile's loops unroll over its constant size */
 #    define SD_INLINE static inline __attribute__((always_inline))
 #endif

@@ -1,10 +1,10 @@
-/* sdfa kernel for AVX-512: sdfa-simd.h's kernel on 16-lane zmm registers, 16 query rows to a
- * tile. */
+/* sdfa kernel for AVX-512 (no VNNI needed): sdfa-simd.h's kernel on 16-lane zmm registers, 16
+ * query rows to a tile. */
 #include "sd-common.h"
 #include "sdfa.h"
 
 #if SD_X86
-SD_TARGET_PUSH("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+SD_TARGET_PUSH_PATH(SD_FEATURES_AVX512)
 
 #    define SD_VL 16
 #    include "sdfa-simd.h"

@@ -12,16 +12,16 @@
 
 /* sdfa's exp (sdfa.c: sdfa_exp), lane by lane */
 SD_INLINE vfloat sdfa_exp_v(vfloat x) {
-    const vmask ok = vf_ge(x, vf_set1(-87.0f));
-    const vfloat n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
-    vfloat r = vf_fmadd(n, vf_set1(-0.693359375f), x);
-    r = vf_fmadd(n, vf_set1(2.12194440e-4f), r);
-    vfloat y = vf_set1(1.9875691500e-4f);
-    y = vf_fmadd(y, r, vf_set1(1.3981999507e-3f));
-    y = vf_fmadd(y, r, vf_set1(8.3334519073e-3f));
-    y = vf_fmadd(y, r, vf_set1(4.1665795894e-2f));
-    y = vf_fmadd(y, r, vf_set1(1.6666665459e-1f));
-    y = vf_fmadd(y, r, vf_set1(5.0000001201e-1f));
+    const vmask ok = vf_ge(x, vf_set1(SDFA_EXP_MIN));
+    const vfloat n = vf_round(vf_mul(x, vf_set1(SDFA_EXP_LOG2E)));
+    vfloat r = vf_fmadd(n, vf_set1(-SDFA_EXP_LN2_HI), x);
+    r = vf_fmadd(n, vf_set1(-SDFA_EXP_LN2_LO), r);
+    vfloat y = vf_set1(SDFA_EXP_P5);
+    y = vf_fmadd(y, r, vf_set1(SDFA_EXP_P4));
+    y = vf_fmadd(y, r, vf_set1(SDFA_EXP_P3));
+    y = vf_fmadd(y, r, vf_set1(SDFA_EXP_P2));
+    y = vf_fmadd(y, r, vf_set1(SDFA_EXP_P1));
+    y = vf_fmadd(y, r, vf_set1(SDFA_EXP_P0));
     y = vf_fmadd(y, vf_mul(r, r), r);
     y = vf_add(y, vf_set1(1.0f));
     const vint e = vi_slli32(vi_add32(vf_to_i32(n), vi_set1_32(127)), 23);

@@ -3,27 +3,26 @@
 #include "sdfa.h"
 
 #include "sd-common.h"
-#include "sdmm.h"
 
 #include <math.h>
 #include <string.h>
 
 _Static_assert(sizeof(sdfa_block_q8_0) == 34, "ggml's block_q8_0 is 34 bytes");
 
-/* sdfa's exp: 0 below -87 (and for -inf); the SIMD kernels do these operations per lane. */
+/* sdfa's exp (sdfa.h: SDFA_EXP_*); the SIMD kernels do these operations per lane. */
 static float sdfa_exp(float x) {
-    if (!(x >= -87.0f)) {
+    if (!(x >= SDFA_EXP_MIN)) {
         return 0.0f;
     }
-    const float n = nearbyintf(x * 1.44269504088896341f);
-    float r = fmaf(n, -0.693359375f, x);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float y = 1.9875691500e-4f;
-    y = fmaf(y, r, 1.3981999507e-3f);
-    y = fmaf(y, r, 8.3334519073e-3f);
-    y = fmaf(y, r, 4.1665795894e-2f);
-    y = fmaf(y, r, 1.6666665459e-1f);
-    y = fmaf(y, r, 5.0000001201e-1f);
+    const float n = nearbyintf(x * SDFA_EXP_LOG2E);
+    float r = fmaf(n, -SDFA_EXP_LN2_HI, x);
+    r = fmaf(n, -SDFA_EXP_LN2_LO, r);
+    float y = SDFA_EXP_P5;
+    y = fmaf(y, r, SDFA_EXP_P4);
+    y = fmaf(y, r, SDFA_EXP_P3);
+    y = fmaf(y, r, SDFA_EXP_P2);
+    y = fmaf(y, r, SDFA_EXP_P1);
+    y = fmaf(y, r, SDFA_EXP_P0);
     y = fmaf(y, r * r, r);
     y = y + 1.0f;
     const int32_t bits = ((int32_t) n + 127) << 23;
@@ -89,21 +88,42 @@ void sdfa_kernel_ref(const sdfa_tile * t) {
     }
 }
 
+int sdfa_isa_supported(int isa) {
+    switch (isa) {
+        case SD_ISA_REF:
+            return 1;
+        case SD_ISA_AVX2:
+            return SD_CPU_HAS(SD_FEATURES_AVX2);
+        case SD_ISA_AVX512:
+            return SD_CPU_HAS(SD_FEATURES_AVX512);
+        default:
+            return 0;
+    }
+}
+
+int sdfa_isa_selected(void) {
+    static int selected = -2;
+    if (selected == -2) {
+        selected = sd_isa_select(sdfa_isa_supported);
+    }
+    return selected;
+}
+
 int sdfa_tile_width(int isa) {
-    return isa == SDMM_ISA_AVX512 ? 16 : isa == SDMM_ISA_AVX2 ? 8 : 1;
+    return isa == SD_ISA_AVX512 ? 16 : isa == SD_ISA_AVX2 ? 8 : 1;
 }
 
 sdfa_kernel_fn sdfa_kernel(int isa) {
-    if (!sdmm_isa_supported(isa)) {
+    if (!sdfa_isa_supported(isa)) {
         return NULL;
     }
     switch (isa) {
-        case SDMM_ISA_REF:
+        case SD_ISA_REF:
             return sdfa_kernel_ref;
-#if defined(__x86_64__)
-        case SDMM_ISA_AVX2:
+#if SD_X86
+        case SD_ISA_AVX2:
             return sdfa_kernel_avx2;
-        case SDMM_ISA_AVX512:
+        case SD_ISA_AVX512:
             return sdfa_kernel_avx512;
 #endif
         default:
@@ -115,7 +135,7 @@ int sdfa_attend(int isa, int d, int n_kv, float scale, const void * k, size_t k_
                 const uint16_t * v, size_t v_stride, const float * q, const uint16_t * mask,
                 int rows, float * out) {
     const sdfa_kernel_fn kernel = sdfa_kernel(isa);
-    if (kernel == NULL || d < 16 || d > SDFA_MAX_D || d % 32 != 0 || n_kv < 1 || rows < 1) {
+    if (kernel == NULL || d < 32 || d > SDFA_MAX_D || d % 32 != 0 || n_kv < 1 || rows < 1) {
         return -1;
     }
     const int w = sdfa_tile_width(isa);

@@ -14,11 +14,13 @@
  *          p_j = exp(s_j - M') (0 where s_j or M' is -inf), S = S*alpha + p_0 + p_1 + ...,
  *          acc = acc*alpha, then acc = fma(p_j, v_j, acc) for j in order (v in f32);
  *   output acc * (1 / S).
- * exp is sdfa's own (Cody-Waite reduction and a degree-5 polynomial, the same operations on
- * every path). Positions past the cache or masked to -inf add exactly nothing, so a single step
+ * exp is sdfa's own (Cody-Waite reduction and a degree-5 polynomial, SDFA_EXP_* below, the same
+ * operations on every path). Positions past the cache or masked to -inf add exactly nothing, so a single step
  * and a row of a batch, whose caches end in different places, get the same bits.
  */
 #pragma once
+
+#include "sd-isa.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -38,9 +40,25 @@ typedef struct {
 #define SDFA_MAX_D 256  /* largest head dimension (DK = DV) */
 #define SDFA_MAX_W 16   /* rows per tile on the widest path */
 
+/* sdfa's exp(x), Cephes' expf (cephes/single/expf.c): n = round(x * log2 e), r = x - n ln 2 in two
+ * steps (ln 2 = LN2_HI + LN2_LO, LN2_HI exact in 9 bits so n * LN2_HI is exact), then
+ * e^r ~ 1 + r + r^2 (P0 + P1 r + ... + P5 r^5) (Horner), times 2^n; 0 below MIN (e^x < 2^-125,
+ * where 2^n leaves the normal range). */
+#define SDFA_EXP_LOG2E 1.44269504088896341f
+#define SDFA_EXP_LN2_HI 0.693359375f
+#define SDFA_EXP_LN2_LO (-2.12194440e-4f)
+#define SDFA_EXP_P5 1.9875691500e-4f
+#define SDFA_EXP_P4 1.3981999507e-3f
+#define SDFA_EXP_P3 8.3334519073e-3f
+#define SDFA_EXP_P2 4.1665795894e-2f
+#define SDFA_EXP_P1 1.6666665459e-1f
+#define SDFA_EXP_P0 5.0000001201e-1f
+#define SDFA_EXP_MIN (-87.0f)
+
 /* One tile of query rows against one KV head. */
 typedef struct {
-    int d;                      /* head dimension of K, V and the queries: 16 <= d <= 256, %32 */
+    int d;                      /* head dimension of K, V and the queries: 32 <= d <= 256, d % 32
+                                   == 0 (a K row is whole q8_0 blocks) */
     int n_kv;                   /* cached positions */
     float scale;                /* KQ scale (1/sqrt(d) for these models) */
     const void * k;             /* q8_0 rows: position p at (char *) k + p * k_stride */
@@ -53,7 +71,12 @@ typedef struct {
     float * out[SDFA_MAX_W];          /* row r's output (d values) */
 } sdfa_tile;
 
-/* Rows per tile on a path, and the kernels (sdmm.h's enum sdmm_isa names the paths). */
+/* sdfa's paths (enum sd_isa): can this CPU run `isa` (every feature of its list in sd-isa.h;
+ * AVX-512 without VNNI is enough), the one it runs (sd_isa_select: $SPECDEC_MM_ISA forces sdmm
+ * and sdfa alike, else the best; -1 if the named one cannot run here), rows per tile on it, and
+ * the kernels. */
+int sdfa_isa_supported(int isa);
+int sdfa_isa_selected(void);
 int sdfa_tile_width(int isa);
 typedef void (*sdfa_kernel_fn)(const sdfa_tile * t);
 sdfa_kernel_fn sdfa_kernel(int isa);

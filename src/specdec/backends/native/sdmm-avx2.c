@@ -5,7 +5,7 @@
 #include "sdmm.h"
 
 #if SD_X86
-SD_TARGET_PUSH("avx2,fma,f16c")
+SD_TARGET_PUSH_PATH(SD_FEATURES_AVX2)
 
 #    define SD_VL 8
 #    define SDMM_TILE 4 /* 16 ymm registers: 4 rows' sums and partial sums besides the weights */

@@ -6,7 +6,7 @@
 #include <time.h>
 
 #if SD_X86
-SD_TARGET_PUSH("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,fma,f16c")
+SD_TARGET_PUSH_PATH(SD_FEATURES_AVX512_VNNI)
 
 #    define SD_VL 16
 #    define SDMM_TILE 8 /* activation rows per pass: 8 sum and 8 float accumulators stay in registers */

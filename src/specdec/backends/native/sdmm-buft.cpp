@@ -21,6 +21,9 @@
 #    include <sys/mman.h>
 #endif
 
+static_assert(SDMM_TYPE_Q4_K == GGML_TYPE_Q4_K, "sdmm.h's Q4_K id is ggml's");
+static_assert(SDMM_TYPE_Q6_K == GGML_TYPE_Q6_K, "sdmm.h's Q6_K id is ggml's");
+
 namespace sdmm_ggml {
 
 // Q8_K rows of the activations, written by every thread before any thread multiplies.
@@ -164,7 +167,7 @@ static bool sdmm_enabled() {
         GGML_LOG_WARN("sdmm: SPECDEC_MM_ISA=%s names a path this CPU cannot run; sdmm is off\n", isa);
         return false;
     }
-    return sdmm_isa_selected() > SDMM_ISA_REF || (isa != nullptr && *isa != '\0');
+    return sdmm_isa_selected() > SD_ISA_REF || (isa != nullptr && *isa != '\0');
 }
 
 ggml_backend_buffer_type_t ggml_backend_sdmm_buffer_type(void) {
@@ -190,10 +193,13 @@ int sdmm_buffer_isa(void) {
 
 // ---------------------------------------------------------------------------------- attention
 
+// sdfa runs with sdmm's buffer type (both off at $SPECDEC_MM=0: stock llama.cpp's kernels), on
+// its own path: an AVX-512 CPU without VNNI runs sdmm on AVX2 and sdfa on AVX-512.
 int sdfa_op_isa(void) {
     static const int isa = [] {
         const char * off = getenv("SPECDEC_FA");
-        return off != nullptr && strcmp(off, "0") == 0 ? -1 : sdmm_buffer_isa();
+        const bool on = (off == nullptr || strcmp(off, "0") != 0) && sdmm_buffer_isa() >= 0;
+        return on ? sdfa_isa_selected() : -1;
     }();
     return isa;
 }

@@ -10,7 +10,7 @@ extern "C" {
 // nullptr when sdmm is off ($SPECDEC_MM=0) or cannot run on this CPU
 ggml_backend_buffer_type_t ggml_backend_sdmm_buffer_type(void);
 
-// the instruction path sdmm's buffer type runs (enum sdmm_isa), -1 when it is off; for specdec's
+// the instruction path sdmm's buffer type runs (enum sd_isa), -1 when it is off; for specdec's
 // Python side (backends/llamacpp.py: kernels(), the cost store's key)
 int sdmm_buffer_isa(void);
 
@@ -19,7 +19,8 @@ int sdmm_buffer_isa(void);
 // Called by every thread of the op (specdec's patch to ops.cpp).
 bool ggml_sdfa_forward(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 
-// the path sdfa runs (enum sdmm_isa), -1 when it is off ($SPECDEC_FA=0, or sdmm off)
+// the path sdfa runs (enum sd_isa, its own: sdfa_isa_selected), -1 when it is off
+// ($SPECDEC_FA=0, or sdmm off)
 int sdfa_op_isa(void);
 
 #ifdef __cplusplus

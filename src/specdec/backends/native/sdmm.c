@@ -247,55 +247,21 @@ void sdmm_kernel_q6k_ref(const void * w, int nsb, int ngroups, int n_valid, cons
 
 int sdmm_isa_supported(int isa) {
     switch (isa) {
-        case SDMM_ISA_REF:
+        case SD_ISA_REF:
             return 1;
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-        case SDMM_ISA_AVX2:
-            __builtin_cpu_init();
-            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-        case SDMM_ISA_AVX512:
-            __builtin_cpu_init();
-            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-#endif
+        case SD_ISA_AVX2:
+            return SD_CPU_HAS(SD_FEATURES_AVX2);
+        case SD_ISA_AVX512:
+            return SD_CPU_HAS(SD_FEATURES_AVX512_VNNI);
         default:
             return 0;
-    }
-}
-
-int sdmm_isa_best(void) {
-    return sdmm_isa_supported(SDMM_ISA_AVX512) ? SDMM_ISA_AVX512
-           : sdmm_isa_supported(SDMM_ISA_AVX2) ? SDMM_ISA_AVX2
-                                                : SDMM_ISA_REF;
-}
-
-const char * sdmm_isa_name(int isa) {
-    switch (isa) {
-        case SDMM_ISA_REF:
-            return "ref";
-        case SDMM_ISA_AVX2:
-            return "avx2";
-        case SDMM_ISA_AVX512:
-            return "avx512";
-        default:
-            return "none";
     }
 }
 
 int sdmm_isa_selected(void) {
     static int selected = -2;
     if (selected == -2) {
-        const char * env = getenv("SPECDEC_MM_ISA");
-        int isa = sdmm_isa_best();
-        if (env != NULL && *env != '\0') {
-            isa = -1;
-            for (int i = SDMM_ISA_REF; i <= SDMM_ISA_AVX512; i++) {
-                if (strcmp(env, sdmm_isa_name(i)) == 0 && sdmm_isa_supported(i)) {
-                    isa = i;
-                }
-            }
-        }
-        selected = isa;
+        selected = sd_isa_select(sdmm_isa_supported);
     }
     return selected;
 }
@@ -305,16 +271,16 @@ sdmm_kernel_fn sdmm_kernel(int type, int isa) {
         return NULL;
     }
     switch (isa) {
-        case SDMM_ISA_REF:
+        case SD_ISA_REF:
             return type == SDMM_TYPE_Q4_K ? sdmm_kernel_q4k_ref
                    : type == SDMM_TYPE_Q6_K ? sdmm_kernel_q6k_ref
                                             : NULL;
-#if defined(__x86_64__)
-        case SDMM_ISA_AVX2:
+#if SD_X86
+        case SD_ISA_AVX2:
             return type == SDMM_TYPE_Q4_K ? sdmm_kernel_q4k_avx2
                    : type == SDMM_TYPE_Q6_K ? sdmm_kernel_q6k_avx2
                                             : NULL;
-        case SDMM_ISA_AVX512:
+        case SD_ISA_AVX512:
             return type == SDMM_TYPE_Q4_K ? sdmm_kernel_q4k_avx512
                    : type == SDMM_TYPE_Q6_K ? sdmm_kernel_q6k_avx512
                                             : NULL;
@@ -325,8 +291,8 @@ sdmm_kernel_fn sdmm_kernel(int type, int isa) {
 }
 
 double sdmm_peak_macs(long iters) {
-#if defined(__x86_64__)
-    if (sdmm_isa_supported(SDMM_ISA_AVX512)) {
+#if SD_X86
+    if (sdmm_isa_supported(SD_ISA_AVX512)) {
         return sdmm_avx512_peak_macs(iters);
     }
 #endif

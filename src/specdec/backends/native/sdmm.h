@@ -16,7 +16,7 @@
  *       Q6_K: acc = fma(float(sumi), d*da, acc)
  *     (`d*da` rounded once to float); a lane's arithmetic never depends on its neighbours, and a
  *     row's K loop is never split across threads.
- * The scalar reference (SDMM_ISA_REF) spells out the same operations with fmaf, so every path
+ * The scalar reference (SD_ISA_REF) spells out the same operations with fmaf, so every path
  * gives the same bits (tests/test_kernels.py checks it).
  *
  * Layout: weights are repacked at load into groups of SDMM_R = 16 rows, one SIMD lane per row:
@@ -31,6 +31,8 @@
  * multiple of 256), b = activation rows (tokens), nsb = k / 256 super-blocks per row.
  */
 #pragma once
+
+#include "sd-isa.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -47,12 +49,10 @@ extern "C" {
  * same work from cache without it). */
 #define SDMM_PREFETCH_BYTES 4096
 
-/* ggml type ids of the weight types sdmm multiplies (ggml.h's enum ggml_type) */
+/* ggml type ids of the weight types sdmm multiplies (ggml.h's enum ggml_type; sdmm-buft.cpp
+ * checks them against it at compile time) */
 #define SDMM_TYPE_Q4_K 12
 #define SDMM_TYPE_Q6_K 14
-
-/* instruction paths; sdmm_isa_best() picks the best one this CPU runs */
-enum sdmm_isa { SDMM_ISA_REF = 0, SDMM_ISA_AVX2 = 1, SDMM_ISA_AVX512 = 2 };
 
 typedef uint16_t sdmm_half; /* IEEE binary16 bits */
 
@@ -119,12 +119,12 @@ void sdmm_pack(int type, const void * src, int64_t n, int64_t k, void * dst);
 void sdmm_quantize_row(const float * x, int64_t k, sdmm_act * out);
 
 /* --- kernels --- */
-int sdmm_isa_supported(int isa); /* can this CPU run it (and was it compiled in) */
-int sdmm_isa_best(void);
-/* the path the buffer type uses: $SPECDEC_MM_ISA (ref|avx2|avx512) if set and supported,
- * else sdmm_isa_best(); -1 if the named path cannot run here */
+/* can this CPU run sdmm's path `isa` (enum sd_isa), and was it compiled in: every feature of
+ * the path's list (sd-isa.h; AVX-512 needs VNNI here) */
+int sdmm_isa_supported(int isa);
+/* the path the buffer type uses (sd_isa_select: $SPECDEC_MM_ISA, else the best); -1 if the
+ * named path cannot run here */
 int sdmm_isa_selected(void);
-const char * sdmm_isa_name(int isa);
 sdmm_kernel_fn sdmm_kernel(int type, int isa);
 
 void sdmm_kernel_q4k_ref(const void *, int, int, int, const sdmm_act *, int, float *, size_t);

@@ -1,0 +1,61 @@
+/* sd-isa: the instruction paths of specdec's kernels (sdmm, sdfa) and the one place that says
+ * which CPU features each path is compiled for. A kernel file compiles its path with
+ * SD_TARGET_PUSH_PATH(list) (sd-common.h) and the dispatch checks the same list at run time
+ * (SD_CPU_HAS), so no path runs on a CPU that lacks an instruction its compiler was allowed to
+ * emit (a wider list at compile time than at run time is a SIGILL waiting for the right CPU). */
+#pragma once
+
+#include <stdlib.h>
+#include <string.h>
+
+/* the paths, in order of preference; Python's backends/llamacpp.py SDMM_ISAS names them */
+enum sd_isa { SD_ISA_REF = 0, SD_ISA_AVX2 = 1, SD_ISA_AVX512 = 2, SD_ISA_COUNT = 3 };
+
+/* SD_X86: the compiler can target x86-64's SIMD instruction sets function by function, so the
+ * AVX2 and AVX-512 files build (and the dispatch offers them) whatever -march says. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#    define SD_X86 1
+#else
+#    define SD_X86 0
+#endif
+
+/* Feature lists, X(name) per feature in GCC's and clang's spelling (target attribute and
+ * __builtin_cpu_supports take the same names). sdmm's AVX-512 path multiplies with VNNI's
+ * vpdpbusd; sdfa's does not, so it runs on AVX-512 CPUs without VNNI. */
+#define SD_FEATURES_AVX2(X) X("avx2") X("fma") X("f16c")
+#define SD_FEATURES_AVX512(X) \
+    SD_FEATURES_AVX2(X) X("avx512f") X("avx512bw") X("avx512vl") X("avx512dq")
+#define SD_FEATURES_AVX512_VNNI(X) SD_FEATURES_AVX512(X) X("avx512vnni")
+
+#if SD_X86
+#    define SD_CPU_HAS_ITEM_(feature) &&__builtin_cpu_supports(feature)
+/* 1 when this CPU has every feature of the list */
+#    define SD_CPU_HAS(features) (__builtin_cpu_init(), 1 features(SD_CPU_HAS_ITEM_))
+#else
+#    define SD_CPU_HAS(features) 0
+#endif
+
+static inline const char * sd_isa_name(int isa) {
+    static const char * const names[SD_ISA_COUNT] = {"ref", "avx2", "avx512"};
+    return isa >= 0 && isa < SD_ISA_COUNT ? names[isa] : "none";
+}
+
+/* The path a kernel runs, given which paths it can run here: the one $SPECDEC_MM_ISA names
+ * (ref|avx2|avx512; it forces sdmm and sdfa alike, for tests) if set, -1 if that one cannot run
+ * here; else the best one. */
+static inline int sd_isa_select(int (*supported)(int isa)) {
+    const char * env = getenv("SPECDEC_MM_ISA");
+    if (env != NULL && *env != '\0') {
+        for (int isa = SD_ISA_REF; isa < SD_ISA_COUNT; isa++) {
+            if (strcmp(env, sd_isa_name(isa)) == 0) {
+                return supported(isa) ? isa : -1;
+            }
+        }
+        return -1;
+    }
+    int best = SD_ISA_REF;
+    for (int isa = SD_ISA_REF; isa < SD_ISA_COUNT; isa++) {
+        best = supported(isa) ? isa : best;
+    }
+    return best;
+}
