@@ -1,13 +1,15 @@
 """The SpecModel contract (core/model.py), one suite for every backend (the style guide's
 principle 4).
 
-Backends: `mock` (exact), `hf` (smollm2-135m dequantized, fp32 CPU) and `llamacpp` (the same GGUF,
-Q4_1, default settings: flash attention, q8_0 K cache). The real ones are marked model but run in
-`make test`; each loads once per session (conftest.py).
+Backends: `mock` (exact), `replay` (a recorded output, backends/replay.py: exact), `hf`
+(smollm2-135m dequantized, fp32 CPU) and `llamacpp` (the same GGUF, Q4_1, default settings: flash
+attention, q8_0 K cache). The real ones are marked model but run in `make test`; each loads once
+per session (conftest.py).
 
 Tolerances are max |logit difference| against a fresh evaluation of the same tokens, measured on a
 2-core x86 CPU and set with margin:
     mock      0      integer table lookups, nothing to round.
+    replay    0      one-hot rows read off the record.
     hf        1e-3   fp32 CPU matmuls pick their blocking by batch shape, so a token evaluated in a
                      chunk of 1..8 after a cache differs from the same token in one forward pass at
                      the rounding level: measured max 7.6e-5 after detours (3 seeds), 9.5e-5 for
@@ -29,11 +31,13 @@ from conftest import TEST_THREADS
 from specdec.backends import load_model
 from specdec.backends.mock import MockModel
 from specdec.backends.registry import CorruptModelError, ModelFetchError
+from specdec.backends.replay import ReplayTarget
 from specdec.core.model import SpecModel, SpecModelError
 
-TOL = {"mock": 0.0, "hf": 1e-3, "llamacpp": 0.0}
+TOL = {"mock": 0.0, "replay": 0.0, "hf": 1e-3, "llamacpp": 0.0}
 BACKENDS = [
     "mock",
+    "replay",
     pytest.param("hf", marks=pytest.mark.model),
     pytest.param("llamacpp", marks=pytest.mark.model),
 ]
@@ -51,6 +55,9 @@ def model(backend: str, request: pytest.FixtureRequest) -> SpecModel:
     """The backend's model with an empty cache."""
     if backend == "mock":
         return MockModel(vocab_size=MOCK_V, seed=0)
+    if backend == "replay":  # the walk's sequence as the record: rows on and off it both occur
+        walk = request.getfixturevalue("seq")
+        return ReplayTarget(walk[:150], walk[150:], MOCK_V + 1, n_ctx=4096)  # as the mock
     return request.getfixturevalue(f"smol_{backend}")
 
 
@@ -58,7 +65,7 @@ def model(backend: str, request: pytest.FixtureRequest) -> SpecModel:
 def seq(backend: str, request: pytest.FixtureRequest) -> list[int]:
     """The token sequence the tests walk: real text for real models (random ids drive real models
     into odd activations with huge logits), random ids for the mock."""
-    if backend == "mock":
+    if backend in ("mock", "replay"):
         rng = random.Random(123)
         return [rng.randrange(MOCK_V) for _ in range(300)]
     return request.getfixturevalue("smol_prompt_ids")

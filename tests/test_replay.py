@@ -1,7 +1,10 @@
 """`specdec replay`: the replay loop's accounting on hand-checked cases, and the property that
 matters: replaying a recorded run reproduces its rounds exactly (same sources, K, accepted and
 emitted counts, round by round), on mock models and on a real model with the prediction drafter,
-k=auto included (fed the run's own round times, the policy makes the run's decisions).
+k=auto included (fed the run's own round times, the policy makes the run's decisions). There
+is one loop: a replay is core.decode.stream on a target that answers from the record
+(backends/replay.py), so a live run and its replay take the same rounds and commit the same
+tokens (the "one loop" tests).
 
 Cost tolerance, stated: fed the run's own times, the replay's verify time equals the run's
 measured decode-phase verify time to 1e-9 (relative); costed by a curve instead, it differs by
@@ -47,7 +50,7 @@ def test_a_perfect_copy_at_fixed_k_costs_what_the_rounds_say() -> None:
     """20 tokens that repeat the prediction, K = 4: every round drafts 4, accepts 4 and adds
     the bonus token, so 4 rounds of v(5) steps."""
     task = _task(PRED[:20], PRED[:20])
-    run = rp.replay_task(task, "prediction", rp.make_replay_policy("4", CURVE, 64), *_costs())
+    run = rp.run_task(task, "prediction", rp.make_replay_policy("4", CURVE, 64), *_costs())
     assert [(r.k, r.n_accepted, r.n_emitted) for r in run.rounds] == [(4, 4, 5)] * 4
     assert run.stats.generated == 20 and run.stats.accepted_prediction_tokens == 16
     assert run.steps == pytest.approx(4 * CURVE.at(5))
@@ -64,7 +67,7 @@ def test_an_edit_is_rejected_and_the_stop_ends_the_output() -> None:
     stop are rejected; every token of the output is emitted exactly once."""
     out = [*PRED[:30], 7, 8, *PRED[32:40]]
     task = _task(out, PRED, stopped=True, max_new_tokens=64)
-    run = rp.replay_task(task, "prediction", rp.make_replay_policy("8", CURVE, 64), *_costs())
+    run = rp.run_task(task, "prediction", rp.make_replay_policy("8", CURVE, 64), *_costs())
     assert run.stats.generated == len(out)
     emitted = sum(r.n_emitted for r in run.rounds)
     assert emitted == len(out)
@@ -103,12 +106,94 @@ def test_unknown_names_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="cannot import"):
         rp.make_replay_policy("nowhere.at.all:Policy", CURVE, 64)
     with pytest.raises(ValueError, match="unknown replay drafter"):
-        rp.make_drafter("model", _task([1], None))
+        rp.task_drafter("model", _task([1], None))
 
 
 def test_a_policy_given_as_module_attr() -> None:
     pol = rp.make_replay_policy("specdec.core.policy:ScheduleK", CURVE, 8)
     assert type(pol).__name__ == "ScheduleK" and pol.k_max == 8
+
+
+# ------------------------------------------------------------------------------ one loop
+def _live(target, prompt, drafter, k, pred, stops=()):
+    """A greedy live run of decode.generate on a mock target, with its round log."""
+    from specdec.core.decode import generate
+
+    rounds = []
+    kw = {"prediction": pred} if drafter == "prediction" else {}
+    res = generate(
+        target,
+        prompt,
+        drafter=drafter,
+        k=k,
+        temperature=0.0,
+        max_new_tokens=60,
+        stop_ids=stops,
+        on_round=rounds.append,
+        **kw,
+    )
+    return res, rounds
+
+
+def _replayed(target, prompt, drafter, k, pred, stops=()):
+    """(live result, live rounds, replay of the live output): the replay fed the live run's
+    own round times, so k=auto observes what it observed live."""
+    from specdec.core.config import K_MAX_FREE
+    from specdec.core.policy import make_policy
+
+    res, rounds = _live(target, prompt, drafter, k, pred, stops)
+    task = rp.Recorded(
+        "t", tuple(prompt), tuple(res.tokens), tuple(pred), res.stop_reason == "stop", 60
+    )
+    # k=auto as the live run made it (decode._policy: no stored curve), else the replay's name
+    policy = make_policy(k, K_MAX_FREE) if k == "auto" else rp.make_replay_policy(str(k), CURVE, 64)
+    cost = rp.recorded_costs(rounds, rp.curve_costs(CURVE))
+    return res, rounds, rp.run_task(task, drafter, policy, cost, CURVE)
+
+
+def _walk(rounds):
+    return [(r.source, r.k, r.n_accepted, r.n_emitted) for r in rounds]
+
+
+#: (drafter, K, whether some draft is rejected on this mock output: the mismatch path)
+LIVE_CASES = [("lookup", 3, True), ("prediction", 8, True), ("prediction", "schedule", False)]
+LIVE_CASES += [("prediction", "auto", True), ("lookup", "auto", True)]
+
+
+@pytest.mark.parametrize(("drafter", "k", "rejects"), LIVE_CASES)
+def test_a_replay_takes_the_live_runs_rounds(drafter, k, rejects) -> None:
+    """A live greedy run (mock target, decode.generate) and the replay of its output take the
+    same rounds: the same source and K each round, the same accepted and emitted counts, the
+    same tokens; k=auto included (the replay feeds it the live rounds' times). Both are the
+    one loop, core.decode.stream, so a change to it reaches the replay."""
+    target = MockModel(16, seed=0, scale=3.0)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    out = _live(target, prompt, None, 1, [])[0].tokens  # target-only, to build a prediction
+    pred = [*out[:20], 9, 9, 9, *out[23:]]  # the output, three tokens edited
+    res, rounds, run = _replayed(target, prompt, drafter, k, pred)
+    assert res.stop_reason == "length" and len(res.tokens) == 60
+    assert _walk(run.rounds) == _walk(rounds)
+    assert run.tokens == res.tokens
+    assert sum(r.k for r in rounds) > 0 and any(r.n_accepted < r.k for r in rounds) == rejects
+    assert [r.verify_s for r in run.rounds] == [r.verify_s for r in rounds]  # its own times
+    assert run.stats.generated == res.stats.generated and run.stats.drafted == res.stats.drafted
+
+
+def test_a_replay_of_a_stopped_run_ends_on_its_stop_token() -> None:
+    """With a stop token the rounds are the same up to the last, whose drafts past the stop the
+    record cannot judge (the replay rejects them; live, the target may have accepted some
+    before the commit cut at the stop): module docstring's limit, and only there."""
+    target = MockModel(16, seed=0, scale=3.0)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    out = _live(target, prompt, None, 1, [])[0].tokens
+    end = max(i for i, t in enumerate(out) if t not in out[:i])  # a token's first occurrence
+    # drafted from the target-only output, so live the drafts past the stop are accepted
+    res, rounds, run = _replayed(target, prompt, "prediction", 8, out, stops=[out[end]])
+    assert res.stop_reason == "stop" and res.tokens == out[: end + 1]
+    assert run.tokens == res.tokens
+    assert _walk(run.rounds)[:-1] == _walk(rounds)[:-1]
+    (s1, k1, a1, e1), (s2, k2, a2, e2) = _walk(run.rounds)[-1], _walk(rounds)[-1]
+    assert (s1, k1, e1) == (s2, k2, e2) and a1 < a2  # live accepted past the stop
 
 
 # ------------------------------------------------------------------------------ reproduction

@@ -1,5 +1,6 @@
-"""`specdec replay`: the real drafters and K policies over recorded greedy outputs, costed by a
-measured verify curve (study/run/replay.py). No model runs and no clock is read."""
+"""`specdec replay`: core.decode's loop, drafters and K policies over recorded greedy outputs,
+costed by a measured verify curve (study/run/replay.py). No model runs (the target answers from
+the record) and no wall clock is read (the clock is the curve's)."""
 
 from __future__ import annotations
 

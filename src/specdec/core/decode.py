@@ -52,12 +52,15 @@ from specdec.core.sampling import greedy_verify, probs_from_logits, rejection_sa
 PREFILL_CHUNK = 512
 
 
-class _Clock:
-    """Adds synchronized wall time to named fields of a GenerationStats."""
+class Clock:
+    """Times the loop's phases into `stats` (a GenerationStats; the loop sets it): wall seconds,
+    read after the devices synchronize. `stream(clock=...)` takes a subclass whose seconds are
+    modelled instead (backends.replay.ModelledClock), so a replay runs this same loop, and the
+    K policy observes the modelled times."""
 
-    def __init__(self, stats: GenerationStats, devices: Sequence[torch.device]) -> None:
-        self.stats = stats
-        self.devices = devices
+    def __init__(self, devices: Sequence[torch.device] = ()) -> None:
+        self.devices = list(devices)
+        self.stats = GenerationStats()
         self.last: dict[str, float] = {}  # seconds of the latest interval of each phase
 
     def now(self) -> float:
@@ -69,9 +72,12 @@ class _Clock:
     def phase(self, name: str) -> Iterator[None]:
         t0 = self.now()
         yield
-        dt = self.now() - t0
-        self.last[name] = dt
-        setattr(self.stats, name, getattr(self.stats, name) + dt)
+        self.add(name, self.now() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Count `seconds` as the latest interval of phase `name` (a field of the stats)."""
+        self.last[name] = seconds
+        setattr(self.stats, name, getattr(self.stats, name) + seconds)
 
 
 @dataclass(kw_only=True)
@@ -92,6 +98,7 @@ class _Run:
     cancelled: Callable[[], bool] | None = None
     reuse_prefix: int = 0  # block size; 0: off
     on_round: Callable[[Round], None] | None = None  # told every round's record, after the policy
+    clock: Clock | None = None  # None: wall time (Clock)
     policies: AutoPolicies | None = None  # told when the generation ends, if `policy` is theirs
     tokens: list[int] = field(default_factory=list)  # generated ids
     stop_reason: str = "length"
@@ -145,6 +152,7 @@ def generate(
     reuse_prefix: int = 0,
     cancelled: Callable[[], bool] | None = None,
     on_round: Callable[[Round], None] | None = None,
+    clock: Clock | None = None,
     debug: bool = False,
 ) -> GenerationResult:
     """Sample up to `max_new_tokens` tokens after `prompt_ids`, distributed exactly as `target`.
@@ -175,6 +183,7 @@ def generate(
                  elsewhere reused rows computed in another batch shape can flip a greedy tie
     cancelled    asked between prefill chunks; True ends with stop_reason "cancelled"
     on_round     receives every round's Round record, after the stats and the K policy
+    clock        times the phases (Clock); None: wall time. A replay passes modelled time
     debug        check the cache invariant after every round
 
     With a draft model or a drafter, K tokens are drafted per round and verified in one target
@@ -214,6 +223,7 @@ def stream(
     reuse_prefix: int = 0,
     cancelled: Callable[[], bool] | None = None,
     on_round: Callable[[Round], None] | None = None,
+    clock: Clock | None = None,
     debug: bool = False,
 ) -> SpecStream:
     """`generate`, one round's committed tokens at a time (its arguments are generate's)."""
@@ -227,7 +237,7 @@ def stream(
     width = _check_budget(target, used, prompt, max_new_tokens)
     generator = torch.Generator().manual_seed(seed)
     model = ModelDrafter(used, warp, generator, width, spec.p_min) if used is not None else None
-    made, key = _drafter(kind, model, _prediction(prediction, width), len(prompt), pool)
+    made, key = make_drafter(kind, model, _prediction(prediction, width), len(prompt), pool)
     policy = _policy(spec, target, made, key, policies) if made is not None else None
     run = _Run(
         target=target,
@@ -244,6 +254,7 @@ def stream(
         cancelled=cancelled,
         reuse_prefix=reuse_prefix,
         on_round=on_round,
+        clock=clock,
         policies=policies,
     )
     return SpecStream(run)
@@ -251,7 +262,9 @@ def stream(
 
 def _loop(run: _Run) -> Iterator[list[int]]:
     target, drafter, policy, stats = run.target, run.drafter, run.policy, run.stats
-    clock = _Clock(stats, [target.device] + ([drafter.model.device] if _has_model(drafter) else []))
+    devices = [target.device] + ([drafter.model.device] if _has_model(drafter) else [])
+    clock = run.clock if run.clock is not None else Clock(devices)
+    clock.stats = stats
     t_start = clock.now()
     seq = list(run.prompt)
     with clock.phase("prefill_s"):  # the target holds seq[:-1] between rounds
@@ -271,7 +284,7 @@ def _loop(run: _Run) -> Iterator[list[int]]:
             run.policies.finished(target, policy)
 
 
-def _rounds(run: _Run, clock: _Clock, seq: list[int], t_start: float) -> Iterator[list[int]]:
+def _rounds(run: _Run, clock: Clock, seq: list[int], t_start: float) -> Iterator[list[int]]:
     """Algorithm 1's rounds, in the paper's order; `seq` is the committed sequence."""
     target, drafter, policy, warp, stats = run.target, run.drafter, run.policy, run.warp, run.stats
     while len(run.tokens) < run.max_new_tokens:
@@ -385,19 +398,19 @@ def _check_ids(what: str, ids: TokenIds, width: int) -> list[int]:
     return out
 
 
-def _drafter(
+def make_drafter(
     kind: DrafterName | Drafter | None,
     model: ModelDrafter | None,
     prediction: list[int] | PredictionIndex | None,
     start: int,
     pool: DraftPool | None,
 ) -> tuple[Drafter | None, Hashable]:
-    """The one place a generation's drafter is built: `kind`'s (SpecConfig.drafter_for settled
-    it; `model` drafts with the draft model for "model" and "composite"), with a prediction,
-    when given, drafted from first (then `kind`'s drafter, else prompt lookup), starting at
-    `start` (the prompt's length). Also returns what tells its k="auto" policy apart
-    (AutoPolicies): the kind ("prediction" with a prediction; a Drafter's class) and the
-    draft model."""
+    """The one place a generation's drafter is built (stream's; a replay's, study.run.replay):
+    `kind`'s (SpecConfig.drafter_for settled it; `model` drafts with the draft model for
+    "model" and "composite"), with a prediction, when given, drafted from first (then `kind`'s
+    drafter, else prompt lookup), starting at `start` (the prompt's length). Also returns what
+    tells its k="auto" policy apart (AutoPolicies): the kind ("prediction" with a prediction;
+    a Drafter's class) and the draft model."""
     if kind == "prediction" and prediction is None:
         raise ValueError("drafter 'prediction' needs a prediction (prediction=, --prediction)")
     made: Drafter | None

@@ -11,7 +11,7 @@ Protocol (`run_bench`):
       another process) charges every method alike instead of favouring whichever runs second;
     * the first `warmup` prompts run every method but are not recorded (allocator, kernel and
       cache warm-up);
-    * clocks are read after a device synchronize (`decode._Clock`); prompt tokens never count as
+    * clocks are read after a device synchronize (`decode.Clock`); prompt tokens never count as
       generated tokens.
 
 Statistics (artifacts/runs.py): `aggregate_runs` pools one method's rows into an

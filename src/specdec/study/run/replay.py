@@ -1,27 +1,29 @@
-"""Replays: the real drafters and K policies run over recorded greedy outputs, with a measured
-verify curve for the cost side (`specdec replay`).
+"""Replays: core.decode's own loop, drafters and K policies over recorded greedy outputs, with
+a measured verify curve for the cost side (`specdec replay`).
 
 A greedy output is what the target produces after its prompt, whatever drafted for it (the loop
 is lossless, and greedy decoding is deterministic where the backend is batch-invariant), so a
-replay re-derives every round without the model, in decode._rounds' order:
+replay runs `decode.stream` with a target that answers from the record instead of computing
+(backends.replay.ReplayTarget) and a clock whose seconds are modelled (ModelledClock):
 
-    draft    the drafter proposes from the committed context (prompt + the output so far): the
-             same drafter classes and K policy objects a generation runs
-    verify   a drafted token is accepted while it equals the recorded output at its position
-             (greedy_verify's rule); the round emits the accepted drafts and the output's next
-             token (the recovered or bonus token), cut at the budget
+    draft    the drafter decode.make_drafter builds for a live run proposes from the committed
+             context; K comes from the same K policy objects a generation runs
+    verify   the replay target's rows are one-hot on the recorded tokens, so greedy_verify
+             accepts a draft while it equals the recorded output at its position; the round
+             emits the accepted drafts and the output's next token, cut at the budget or stop
     cost     the round costs v(k + 1) target steps of the verify curve (a microbench artifact)
-             plus k * c for drafting; the policy observes that as the round's verify_s and
-             draft_s, as k=auto observes a real pass
+             plus k * c for drafting, charged to the clock; the policy observes them as the
+             round's verify_s and draft_s, as k=auto observes a real pass
 
 Decode-phase speedup = generated tokens / steps (target-only decoding costs v(1) = 1 step per
-token); the prompt prefill is left out, as in the bench's decode phase. Nothing here reads a
-clock, so a replay gives the same table on any machine, loaded or not.
+token); the prompt prefill is left out, as in the bench's decode phase. No wall clock is read
+for the numbers, so a replay gives the same table on any machine, loaded or not.
 
 Limits, stated: past a stop token the recorded output says nothing, so drafts reaching beyond it
 count as rejected there (the real run may have accepted tokens past the stop that its commit then
-cut); costs the curve lacks (the loop's bookkeeping, ~0.1 ms a token; the drafter's own time
-unless `c` is given) are not charged.
+cut); an output that neither stopped nor filled its max_new_tokens is replayed as if its length
+were the budget; costs the curve lacks (the loop's bookkeeping, ~0.1 ms a token; the drafter's
+own time unless `c` is given) are not charged.
 
 Policies, by name (`make_policy`):
     oracle       told this round's accept length a (the replay peeks at the recorded output):
@@ -45,13 +47,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from specdec.core.drafters import (
-    CompositeDrafter,
-    Drafter,
-    LookupDrafter,
-    PredictionDrafter,
-    PredictionIndex,
-)
+from specdec.backends.replay import Charged, CostFn, ModelledClock, ReplayTarget
+from specdec.core.config import DrafterName, Warp
+from specdec.core.decode import make_drafter, stream
+from specdec.core.drafters import CompositeDrafter, Drafter, PredictionDrafter, PredictionIndex
 from specdec.core.metrics import GenerationStats, Round
 from specdec.core.policy import POLICIES, CostModelK, KPolicy, make_policy
 from specdec.study.artifacts import provenance, schema
@@ -60,7 +59,6 @@ from specdec.study.artifacts.runs import read_round_log
 SCHEMA = "specdec.replay/1"
 #: best-fixed: the fixed K tried (b = K + 1 at and below the curve's steps: 16, 32, 64 rows)
 FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 15, 16, 24, 31, 32, 48, 63, 64)
-ORACLES = ("oracle", "oracle-plan")
 #: The model-free drafters a replay runs (bench's names; no draft model: nothing to replay it
 #: on); "prediction-static": the prediction drafter without rewrites (core.edits), as before
 #: issue 22; "prediction-nohints": learned rewrites, none from the instruction
@@ -353,19 +351,29 @@ def _jsonl_record(rec: Recorded, target: str, drafter: str | None) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------ the replay
-def make_drafter(kind: str, task: Recorded) -> Drafter:
-    """A fresh drafter of bench's kind for one task, as decode.stream assembles it: the
-    prediction first, then prompt lookup. "wrong-prediction" drafts from another task's
-    prediction (bench's wrong-prediction leg); no prediction at all: lookup alone."""
+def task_drafter(kind: str, task: Recorded) -> Drafter:
+    """bench's drafter `kind` for one task, as its live run gets it (study.run.methods): built
+    by decode.make_drafter, the prediction first, then prompt lookup; "wrong-prediction" drafts
+    from another task's prediction; no prediction at all: lookup alone."""
     if kind not in DRAFTERS:
         raise ValueError(f"unknown replay drafter {kind!r}; choose from {', '.join(DRAFTERS)}")
     pred = task.other_prediction if kind == "wrong-prediction" else task.prediction
+    start = len(task.prompt)
     if kind == "lookup" or pred is None:
-        return LookupDrafter()
+        return _made("lookup", None, start)
     hints = task.hints if kind in ("prediction", "wrong-prediction") else ()
     index = PredictionIndex(list(pred), PredictionDrafter.N_MAX, hints)
-    first = PredictionDrafter(index, len(task.prompt), learn=kind != "prediction-static")
-    return CompositeDrafter(first, LookupDrafter())
+    if kind == "prediction-static":  # the one drafter decode has no name for: it never learns
+        return CompositeDrafter(
+            PredictionDrafter(index, start, learn=False), _made("lookup", None, start)
+        )
+    return _made("prediction", index, start)
+
+
+def _made(kind: DrafterName, prediction: PredictionIndex | None, start: int) -> Drafter:
+    made = make_drafter(kind, None, prediction, start, None)[0]
+    assert made is not None  # a named drafter
+    return made
 
 
 @dataclass
@@ -373,9 +381,10 @@ class ReplayRun:
     """One task replayed under one policy."""
 
     id: str
-    stats: GenerationStats  # core.metrics' counters over the replayed rounds
+    stats: GenerationStats  # the loop's counters over the replayed rounds (times: modelled)
     steps: float  # the rounds' cost in target steps (curve), drafting included
     rounds: list[Round] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # what the loop committed (the record's ids)
 
     @property
     def speedup(self) -> float:
@@ -394,17 +403,35 @@ def _accepted(x: Sequence[int], task: Recorded, at: int) -> int:
 
 @dataclass
 class Oracle:
-    """Told this round's accept length: drafts the k <= it with the most tokens per step."""
+    """A K policy told this round's accept length a (it peeks: the drafter's longest draft
+    against the record): drafts the k <= a with the most tokens per step. `start` binds it to
+    the task and the drafter the loop runs."""
 
     k_max: int
     curve: Curve
     c: float = 0.0
+    task: Recorded | None = field(default=None, repr=False)
+    drafter: Drafter | None = field(default=None, repr=False)
+    made: int = 0  # output tokens committed so far
+
+    def start(self, task: Recorded, drafter: Drafter) -> None:
+        self.task, self.drafter, self.made = task, drafter, 0
 
     def pick(self, accept: int, room: int, left: int) -> int:
         """`left`: tokens of the output still to come (a round emits at most that many)."""
         top = min(accept, room, self.k_max)
         steps = self.curve.round_steps
         return max(range(top + 1), key=lambda k: (min(k + 1, left) / steps(k, self.c), -k))
+
+    def choose(self, source: str, remaining: int) -> int:
+        assert self.task is not None and self.drafter is not None, "start() binds a task"
+        task, at = self.task, self.made
+        context = [*task.prompt, *task.output[:at]]  # the loop's committed sequence
+        peek = self.drafter.propose(context, min(self.k_max, remaining)).x.tolist()
+        return self.pick(_accepted(peek, task, at), remaining, len(task.output) - at)
+
+    def observe(self, r: Round) -> None:
+        self.made += r.n_emitted
 
 
 @dataclass
@@ -424,8 +451,8 @@ class PlanOracle(Oracle):
                 if cost < best[i]:
                     best[i], self.choice[i] = cost, k
 
-    def pick_at(self, at: int, room: int) -> int:
-        return min(self.choice[at] if at < len(self.choice) else 0, room)
+    def choose(self, source: str, remaining: int) -> int:
+        return min(self.choice[self.made] if self.made < len(self.choice) else 0, remaining)
 
 
 def accept_lengths(task: Recorded, drafter: Drafter, k_max: int) -> list[int]:
@@ -440,9 +467,6 @@ def accept_lengths(task: Recorded, drafter: Drafter, k_max: int) -> list[int]:
         out.append(a)
         ctx.append(task.output[i])
     return out
-
-
-CostFn = Callable[[int, int], tuple[float, float]]  # (round index, k) -> (draft_s, verify_s)
 
 
 def curve_costs(curve: Curve, c: float = 0.0) -> CostFn:
@@ -462,65 +486,72 @@ def recorded_costs(rounds: Sequence[Round], fallback: CostFn) -> CostFn:
     return cost
 
 
-def replay_task(
-    task: Recorded,
-    drafter: str,
-    policy: KPolicy | Oracle,
-    cost: CostFn,
-    curve: Curve,
-    c: float = 0.0,
+def run_task(
+    task: Recorded, drafter: str, policy: KPolicy, cost: CostFn, curve: Curve, c: float = 0.0
 ) -> ReplayRun:
-    """decode._rounds over a recorded output: same drafter calls, same policy calls, the
-    target's answer read from the record."""
-    if isinstance(policy, PlanOracle):
-        policy.plan(accept_lengths(task, make_drafter(drafter, task), policy.k_max))
-    drafter_ = make_drafter(drafter, task)
-    seq, made, out = list(task.prompt), 0, task.output
-    run = ReplayRun(task.id, GenerationStats(prompt_tokens=len(task.prompt)), 0.0)
-    while made < len(out):
-        room = task.max_new_tokens - made - 1
-        source = drafter_.source(seq) if room > 0 else None
-        x: list[int] = []
-        if source is not None:
-            k = _choose(policy, drafter_, seq, task, made, source, room)
-            if k > 0:
-                x = drafter_.propose(seq, k).x.tolist()
-        k = len(x)
-        n_acc = _accepted(x, task, made)
-        new = list(out[made : made + n_acc + 1])  # accepted + the recovered or bonus token
-        seq += new
-        made += len(new)
-        if k > 0:
-            drafter_.observe(n_acc)
-        draft_s, verify_s = cost(len(run.rounds), k)
-        r = Round(source or "none", k, n_acc, len(new), draft_s, verify_s)
-        run.stats.record(r)
-        run.rounds.append(r)
-        run.steps += curve.round_steps(k, c)
-        if not isinstance(policy, Oracle):
-            policy.observe(r)
-    return run
+    """core.decode.stream over a recorded output (greedy): the target a ReplayTarget reading
+    the record, the drafter `task_drafter`'s, K from `policy`, the phases timed by `cost`
+    (backends.replay). A stopped output ends on its stop token, else at its length."""
+    if task.stopped and task.output[-1] in task.output[:-1]:
+        raise ValueError(
+            f"{task.id}: marked stopped, but its stop token {task.output[-1]} occurs earlier "
+            "in the output (a generation ends at its first stop token)"
+        )
+    dense, back, width = _dense(task)
+    clock = ModelledClock(cost)
+    made = task_drafter(drafter, dense)
+    if isinstance(policy, PlanOracle):  # its plan follows the output with a drafter of its own
+        policy.plan(accept_lengths(dense, task_drafter(drafter, dense), policy.k_max))
+    if isinstance(policy, Oracle):
+        policy.start(dense, made)
+    budget = task.max_new_tokens if task.stopped else len(task.output)
+    n_ctx = len(task.prompt) + budget
+    rounds: list[Round] = []
+    s = stream(
+        ReplayTarget(dense.prompt, dense.output, width, clock, f"replay:{task.id}", n_ctx),
+        list(dense.prompt),
+        drafter=Charged(made, clock),
+        k=policy,
+        warp=Warp(0.0),
+        max_new_tokens=budget,
+        stop_ids=dense.output[-1:] if task.stopped else (),
+        on_round=rounds.append,
+        clock=clock,
+    )
+    tokens = [back[t] for chunk in s for t in chunk]
+    if tokens != list(task.output):  # the target answers from the record: never expected
+        raise AssertionError(f"{task.id}: the replay committed other tokens than the record")
+    steps = sum(curve.round_steps(r.k, c) for r in rounds)
+    return ReplayRun(task.id, s.stats, steps, rounds, tokens)
 
 
-def _choose(
-    policy: KPolicy | Oracle,
-    drafter: Drafter,
-    seq: list[int],
-    task: Recorded,
-    made: int,
-    source: str,
-    room: int,
-) -> int:
-    if isinstance(policy, PlanOracle):
-        return policy.pick_at(made, room)
-    if isinstance(policy, Oracle):  # peek: the longest draft, how far it is accepted
-        peek = drafter.propose(seq, min(policy.k_max, room)).x.tolist()
-        return policy.pick(_accepted(peek, task, made), room, len(task.output) - made)
-    return policy.choose(source, room)
+def _dense(task: Recorded) -> tuple[Recorded, list[int], int]:
+    """The task with its ids relabeled 0..U-1 in their order (U: the distinct ids it holds), the
+    map back, and the width V = U + 1 (ReplayTarget's unknown token). The drafters compare ids
+    only for equality, so the rounds are the same, while a logit row is V wide instead of the
+    tokenizer's ~150k."""
+    seqs = [task.prompt, task.output, task.prediction or (), task.other_prediction or ()]
+    seqs += [ids for hint in task.hints for ids in hint]
+    back = sorted({t for ids in seqs for t in ids})
+    ix = {t: i for i, t in enumerate(back)}
+
+    def d(ids: Sequence[int] | None) -> tuple[int, ...] | None:
+        return None if ids is None else tuple(ix[t] for t in ids)
+
+    hints = tuple((d(o), d(n)) for o, n in task.hints)
+    dense = replace(
+        task,
+        prompt=d(task.prompt),
+        output=d(task.output),
+        prediction=d(task.prediction),
+        other_prediction=d(task.other_prediction),
+        hints=hints,
+    )
+    return dense, back, len(back) + 1
 
 
 # ------------------------------------------------------------------------------ policies
-def make_replay_policy(name: str, curve: Curve, k_max: int, c: float = 0.0) -> KPolicy | Oracle:
+def make_replay_policy(name: str, curve: Curve, k_max: int, c: float = 0.0) -> KPolicy:
     """A policy by its replay name (module docstring), its cost store holding the curve."""
     if name == "oracle":
         return Oracle(k_max, curve, c)
@@ -582,7 +613,7 @@ def replay(
     for t in tasks:
         if fresh:
             pol = make_replay_policy(policy, curve, k_max, c)
-        runs.append(replay_task(t, drafter, pol, curve_costs(curve, c), curve, c))
+        runs.append(run_task(t, drafter, pol, curve_costs(curve, c), curve, c))
     return PolicyResult(policy, runs)
 
 
@@ -648,7 +679,7 @@ def reproduce(
     state the run's started in, feeding it the run's own times; compare round by round."""
     if task.rounds is None:
         raise ValueError(f"{task.id}: its artifact has no round_log (re-run the bench)")
-    run = replay_task(task, drafter, policy, recorded_costs(task.rounds, curve_costs(curve)), curve)
+    run = run_task(task, drafter, policy, recorded_costs(task.rounds, curve_costs(curve)), curve)
     rec, rep = list(task.rounds), run.rounds
     same = 0
     while same < min(len(rec), len(rep)) and _key(rec[same]) == _key(rep[same]):
