@@ -142,13 +142,15 @@ ANCHOR_BENCH := --category rewrite --drafter prediction -k auto --max-new-tokens
 anchors: venv
 	$(BIN)/specdec anchors build
 	$(BIN)/specdec anchors build --twin
+	$(BIN)/specdec anchors build --peer ik
 
 study-anchors: anchors
 	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 	# the README's table: specdec serve against stock llama-server (and the twin), warm, in a
 	# directory of its own so that `specdec figures results/cpu/served` draws it alone
 	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 5 --warmup 1 $(ANCHOR_BENCH) --serve \
-	  --llama-server-modes none,ngram-mod,ngram-map-k,twin-ngram-mod --tag served --out $(SERVED)
+	  --llama-server-modes none,ngram-mod,ngram-map-k,twin-ngram-mod,ik-none,ik-ngram-mod \
+	  --tag served --out $(SERVED)
 	$(BIN)/specdec figures $(SERVED)
 	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 5 --warmup 1 $(ANCHOR_BENCH) \
 	  --variants lookup:auto,wrong-prediction:auto \

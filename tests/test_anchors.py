@@ -44,12 +44,12 @@ def test_the_build_key_changes_with_flags_and_patches(monkeypatch, tmp_path) -> 
 def test_the_twin_is_the_same_tools_with_specdecs_kernels(tmp_path, monkeypatch) -> None:
     """The "same kernels" twin: its own key and directory (every patch and sdmm's sources go
     into it, and only into it), its modes named twin-<mode>, run on its own binary."""
-    assert anchors.build_key(twin=True) != anchors.build_key()
-    assert anchors.anchor_dir(twin=True) != anchors.anchor_dir()
-    assert "twin-" in anchors.anchor_dir(twin=True).name
+    assert anchors.build_key("twin") != anchors.build_key()
+    assert anchors.anchor_dir("twin") != anchors.anchor_dir()
+    assert "twin-" in anchors.anchor_dir("twin").name
     native = llamacpp_build.native_files()
-    assert native and not set(native) & set(anchors._sources(twin=False))
-    assert set(native) <= set(anchors._sources(twin=True))
+    assert native and not set(native) & set(anchors._sources("stock"))
+    assert set(native) <= set(anchors._sources("twin"))
     assert anchors.method_name("twin-ngram-mod") == "llama-server-twin-ngram-mod"
     assert anchors.method_name("twin-none") == "llama-server-twin"
     assert anchors.method_name("ngram-mod") == "llama-server-ngram-mod"
@@ -57,11 +57,78 @@ def test_the_twin_is_the_same_tools_with_specdecs_kernels(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="the draft must be a llamacpp"):
         anchors.check_modes(["twin-draft"], "llamacpp:a", "hf:b")
     srv = anchors.server_for("twin-ngram-mod", Path("t.gguf"), None)
-    assert srv.twin and srv.mode == "twin-ngram-mod"
+    assert srv.peer == "twin" and srv.mode == "twin-ngram-mod"
     assert srv.args[-2:] == ("--spec-type", "ngram-mod")
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
-    with pytest.raises(anchors.AnchorError, match="specdec anchors build --twin"):
+    with pytest.raises(anchors.AnchorError, match="specdec anchors build --peer twin"):
         srv.command()
+
+
+def test_ik_llama_cpp_is_a_named_peer_with_its_users_best_settings(tmp_path, monkeypatch) -> None:
+    """ik_llama.cpp: its own pinned sdist, key and directory, no patches of ours; its modes
+    named ik-<mode> (no draft-model mode: its --spec-type has none), run with
+    --run-time-repack and specdec's numerics, its key in a file (it reads none from the
+    environment) and its web UI off in its own spelling."""
+    assert anchors.build_key("ik") not in (anchors.build_key(), anchors.build_key("twin"))
+    assert anchors.anchor_dir("ik").name.startswith(f"ik_llama.cpp-{anchors.IK_VERSION}-")
+    assert anchors._sources("ik") == []
+    with pytest.raises(anchors.AnchorError, match="unknown peer 'vllm'"):
+        anchors.build_key("vllm")
+    assert anchors.method_name("ik-none") == "ik-llama-server"
+    assert anchors.method_name("ik-ngram-mod") == "ik-llama-server-ngram-mod"
+    anchors.check_modes(["ik-none", "ik-ngram-mod", "ngram-mod"], "llamacpp:a", "llamacpp:b")
+    with pytest.raises(ValueError, match=r"unknown llama-server mode.*ik-draft"):
+        anchors.check_modes(["ik-draft"], "llamacpp:a", "llamacpp:b")
+    srv = anchors.server_for("ik-ngram-mod", Path("/m/t.gguf"), None)
+    srv.exe, srv.port, srv.key_file = Path("/bin/ik-server"), 1234, Path("/tmp/k")
+    cmd = srv.command()
+    assert srv.peer == "ik" and "--run-time-repack" in cmd and "--no-webui" not in cmd
+    assert cmd[cmd.index("--webui") + 1] == "none"
+    assert cmd[cmd.index("--api-key-file") + 1] == "/tmp/k" and srv.key not in cmd
+    assert cmd[cmd.index("-fa") + 1] == "on" and cmd[cmd.index("-ctk") + 1] == "q8_0"
+    assert cmd[-2:] == ["--spec-type", "ngram-mod"]
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    with pytest.raises(anchors.AnchorError, match="specdec anchors build --peer ik"):
+        anchors.binary("llama-server", "ik")
+
+
+def test_ik_source_gets_its_build_info_written(tmp_path, monkeypatch) -> None:
+    """The sdist's tree cannot generate common/build-info.cpp (no .git, no generator script):
+    the build writes it, and refuses an sdist that is not the pinned one."""
+    import io
+    import tarfile
+
+    top = f"ik_llama_cpp_python-{anchors.IK_VERSION}/vendor/ik_llama.cpp/common"
+    sdist = tmp_path / "ik.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        data = b"int LLAMA_BUILD_NUMBER = @BUILD_NUMBER@;\n"
+        info = tarfile.TarInfo(f"{top}/build-info.cpp.in")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(anchors.AnchorError, match="is not the pinned ik-llama-cpp-python"):
+        anchors._source("ik", sdist, tmp_path / "w0", lambda s: None)
+    monkeypatch.setattr(anchors, "IK_SDIST_SHA256", llamacpp_build._sha256(sdist))
+    src = anchors._source("ik", sdist, tmp_path / "w1", lambda s: None)
+    written = (src / "common" / "build-info.cpp").read_text()
+    assert "LLAMA_BUILD_NUMBER = 0;" in written and "LLAMA_COMMIT" in written
+    assert "@" not in written
+
+
+def test_ik_server_gets_its_key_in_a_private_file_removed_at_stop(tmp_path) -> None:
+    fake = tmp_path / "llama-server"
+    seen = tmp_path / "seen"
+    fake.write_text(
+        '#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = --api-key-file ] && '
+        f'{{ stat -c %a "$2" > {seen}; cat "$2" >> {seen}; }}; shift; done\nexit 1\n'
+    )
+    fake.chmod(0o755)
+    srv = anchors.LlamaServer(tmp_path / "m.gguf", exe=fake, startup_s=10, peer="ik")
+    with pytest.raises(anchors.AnchorError, match=r"exited \(1\)"):
+        with srv:
+            pass
+    mode, key = seen.read_text().split()
+    assert mode == "600" and key == srv.key
+    assert srv.key_file is not None and not srv.key_file.exists()
 
 
 def test_missing_binary_names_the_build_command(tmp_path, monkeypatch) -> None:

@@ -91,31 +91,39 @@ def native_files() -> list[Path]:
     return sorted(p for p in NATIVE.iterdir() if p.suffix in (".c", ".cpp", ".h"))
 
 
-def fetch_sdist(dest: Path, timeout: float = 600.0) -> Path:
-    """The pinned sdist in `dest` (reused if already there), its sha256 checked."""
+def fetch_sdist(
+    dest: Path,
+    timeout: float = 600.0,
+    *,
+    package: str = PACKAGE,
+    version: str = VERSION,
+    sha256: str = SDIST_SHA256,
+) -> Path:
+    """The pinned sdist of `package` (llama-cpp-python unless told) in `dest` (reused if
+    already there), its sha256 checked."""
     dest.mkdir(parents=True, exist_ok=True)
-    path = dest / f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz"
+    path = dest / f"{package.replace('-', '_')}-{version}.tar.gz"
     if not path.is_file():
         cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
-        cmd += ["--quiet", "-d", str(dest), f"{PACKAGE}=={VERSION}"]
+        cmd += ["--quiet", "-d", str(dest), f"{package}=={version}"]
         try:
             subprocess.run(cmd, check=True, timeout=timeout, capture_output=True, text=True)
         except subprocess.CalledProcessError as e:
             tail = "\n".join(e.stderr.strip().splitlines()[-6:])
             raise BuildError(
-                f"pip could not download the {PACKAGE} {VERSION} sdist:\n{tail}"
+                f"pip could not download the {package} {version} sdist:\n{tail}"
             ) from e
         except subprocess.TimeoutExpired:
             raise BuildError(
-                f"pip download of the {PACKAGE} sdist ran past {timeout:.0f} s"
+                f"pip download of the {package} sdist ran past {timeout:.0f} s"
             ) from None
         if not path.is_file():
             raise BuildError(f"pip download left no {path.name} in {dest}")
     digest = _sha256(path)
-    if digest != SDIST_SHA256:
+    if digest != sha256:
         path.unlink()
         raise BuildError(
-            f"{path.name} has sha256 {digest}, not the pinned {SDIST_SHA256}: the package was "
+            f"{path.name} has sha256 {digest}, not the pinned {sha256}: the package was "
             "republished or the download is damaged; it was deleted, run the build again"
         )
     return path

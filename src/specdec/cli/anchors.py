@@ -24,15 +24,21 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "--sdist",
         type=Path,
         default=None,
-        help="use this llama-cpp-python sdist .tar.gz, sha256-checked (path; default download)",
+        help="use this sdist .tar.gz (llama-cpp-python's, or ik-llama-cpp-python's for --peer "
+        "ik), sha256-checked (path; default download)",
     )
     b.add_argument("--jobs", type=int, default=None, help="parallel jobs (int; default all cores)")
     b.add_argument("--force", action="store_true", help="rebuild even if built (flag; default off)")
     b.add_argument(
-        "--twin",
-        action="store_true",
-        help="build the 'same kernels' twin instead: every specdec patch and sdmm, run as the "
-        "llama-server modes twin-<mode> (flag; default off)",
+        "--peer",
+        choices=("stock", "twin", "ik"),
+        default=None,
+        help="which build: stock llama.cpp; the 'same kernels' twin (every specdec patch and "
+        "sdmm, modes twin-<mode>); or ik_llama.cpp from the ik-llama-cpp-python sdist (modes "
+        "ik-<mode>, run with --run-time-repack) (default stock)",
+    )
+    b.add_argument(
+        "--twin", action="store_true", help="the same as --peer twin (flag; default off)"
     )
     sub.add_parser("path", help="print the built llama-server and how it was built")
 
@@ -44,9 +50,10 @@ def _cmd_anchors(args: argparse.Namespace) -> int:
         if args.anchors_cmd == "build":
             if args.jobs is not None and args.jobs < 1:
                 return error(f"--jobs must be >= 1, got {args.jobs}")
-            bin_dir = anchors.build(
-                sdist=args.sdist, jobs=args.jobs, force=args.force, twin=args.twin
-            )
+            if args.twin and args.peer not in (None, "twin"):
+                return error(f"--twin and --peer {args.peer} name two builds; pass one")
+            peer = "twin" if args.twin else args.peer or "stock"
+            bin_dir = anchors.build(sdist=args.sdist, jobs=args.jobs, force=args.force, peer=peer)
             print(bin_dir)
             return 0
         if args.anchors_cmd == "path":

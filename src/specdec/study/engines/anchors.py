@@ -9,11 +9,14 @@ patches, without which this llama.cpp cannot run on some CPUs; specdec's own ker
 not), and builds llama-server, llama-lookup and llama-bench once into
 $SPECDEC_HOME/anchors/<key>/. specdec's wheel is built -march=native from the same source, so
 the two run the same ggml kernels but where a specdec-* patch adds one (sdmm, specdec's matmul
-for verify batches). `build(twin=True)` builds the "same kernels" twin: the same tools with
+for verify batches). `build(peer="twin")` builds the "same kernels" twin: the same tools with
 every specdec patch and sdmm, a second row beside the stock peer (never the headline), run as
-the modes "twin-<mode>" (e.g. twin-ngram-mod). `manifest.json` says how a build was made; the
-key covers the source, patches, kernel sources, flags and CPU, so any change builds anew.
-`LlamaServer` starts one on a loopback port, waits for /health and stops it.
+the modes "twin-<mode>" (e.g. twin-ngram-mod). `build(peer="ik")` builds ik_llama.cpp's
+llama-server and llama-bench (the fastest CPU engine found) from the sdist of its Python package
+on PyPI, which vendors it, with the same CMake defaults, run as the modes "ik-<mode>" with
+`--run-time-repack` (its users' best setting on a CPU). `manifest.json` says how a build was
+made; the key covers the source, patches, kernel sources, flags and CPU, so any change builds
+anew. `LlamaServer` starts one on a loopback port, waits for /health and stops it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import urllib.error
@@ -62,39 +66,73 @@ CMAKE_FLAGS = (
 )
 _PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
 
+#: The builds a mode runs on: stock llama.cpp (no prefix), the same-kernels twin ("twin-") and
+#: ik_llama.cpp ("ik-").
+PEERS = ("stock", "twin", "ik")
+#: ik_llama.cpp as its Python package vendors it (sdist on PyPI, sha256-pinned as ours is).
+IK_PACKAGE, IK_VERSION = "ik-llama-cpp-python", "0.1.5"
+IK_SDIST_SHA256 = "33c67eb99e4dcab5e611050433243815709b8b3067753f9ce18375013cf002ad"
+IK_TARGETS = ("llama-server", "llama-bench")
+#: What the vendored tree's CMake would write from git (common/build-info.cpp.in): the sdist
+#: has no .git and no common/cmake/build-info-gen-cpp.cmake, so the file is written first and
+#: the generating command, whose output then exists, never runs.
+IK_BUILD_INFO = (
+    "int LLAMA_BUILD_NUMBER = 0;\n"
+    'char const *LLAMA_COMMIT = "ik-llama-cpp-python-{version}";\n'
+    'char const *LLAMA_COMPILER = "unknown";\n'
+    'char const *LLAMA_BUILD_TARGET = "unknown";\n'
+)
+
 
 class AnchorError(RuntimeError):
     """An anchor could not be built or started; the message says how to fix it."""
 
 
-def _sources(twin: bool) -> list[Path]:
-    """The patches (and, for the twin, sdmm's sources) a build is made with."""
-    if not twin:
+def _check_peer(peer: str) -> None:
+    if peer not in PEERS:
+        raise AnchorError(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
+
+
+def _sources(peer: str) -> list[Path]:
+    """The patches (and, for the twin, sdmm's sources) a build is made with; ik: none."""
+    if peer == "ik":
+        return []
+    if peer == "stock":
         return llamacpp_build.patch_files(fixes_only=True)
     return [*llamacpp_build.patch_files(), *llamacpp_build.native_files()]
 
 
-def build_key(twin: bool = False) -> str:
+def _targets(peer: str) -> tuple[str, ...]:
+    return IK_TARGETS if peer == "ik" else TARGETS
+
+
+def build_key(peer: str = "stock") -> str:
     """Everything a build is made from: source, patches, flags, targets and the CPU (native)."""
+    _check_peer(peer)
     h = hashlib.sha256()
-    parts = [VERSION, llamacpp_build.SDIST_SHA256, *CMAKE_FLAGS, *TARGETS]
-    for part in parts + llamacpp_build.cpu_flags():
+    source = (
+        [IK_VERSION, IK_SDIST_SHA256] if peer == "ik" else [VERSION, llamacpp_build.SDIST_SHA256]
+    )
+    for part in [*source, *CMAKE_FLAGS, *_targets(peer), *llamacpp_build.cpu_flags()]:
         h.update(part.encode() + b"\0")
-    for f in _sources(twin):
+    for f in _sources(peer):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
-def anchor_dir(twin: bool = False) -> Path:
-    kind = "twin-" if twin else ""
-    return specdec_home() / "anchors" / f"llama.cpp-{VERSION}-{kind}{build_key(twin)}"
+def anchor_dir(peer: str = "stock") -> Path:
+    key = build_key(peer)  # checks the peer
+    stem = {"stock": "llama.cpp", "twin": "llama.cpp", "ik": "ik_llama.cpp"}[peer]
+    version = IK_VERSION if peer == "ik" else VERSION
+    kind = "twin-" if peer == "twin" else ""
+    return specdec_home() / "anchors" / f"{stem}-{version}-{kind}{key}"
 
 
-def binary(name: str = "llama-server", twin: bool = False) -> Path:
+def binary(name: str = "llama-server", peer: str = "stock") -> Path:
     """The built tool; AnchorError with the build command when it is not there."""
-    path = anchor_dir(twin) / "bin" / name
+    path = anchor_dir(peer) / "bin" / name
     if not path.is_file():
-        cmd = "specdec anchors build" + (" --twin" if twin else "")
+        cmd = "specdec anchors build" + ("" if peer == "stock" else f" --peer {peer}")
         raise AnchorError(
             f"{name} is not built for this source, flags and CPU (looked for {path}); run "
             f"`{cmd}` once (~8 min on 2 cores)"
@@ -102,9 +140,9 @@ def binary(name: str = "llama-server", twin: bool = False) -> Path:
     return path
 
 
-def manifest(twin: bool = False) -> dict | None:
+def manifest(peer: str = "stock") -> dict | None:
     """What `build` recorded (source and its sha256, patches, flags, CPU, seconds), or None."""
-    path = anchor_dir(twin) / "manifest.json"
+    path = anchor_dir(peer) / "manifest.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -138,22 +176,80 @@ def _run_logged(cmd: Sequence[str], log: Path, progress: Callable[[int], None] |
         )
 
 
+def _ik_source(sdist: Path | None, work: Path, progress: Callable[[str], None]) -> Path:
+    """ik_llama.cpp's tree from its package's sdist (downloaded unless given; sha256-checked),
+    with common/build-info.cpp written (IK_BUILD_INFO)."""
+    if sdist is None:
+        progress(f"fetching the {IK_PACKAGE} {IK_VERSION} sdist ...")
+        sdist = llamacpp_build.fetch_sdist(
+            llamacpp_build.home() / "sdists",
+            package=IK_PACKAGE,
+            version=IK_VERSION,
+            sha256=IK_SDIST_SHA256,
+        )
+    elif llamacpp_build._sha256(Path(sdist)) != IK_SDIST_SHA256:
+        raise AnchorError(f"{sdist} is not the pinned {IK_PACKAGE} {IK_VERSION} sdist")
+    with tarfile.open(sdist) as tar:
+        tar.extractall(work / "src", filter="data")
+    src = work / "src" / f"{IK_PACKAGE.replace('-', '_')}-{IK_VERSION}" / "vendor" / "ik_llama.cpp"
+    if not (src / "common" / "build-info.cpp.in").is_file():
+        raise AnchorError(f"{sdist} does not hold vendor/ik_llama.cpp as {IK_VERSION} did")
+    (src / "common" / "build-info.cpp").write_text(IK_BUILD_INFO.format(version=IK_VERSION))
+    return src
+
+
+def _source(peer: str, sdist: Path | None, work: Path, progress: Callable[[str], None]) -> Path:
+    """The llama.cpp tree `peer` builds: the pinned llama-cpp-python's, with the fix-*
+    patches (the twin: every patch and sdmm), or ik_llama.cpp's."""
+    try:
+        if peer == "ik":
+            return _ik_source(sdist, work, progress)
+        if sdist is None:
+            progress(f"fetching the {PACKAGE} {VERSION} sdist ...")
+            sdist = llamacpp_build.fetch_sdist(llamacpp_build.home() / "sdists")
+        elif llamacpp_build._sha256(Path(sdist)) != llamacpp_build.SDIST_SHA256:
+            raise AnchorError(f"{sdist} is not the pinned {PACKAGE} {VERSION} sdist")
+        root = llamacpp_build.prepare_source(Path(sdist), work / "src", fixes_only=peer == "stock")
+    except llamacpp_build.BuildError as e:
+        raise AnchorError(str(e)) from e
+    return root / "vendor" / "llama.cpp"
+
+
+def _manifest(peer: str, jobs: int, seconds: float) -> dict:
+    ik = peer == "ik"
+    return {
+        "package": IK_PACKAGE if ik else PACKAGE,
+        "version": IK_VERSION if ik else VERSION,
+        "sdist_sha256": IK_SDIST_SHA256 if ik else llamacpp_build.SDIST_SHA256,
+        "patches": [p.name for p in _sources(peer) if p.suffix == ".patch"],
+        "peer": peer,
+        "twin": peer == "twin",
+        "cmake_flags": list(CMAKE_FLAGS),
+        "targets": list(_targets(peer)),
+        "cpu_model": llamacpp_build.cpu_model(),
+        "jobs": jobs,
+        "build_s": round(seconds, 1),
+        "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
 def build(
     *,
     sdist: Path | None = None,
     jobs: int | None = None,
     force: bool = False,
-    twin: bool = False,
+    peer: str = "stock",
     progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
 ) -> Path:
-    """Build TARGETS from the pinned source with the fix-* patches (the twin: every patch and
-    sdmm) into anchor_dir(twin)/bin; return that directory. Cached by build_key(twin) (unless
-    `force`). `sdist` skips the download (its sha256 is checked all the same). Built in a
-    temporary directory and moved into place, so an interrupted build leaves nothing that looks
-    finished."""
-    out = anchor_dir(twin)
-    if not force and manifest(twin) and all((out / "bin" / t).is_file() for t in TARGETS):
-        progress(f"{', '.join(TARGETS)} already built in {out / 'bin'}")
+    """Build `peer`'s tools (stock: TARGETS from the pinned source with the fix-* patches; the
+    twin: every patch and sdmm; ik: IK_TARGETS of ik_llama.cpp) into anchor_dir(peer)/bin;
+    return that directory. Cached by build_key(peer) (unless `force`). `sdist` skips the
+    download (its sha256 is checked all the same). Built in a temporary directory and moved
+    into place, so an interrupted build leaves nothing that looks finished."""
+    _check_peer(peer)
+    out, targets = anchor_dir(peer), _targets(peer)
+    if not force and manifest(peer) and all((out / "bin" / t).is_file() for t in targets):
+        progress(f"{', '.join(targets)} already built in {out / 'bin'}")
         return out / "bin"
     _need_tools()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -161,23 +257,14 @@ def build(
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
         work = Path(tmp)
-        try:
-            if sdist is None:
-                progress(f"fetching the {PACKAGE} {VERSION} sdist ...")
-                sdist = llamacpp_build.fetch_sdist(llamacpp_build.home() / "sdists")
-            elif llamacpp_build._sha256(Path(sdist)) != llamacpp_build.SDIST_SHA256:
-                raise AnchorError(f"{sdist} is not the pinned {PACKAGE} {VERSION} sdist")
-            root = llamacpp_build.prepare_source(Path(sdist), work / "src", fixes_only=not twin)
-        except llamacpp_build.BuildError as e:
-            raise AnchorError(str(e)) from e
-        src = root / "vendor" / "llama.cpp"
+        src = _source(peer, sdist, work, progress)
         done = work / "done"
         (done / "bin").mkdir(parents=True)
         log = done / "build.log"
-        progress(f"configuring llama.cpp with CMake's defaults (log: {log})")
+        progress(f"configuring {src.name} with CMake's defaults (log: {log})")
         build_dir = work / "build"
         _run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS], log, None)
-        progress(f"building {', '.join(TARGETS)} with {jobs} jobs (~8 min on 2 cores)")
+        progress(f"building {', '.join(targets)} with {jobs} jobs (~8 min on 2 cores)")
         last = [-10]
 
         def report(pct: int) -> None:
@@ -185,29 +272,17 @@ def build(
                 last[0] = pct
                 progress(f"  {pct}% ({time.monotonic() - t0:.0f} s)")
 
-        cmd = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TARGETS]
+        cmd = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *targets]
         _run_logged(cmd, log, report)
-        for t in TARGETS:
+        for t in targets:
             shutil.copy2(build_dir / "bin" / t, done / "bin" / t)
         for lib in (build_dir / "bin").glob("*.so*"):  # the shared libraries they load
             shutil.copy2(lib, done / "bin" / lib.name, follow_symlinks=False)
-        info = {
-            "package": PACKAGE,
-            "version": VERSION,
-            "sdist_sha256": llamacpp_build.SDIST_SHA256,
-            "patches": [p.name for p in llamacpp_build.patch_files(fixes_only=not twin)],
-            "twin": twin,
-            "cmake_flags": list(CMAKE_FLAGS),
-            "targets": list(TARGETS),
-            "cpu_model": llamacpp_build.cpu_model(),
-            "jobs": jobs,
-            "build_s": round(time.monotonic() - t0, 1),
-            "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
+        info = _manifest(peer, jobs, time.monotonic() - t0)
         (done / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")
         shutil.rmtree(out, ignore_errors=True)
         os.replace(done, out)
-    progress(f"built {', '.join(TARGETS)} in {info['build_s']:.0f} s -> {out / 'bin'}")
+    progress(f"built {', '.join(targets)} in {info['build_s']:.0f} s -> {out / 'bin'}")
     return out / "bin"
 
 
@@ -244,30 +319,43 @@ NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "cache_prompt": Fals
 TOOL_MODES: dict[str, str] = {"lookup": "llama-lookup"}
 
 
-#: A server mode with this prefix runs on the "same kernels" twin build (`build(twin=True)`).
-TWIN = "twin-"
+#: A server mode's prefix names the build it runs on (PEERS): "twin-ngram-mod" runs on the
+#: "same kernels" twin, "ik-ngram-mod" on ik_llama.cpp; no prefix, stock llama.cpp.
+PREFIXES = {"twin": "twin-", "ik": "ik-"}
+#: The modes ik_llama.cpp's llama-server runs: its --spec-type has the n-gram drafters but not
+#: "draft-simple" (a draft model is another flag set there, not measured here).
+IK_MODES = tuple(m for m in SERVER_MODES if m != "draft")
+#: Flags every ik mode adds: weights repacked at load into its interleaved CPU layouts (ik's
+#: own option for CPUs, off by default): a peer is run at its best, not at its defaults.
+IK_FLAGS = ("--run-time-repack",)
 
 
-def split_twin(mode: str) -> tuple[str, bool]:
-    """'twin-ngram-mod' -> ('ngram-mod', True); 'ngram-mod' -> ('ngram-mod', False)."""
-    return (mode[len(TWIN) :], True) if mode.startswith(TWIN) else (mode, False)
+def split_peer(mode: str) -> tuple[str, str]:
+    """'twin-ngram-mod' -> ('ngram-mod', 'twin'); 'ik-none' -> ('none', 'ik');
+    'ngram-mod' -> ('ngram-mod', 'stock')."""
+    for peer, prefix in PREFIXES.items():
+        if mode.startswith(prefix):
+            return mode[len(prefix) :], peer
+    return mode, "stock"
 
 
 def method_name(mode: str) -> str:
     """The bench method of a mode: 'llama-server', 'llama-server-<mode>' or the tool's name;
-    the twin's: 'llama-server-twin', 'llama-server-twin-<mode>'."""
+    the twin's: 'llama-server-twin', 'llama-server-twin-<mode>'; ik's: 'ik-llama-server',
+    'ik-llama-server-<mode>'."""
     if mode in TOOL_MODES:
         return TOOL_MODES[mode]
-    base, twin = split_twin(mode)
-    stem = "llama-server-twin" if twin else "llama-server"
+    base, peer = split_peer(mode)
+    stem = {"stock": "llama-server", "twin": "llama-server-twin", "ik": "ik-llama-server"}[peer]
     return stem if base == "none" else f"{stem}-{base}"
 
 
 def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = False) -> None:
     """ValueError naming the fix for an unknown mode or a pair llama-server cannot load;
     `tools`: TOOL_MODES are allowed too (the bench runs them, the gate does not)."""
-    known = {**SERVER_MODES, **(TOOL_MODES if tools else {})}
-    known |= {TWIN + m: f for m, f in SERVER_MODES.items()}
+    known: dict[str, object] = {**SERVER_MODES, **(TOOL_MODES if tools else {})}
+    known |= {PREFIXES["twin"] + m: f for m, f in SERVER_MODES.items()}
+    known |= {PREFIXES["ik"] + m: SERVER_MODES[m] for m in IK_MODES}
     unknown = [m for m in modes if m not in known]
     if unknown:
         where = "" if tools else f" ({', '.join(TOOL_MODES)}: `specdec bench` only)"
@@ -275,7 +363,7 @@ def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = Fal
             f"unknown llama-server mode(s) {', '.join(unknown)}; choose from "
             f"{', '.join(known)}{where}"
         )
-    drafted = any(split_twin(m)[0] == "draft" for m in modes)
+    drafted = any(split_peer(m)[0] == "draft" for m in modes)
     need = [("target", target)] + ([("draft", draft)] if drafted else [])
     for role, spec in need:
         if not spec.startswith("llamacpp:"):
@@ -286,9 +374,11 @@ def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = Fal
 
 def server_for(mode: str, target: Path, draft: Path | None) -> LlamaServer:
     """The LlamaServer that runs `mode` on these GGUF files (all cores, as specdec's backend)."""
-    base, twin = split_twin(mode)
+    base, peer = split_peer(mode)
     flags = tuple(a.replace("{draft}", str(draft)) for a in SERVER_MODES[base])
-    return LlamaServer(target, (*SAME_NUMERICS, *flags), mode=mode, twin=twin)
+    if peer == "ik":
+        flags = (*IK_FLAGS, *flags)
+    return LlamaServer(target, (*SAME_NUMERICS, *flags), mode=mode, peer=peer)
 
 
 def servers_for(
@@ -301,7 +391,7 @@ def servers_for(
         return []
     check_modes(modes, target, draft, tools)
     target_path = resolve(parse_spec(target)[1])
-    drafted = any(split_twin(m)[0] == "draft" for m in modes)
+    drafted = any(split_peer(m)[0] == "draft" for m in modes)
     draft_path = resolve(parse_spec(draft)[1]) if drafted else None
     return [
         LlamaLookup(target_path) if m in TOOL_MODES else server_for(m, target_path, draft_path)
@@ -350,7 +440,7 @@ class LlamaServer:
     ctx: int = 4096
     startup_s: float = 180.0
     exe: Path | None = None
-    twin: bool = False  # the "same kernels" twin build (sdmm) instead of stock
+    peer: str = "stock"  # the build it runs (PEERS): stock, the "same kernels" twin, or ik
     port: int = 0
     proc: subprocess.Popen | None = None
     log: Path | None = None
@@ -358,6 +448,7 @@ class LlamaServer:
     key: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     kind = "llama-server"  # what the messages call it
     key_env = "LLAMA_API_KEY"  # how the key reaches the process (never on its command line)
+    key_file: Path | None = None  # where it does for ik_llama.cpp (mode 0600, removed at stop)
 
     @property
     def url(self) -> str:
@@ -378,18 +469,26 @@ class LlamaServer:
     def describe(self) -> dict:
         """What an artifact records of it: the command (the binary by name) and the build."""
         cmd = self.command()
-        return {"command": [Path(cmd[0]).name, *cmd[1:]], "build": manifest(self.twin)}
+        return {"command": [Path(cmd[0]).name, *cmd[1:]], "build": manifest(self.peer)}
 
     def command(self) -> list[str]:
         threads = self.threads or os.cpu_count() or 1
         return [
-            str(self.exe or binary("llama-server", self.twin)),
+            str(self.exe or binary("llama-server", self.peer)),
             *("-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)),
             *("-t", str(threads), "-tb", str(threads), "-c", str(self.ctx), "-np", "1"),
             "--jinja",  # the GGUF's own chat template, rendered as transformers renders it
-            "--no-webui",
+            *self._peer_flags(),
             *self.args,
         ]
+
+    def _peer_flags(self) -> tuple[str, ...]:
+        """No web UI; ik_llama.cpp spells that otherwise and reads no key from the
+        environment, so it gets its key in a file only this user can read."""
+        if self.peer != "ik":
+            return ("--no-webui",)
+        key = ("--api-key-file", str(self.key_file)) if self.key_file else ()
+        return ("--webui", "none", *key)
 
     def __enter__(self) -> LlamaServer:
         # free_port() frees the port before the server binds it, so another process can take
@@ -418,6 +517,11 @@ class LlamaServer:
         self.log = Path(name)
         logf = os.fdopen(fd, "w")
         env = {**os.environ, self.key_env: self.key}
+        if self.peer == "ik":
+            kfd, kname = tempfile.mkstemp(prefix="llama-server-key-")  # created 0600
+            with os.fdopen(kfd, "w") as kf:
+                kf.write(self.key + "\n")
+            self.key_file = Path(kname)
         self.proc = subprocess.Popen(
             self.command(),
             stdout=logf,
@@ -461,9 +565,10 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.log is not None:
-            with contextlib.suppress(OSError):
-                self.log.unlink()
+        for path in (self.log, self.key_file):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
 
 @dataclass
