@@ -124,7 +124,7 @@ class CostModelK:
     # b -> decayed count of measurements; a b given in verify_s without one is trusted as is
     verify_n: dict[int, float] = field(default_factory=dict)
     sources: dict[str, _SourceStats] = field(default_factory=dict)
-    explore: float = EXPLORE  # 0: explore at K = 1 (before issue 22)
+    explore: float = EXPLORE  # 0: explore an untried source at K = 1
     # a stale v(b) fades toward the prior only where the prior is cheaper (False: both ways)
     fade_down_only: bool = True
     _known: list[int] = field(default_factory=list, repr=False)  # sorted keys of verify_s
@@ -340,10 +340,11 @@ class AutoPolicies:
 
 
 #: Named K policies beside make_policy's, for replays and comparisons (study.run.replay, `specdec
-#: replay --policy NAME`): name -> (k_max) -> a fresh policy. "auto-issue21": k=auto as it was
-#: before issue 22 (untried sources explored at K = 1, stale costs fading both ways).
+#: replay --policy NAME`): name -> (k_max) -> a fresh policy. "auto-shallow": k=auto with
+#: untried sources explored at K = 1 and stale costs fading both ways (no EXPLORE depth, no
+#: fade_down_only: what those two rules are measured against).
 POLICIES: dict[str, Callable[[int], KPolicy]] = {
-    "auto-issue21": lambda k_max: CostModelK(k_max, explore=0.0, fade_down_only=False),
+    "auto-shallow": lambda k_max: CostModelK(k_max, explore=0.0, fade_down_only=False),
 }
 
 
