@@ -236,7 +236,7 @@ def migrate_dir(root: Path) -> list[Path]:
             continue  # not JSON: not an artifact
         new = migrate(data, path.parent)
         if json.dumps(new) != json.dumps(data):  # the order of the fields counts
-            write_json(path, new)
+            write_json(path, new, rewrite=True)
             changed.append(path)
     return changed
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from specdec.study.artifacts.provenance import meta_block
+from specdec.study.artifacts.schema import write_json
 
 #: Short edit prompts like the README's (not in the vendored prompt set).
 PROMPTS = [
@@ -111,9 +112,7 @@ def main() -> int:
     }
     art = {
         "schema": "specdec.oneshot/1",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": " ".join(sys.argv),
-        "load_avg": list(os.getloadavg()),
+        "meta": meta_block(),  # this process's: the children run the same build on this CPU
         "target": args.target,
         "max_new_tokens": args.max_new_tokens,
         "threads": args.threads,
@@ -122,10 +121,7 @@ def main() -> int:
         "geomean_speedup": speed,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
-        json.dump(art, f, indent=1)
-    os.replace(f.name, out)
+    write_json(out, art)
     print(
         f"geomean speedup, lookup k=auto over target-only: {speed['generate_s']:.3f}x in "
         f"generate, {speed['process_s']:.3f}x per process (model load included); wrote {out}"

@@ -86,3 +86,39 @@ def test_a_record_round_trips_and_refuses_unknown_or_mistyped_fields() -> None:
     del bad["target_step_ms"]
     with pytest.raises(schema.ArtifactError, match=r"missing field 'target_step_ms'"):
         schema.MicrobenchArtifact.from_json(bad, "m.json")
+
+
+def test_an_artifact_that_does_not_name_its_machine_is_refused_at_write(tmp_path) -> None:
+    """write_json refuses a specdec artifact whose meta.machine lacks the CPU, the kernels or the
+    load, and writes nothing; the migration's rewrite of an old file is let through."""
+    art = json.loads((FIXTURES / "microbench_qwen2.5-coder-1.5b.json").read_text())
+    path = tmp_path / "m.json"
+    assert "cpu_model" not in art["meta"]["machine"]  # the fixture predates the machine block
+    with pytest.raises(schema.SchemaError, match="does not name cpu_model, kernels, load_avg"):
+        schema.write_json(path, art)
+    for meta in ({}, {"machine": None}, None):
+        with pytest.raises(schema.SchemaError, match=r"no meta\.machine block"):
+            schema.write_json(path, {**art, "meta": meta})
+    machine = {**art["meta"]["machine"], "cpu_model": "", "kernels": None, "load_avg": None}
+    with pytest.raises(schema.SchemaError, match="does not name cpu_model"):
+        schema.write_json(path, {**art, "meta": {**art["meta"], "machine": machine}})
+    assert not path.exists()
+    machine["cpu_model"] = "Test CPU"  # kernels and load may be null: no llama.cpp, no loadavg
+    schema.write_json(path, {**art, "meta": {**art["meta"], "machine": machine}})
+    assert schema.read(json.loads(path.read_text())).meta["machine"]["cpu_model"] == "Test CPU"
+    schema.write_json(path, art, rewrite=True)  # scripts/migrate_artifacts.py
+    schema.write_json(tmp_path / "other.json", {"schema": "not-specdec", "x": [1]})
+
+
+def test_the_meta_block_names_the_machine() -> None:
+    from specdec.study.artifacts.provenance import meta_block
+
+    schema.check_machine({"schema": "specdec.bench/1", "meta": meta_block()}, "now")
+
+
+def test_every_committed_result_names_its_machine() -> None:
+    """results/ holds only artifacts a reader can place: the CPU, the kernels, the load."""
+    for path in sorted((ROOT / "results").rglob("*.json")):
+        data, src = json.loads(path.read_text()), str(path.relative_to(ROOT))
+        assert str(data.get("schema")).startswith("specdec."), f"{src}: not a specdec artifact"
+        schema.check_machine(data, src)

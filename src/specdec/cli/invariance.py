@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from specdec.cli import args as cli_args
+from specdec.study.artifacts.provenance import meta_block
 from specdec.study.artifacts.schema import write_json
 from specdec.study.run.invariance import SCHEMA, SETTINGS, format_table, run_setting
 
@@ -89,6 +90,7 @@ def _cmd_invariance(args: argparse.Namespace) -> int:
             print(f"{spec} {setting}: done", file=sys.stderr)
     art = {
         "schema": SCHEMA,
+        "meta": meta_block(),  # the parent's: the children run the same build on the same CPU
         "settings": {s: SETTINGS[s] for s in args.settings},
         "batch": args.batch,
         "contexts": args.contexts,

@@ -6,7 +6,8 @@ writes them; study/present/ reads them back with `read` (or `<Kind>.from_json`).
 comments below are the schema's documentation; this docstring says only what the fields cannot.
 
 Every artifact is one JSON object with `"schema": "specdec.<kind>/<version>"` and a `"meta"`
-block (provenance.meta_block(): when, where, with what). Kinds:
+block (provenance.meta_block(): when, where, with what; write_json refuses one whose
+meta.machine does not name the CPU, kernels and load: check_machine). Kinds:
 
     specdec.bench/1       BenchArtifact: one `specdec bench` run (run/bench.py: the protocol)
     specdec.sweep/1       SweepArtifact: a K-sweep summary; its per-K bench artifacts lie beside it
@@ -103,17 +104,44 @@ def named_artifact(out: str | os.PathLike[str], kind: str, *parts: str | None) -
 _NUMBER_LIST = re.compile(r"\[\s*(-?[\d.eE+-]+(?:,\s*-?[\d.eE+-]+)*)\s*\]")
 
 
-def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+#: What a specdec artifact's meta.machine must name (provenance.meta_block writes them): the CPU,
+#: the llama.cpp kernels the process ran (null: it loaded no llama.cpp) and the load average (null
+#: where the OS has none). Without them two hosts' or two builds' numbers read as one run's.
+MACHINE_KEYS = ("cpu_model", "kernels", "load_avg")
+
+
+def check_machine(data: Any, src: str) -> None:
+    """SchemaError unless a specdec artifact (`"schema": "specdec.*"`) has a meta.machine block
+    with MACHINE_KEYS and a CPU model; other JSON passes."""
+    if not (isinstance(data, Mapping) and str(data.get("schema", "")).startswith("specdec.")):
+        return
+    meta = data.get("meta")
+    machine = meta.get("machine") if isinstance(meta, Mapping) else None
+    if not isinstance(machine, Mapping):
+        raise SchemaError(f"{src}: no meta.machine block (provenance.meta_block() makes one)")
+    missing = [k for k in MACHINE_KEYS if k not in machine]
+    if not missing and not machine["cpu_model"]:
+        missing = ["cpu_model"]
+    if missing:
+        raise SchemaError(f"{src}: meta.machine does not name {', '.join(missing)}")
+
+
+def write_json(path: str | os.PathLike[str], obj: Any, *, rewrite: bool = False) -> None:
     """Write an artifact (a dataclass, or a dict) atomically: a temp file in the same directory,
     then os.replace, so a reader, or a Ctrl-C, never sees half a file.
 
-    Indented for diffs, but lists of numbers (token ids, per-position counts) stay on one line.
-    A dict's top-level "path" (a caller's note of where the file lives) is not written.
+    A specdec artifact must say where it was made (check_machine; SchemaError, nothing written);
+    `rewrite=True` only brings an existing file to the current format (migrate_artifacts.py),
+    which cannot add what was never recorded. Indented for diffs, but lists of numbers (token
+    ids, per-position counts) stay on one line. A dict's top-level "path" (a caller's note of
+    where the file lives) is not written.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = to_json(obj)
     data = {k: v for k, v in data.items() if k != "path"}
+    if not rewrite:
+        check_machine(data, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=1, allow_nan=False)
     text = _NUMBER_LIST.sub(lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -7,7 +7,6 @@ the file it came from; a section whose inputs are absent says "No artifact" inst
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -38,31 +37,18 @@ def _figure(name: str, figures: Path, report: Path) -> list[str]:
     return [f"![{name}]({rel})", ""]
 
 
-def _section_machine(s: Study) -> list[str]:
-    out = ["## Machine and versions", ""]
-    groups: dict[str, list[str]] = {}
-    for src, meta in sorted(s.metas.items()):
-        key = json.dumps([meta.get("machine"), meta.get("versions")], sort_keys=True)
-        groups.setdefault(key, []).append(src)
-    for n, (key, srcs) in enumerate(groups.items(), 1):
-        machine, versions = (x or {} for x in json.loads(key))
-        if len(groups) > 1:
-            out += [f"### Machine {n}", ""]
-        out += [f"From the `meta` block of {', '.join(map(_cite, srcs))}:", ""]
-        for k, label in (
-            ("platform", "Platform"),
-            ("processor", "Processor"),
-            ("cpu_count", "CPU cores"),
-            ("ram_gb", "RAM (GB)"),
-            ("torch_threads", "Torch threads"),
-            ("cuda", "CUDA device"),
-        ):
-            v = machine.get(k)
-            shown = "none" if v is None and k == "cuda" else "not recorded" if v is None else v
-            out.append(f"- {label}: {shown}")
-        vers = ", ".join(f"{k} {'not recorded' if v is None else v}" for k, v in versions.items())
-        out += [f"- Versions: {vers or 'not recorded'}", ""]
-    return out
+def _section_hosts(s: Study) -> list[str]:
+    """One table of the hosts the artifacts were made on; each section below names its own."""
+    return [
+        "## Hosts",
+        "",
+        "From each artifact's `meta.machine` (the CPU, the instruction sets ggml was built with, "
+        "cores, memory) and `meta.versions`; every section below names its artifact's host, day "
+        "and run tag, and the kernels it ran. Compare numbers made on one host and day.",
+        "",
+        *s.hosts.table(),
+        "",
+    ]
 
 
 def _section_main(s: Study) -> list[str]:
@@ -99,9 +85,13 @@ def _section_main(s: Study) -> list[str]:
         "Peak RSS (GB)",
     ]
     header += ["Peak VRAM (GB)"] * vram + ["HF-assisted tok/s", "HF-assisted speedup"] * hf
-    header += ["K / T / tokens / prompts"] * (not settings) + ["Source"]
+    header += ["K / T / tokens / prompts"] * (not settings) + ["Host", "Source"]
     best = benches[0].aggregates.speedup
-    rows = [_main_row(b, best if len(benches) > 1 else None, vram, hf, settings) for b in benches]
+    best = best if len(benches) > 1 else None
+    rows = [
+        [*_main_row(b, best, vram, hf, settings), s.hosts.where(b.src), _cite(b.src)]
+        for b in benches
+    ]
     out += fmt.md_table(header, rows)
     out += ["", "Models:", ""]
     out += fmt.md_table(
@@ -117,7 +107,7 @@ def _section_main(s: Study) -> list[str]:
         ],
     )
     for b in benches:
-        out += _methods_table(b)
+        out += _methods_table(b, s.hosts.where(b.src))
     return out
 
 
@@ -150,7 +140,7 @@ def _main_row(
     if not settings:
         t = "—" if b.temperature is None else f"{b.temperature:g}"
         row.append(f"{b.k} / {t} / {b.max_new_tokens} / {b.n_prompts}")
-    return [*row, _cite(b.src)]
+    return row
 
 
 def _method_row(method: str, a: Agg, speedup: float | None, decode: float | None) -> list[str]:
@@ -165,7 +155,7 @@ def _method_row(method: str, a: Agg, speedup: float | None, decode: float | None
     ]
 
 
-def _methods_table(b: BenchArtifact) -> list[str]:
+def _methods_table(b: BenchArtifact, where: str) -> list[str]:
     """Every method of one run (main + variants) and its speedup by prompt category."""
     agg = b.aggregates
     variants = {n: v for n, v in agg.variants.items() if v.tok_s_mean is not None}
@@ -173,7 +163,7 @@ def _methods_table(b: BenchArtifact) -> list[str]:
         return []
     out = [
         "",
-        f"Methods measured in one run, {b.label} ({_cite(b.src)}): Decode is the "
+        f"Methods measured in one run, {b.label} ({_cite(b.src)}; {where}): Decode is the "
         "speedup with the prompt prefills (paid once by every method) left out "
         "(`decode_speedup`). Tokens/round counts every target pass; Mean acc. length is "
         "vLLM's mean acceptance length, over the rounds that drafted (`mean_acceptance_length`).",
@@ -230,7 +220,8 @@ def _section_sweeps(s: Study) -> list[str]:
             f"{sw.recorded_prompts} recorded prompts" if sw.recorded_prompts else "",
             f"T={sw.temperature:g}" if sw.temperature is not None else "",
         )
-        out += [f"### {scan.sweep_label(sw, s.sweeps)}: {sw.draft_spec} → {sw.target_spec}", ""]
+        what = f"{scan.sweep_label(sw, s.sweeps)}: {sw.draft_spec} → {sw.target_spec}"
+        out += [s.hosts.heading(what, sw.src), "", s.hosts.provenance(sw.src), ""]
         out += [
             f"From {_cite(sw.src)}"
             + (f" ({setup})" if setup else "")
@@ -339,7 +330,8 @@ def _section_micro(s: Study) -> list[str]:
             f"cached prefix of {m.prefix_tokens} tokens" if m.prefix_tokens is not None else "",
             f"median of {m.repeats} repeats" if m.repeats is not None else "",
         )
-        out += [f"### {m.label}", "", f"From {_cite(m.src)}" + (f" ({what})" if what else "") + ":"]
+        out += [s.hosts.heading(_micro_what(m), m.src), "", s.hosts.provenance(m.src), ""]
+        out += [f"From {_cite(m.src)}" + (f" ({what})" if what else "") + ":"]
         out += ["", f"- target step: {m.target_step_ms:.2f} ms"]
         if m.draft_step_ms is not None:
             out.append(f"- draft step: {m.draft_step_ms:.2f} ms")
@@ -364,6 +356,14 @@ def _section_micro(s: Study) -> list[str]:
             )
         out.append("")
     return out
+
+
+def _micro_what(m: MicrobenchArtifact) -> str:
+    """'Verify curve: TARGET' ('… and draft cost: DRAFT → TARGET' with a draft)."""
+    target = m.target.name if m.target else "?"
+    if m.draft is None:
+        return f"Verify curve: {target}"
+    return f"Verify curve and draft cost: {m.draft.name} → {target}"
 
 
 def _micro_predictions(s: Study, m: MicrobenchArtifact) -> list[str]:
@@ -433,7 +433,8 @@ def _section_gate(s: Study) -> list[str]:
             pair = f"endpoint {ep.get('label')} against {ref.get('label')}"
         verdict = "PASS" if g.passed else "FAIL"
         quick = " (`--quick`: CI-sized, low power)" if g.quick else ""
-        out += [f"### {g.name}: {pair}", "", f"From {_cite(g.src)}: **{verdict}**{quick}.", ""]
+        out += [s.hosts.heading(f"{g.name}: {pair}", g.src), "", s.hosts.provenance(g.src), ""]
+        out += [f"From {_cite(g.src)}: **{verdict}**{quick}.", ""]
         out += [_sampled_line(g), *_greedy_lines(g), ""]
     return out
 
@@ -492,8 +493,9 @@ def _section_files(s: Study) -> list[str]:
     for src in sorted(s.metas):
         meta = s.metas[src]
         cmd = str(meta.get("command") or "—").replace("|", "\\|")
-        rows.append([_cite(src), s.schemas[src], str(meta.get("created", "—")), f"`{cmd}`"])
-    out += fmt.md_table(["File", "Schema", "Created", "Command"], rows)
+        row = [_cite(src), s.schemas[src], s.hosts.name(src), str(meta.get("created", "—"))]
+        rows.append([*row, f"`{cmd}`"])
+    out += fmt.md_table(["File", "Schema", "Host", "Created", "Command"], rows)
     members = sorted(p.member.src for sw in s.sweeps for p in sw.points if p.member)
     if members:
         out += [
@@ -562,7 +564,12 @@ def _section_predictions(s: Study) -> list[str]:
                     ]
                 )
         header = ["Prompt", "Method", "Tokens", "Speedup", "Accepted", "Rejected", "K histogram"]
-        out += [f"From {_cite(b.src)}:", "", *fmt.md_table(header, rows), ""]
+        out += [
+            f"From {_cite(b.src)} ({s.hosts.where(b.src)}):",
+            "",
+            *fmt.md_table(header, rows),
+            "",
+        ]
     return out
 
 
@@ -572,7 +579,7 @@ def _decode_ratio(base: Mapping[str, Any], run: Mapping[str, Any]) -> float | No
     return r / b if b and r else None
 
 
-#: REPORT.md's sections between the machine's and the predictions': heading, body (empty when its
+#: REPORT.md's sections between the hosts' and the predictions': heading, body (empty when its
 #: inputs are absent), the figure linked below it, and what "No artifact:" then names as absent.
 _SECTIONS: tuple[tuple[str, Callable[[Study], list[str]], str, str], ...] = (
     (
@@ -623,7 +630,7 @@ def render_report(study: Study, figures: Path, report: Path) -> str:
         f"Generated by `specdec report` from the {n} JSON artifact{'s' * (n != 1)} under this "
         "directory and nothing else; every number names the file it came from.",
         "",
-        *_section_machine(study),
+        *_section_hosts(study),
     ]
     for heading, section, figure, missing in _SECTIONS:
         body = section(study)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from specdec.study.artifacts.schema import (
     SweepArtifact,
 )
 from specdec.study.present.fmt import p_value
+from specdec.study.present.hosts import Hosts
 
 SIDE_NAMES = {"baseline": "target-only", "speculative": "speculative", "hf_assisted": "HF assisted"}
 
@@ -59,6 +61,11 @@ class Study:
     skipped: list[str] = field(default_factory=list)  # "FILE: why" (not specdec artifacts)
     malformed: list[str] = field(default_factory=list)  # "FILE: why" (specdec, but unusable)
     no_rows: list[str] = field(default_factory=list)  # "FILE: why" (valid bench, nothing recorded)
+
+    @cached_property
+    def hosts(self) -> Hosts:
+        """The hosts of `metas` (read once `scan` has filled it)."""
+        return Hosts(self.metas)
 
 
 #: The artifact kinds figures and report read; a newer version of one of these is malformed.
