@@ -131,6 +131,27 @@ def test_ik_server_gets_its_key_in_a_private_file_removed_at_stop(tmp_path) -> N
     assert srv.key_file is not None and not srv.key_file.exists()
 
 
+def test_a_build_collects_its_tools_and_every_shared_library(tmp_path) -> None:
+    """llama.cpp writes its libraries beside the tools; ik_llama.cpp leaves each in its own
+    directory (libmtmd.so under examples/mtmd/): the tools' $ORIGIN rpath needs all of them."""
+    build, dest = tmp_path / "build", tmp_path / "bin"
+    for rel in (
+        "bin/llama-server",
+        "bin/libggml.so",
+        "src/libllama.so",
+        "examples/mtmd/libmtmd.so",
+    ):
+        (build / rel).parent.mkdir(parents=True, exist_ok=True)
+        (build / rel).write_text(rel)
+    (build / "src" / "libllama.so.0").symlink_to("libllama.so")
+    (build / "src" / "CMakeFiles" / "x.so.d").mkdir(parents=True)
+    dest.mkdir()
+    anchors._collect(build, dest, ["llama-server"])
+    names = {p.name for p in dest.iterdir()}
+    assert names == {"llama-server", "libggml.so", "libllama.so", "libllama.so.0", "libmtmd.so"}
+    assert (dest / "libllama.so.0").is_symlink()
+
+
 def test_missing_binary_names_the_build_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     with pytest.raises(anchors.AnchorError, match="specdec anchors build"):

@@ -233,6 +233,18 @@ def _manifest(peer: str, jobs: int, seconds: float) -> dict:
     }
 
 
+def _collect(build_dir: Path, dest: Path, targets: Sequence[str]) -> None:
+    """The built tools and every shared library of the build (and its symlinks) into `dest`,
+    where the tools' $ORIGIN rpath finds them: llama.cpp writes its libraries to bin/,
+    ik_llama.cpp leaves each beside its sources (src/, ggml/src/, examples/mtmd/)."""
+    for t in targets:
+        shutil.copy2(build_dir / "bin" / t, dest / t)
+    for lib in sorted(build_dir.rglob("*.so*")):
+        wanted = lib.is_symlink() or lib.is_file()
+        if wanted and "CMakeFiles" not in lib.parts and not os.path.lexists(dest / lib.name):
+            shutil.copy2(lib, dest / lib.name, follow_symlinks=False)
+
+
 def build(
     *,
     sdist: Path | None = None,
@@ -274,10 +286,7 @@ def build(
 
         cmd = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *targets]
         _run_logged(cmd, log, report)
-        for t in targets:
-            shutil.copy2(build_dir / "bin" / t, done / "bin" / t)
-        for lib in (build_dir / "bin").glob("*.so*"):  # the shared libraries they load
-            shutil.copy2(lib, done / "bin" / lib.name, follow_symlinks=False)
+        _collect(build_dir, done / "bin", targets)
         info = _manifest(peer, jobs, time.monotonic() - t0)
         (done / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")
         shutil.rmtree(out, ignore_errors=True)
@@ -544,9 +553,9 @@ class LlamaServer:
                 )
             if _status(f"{self.url}/health") == 200:
                 # Whatever answers must be this process: it refuses a request without our key
-                # and serves one with it.
-                models = f"{self.url}/v1/models"
-                if _status(models) == 401 and _status(models, self.key) == 200:
+                # and serves one with it (ik_llama.cpp serves /v1/models to anyone; /props not).
+                probe = f"{self.url}{'/props' if self.peer == 'ik' else '/v1/models'}"
+                if _status(probe) == 401 and _status(probe, self.key) == 200:
                     return
                 raise _PortTaken(f"another process answers on port {self.port}")
             time.sleep(0.25)
