@@ -87,6 +87,10 @@ def test_ik_llama_cpp_is_a_named_peer_with_its_users_best_settings(tmp_path, mon
     assert cmd[cmd.index("--api-key-file") + 1] == "/tmp/k" and srv.key not in cmd
     assert cmd[cmd.index("-fa") + 1] == "on" and cmd[cmd.index("-ctk") + 1] == "q8_0"
     assert cmd[-2:] == ["--spec-type", "ngram-mod"]
+    # a gate compares a mode with its own build's plain server, not another build's
+    assert anchors.plain_mode("ik-ngram-mod") == "ik-none"
+    assert anchors.plain_mode("twin-ngram-mod") == "twin-none"
+    assert anchors.plain_mode("ngram-mod") == anchors.plain_mode("lookup") == "none"
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     with pytest.raises(anchors.AnchorError, match="specdec anchors build --peer ik"):
         anchors.binary("llama-server", "ik")

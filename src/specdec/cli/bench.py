@@ -139,7 +139,8 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         metavar="MODE,...",
         help=f"with --compare llama-server: {', '.join(anchors.SERVER_MODES)}, or lookup "
         f"(llama-lookup, one process per prompt); twin-<mode> runs a mode on the 'same "
-        f"kernels' twin (specdec anchors build --twin) (comma-separated; default "
+        f"kernels' twin (specdec anchors build --twin), ik-<mode> on ik_llama.cpp (specdec "
+        f"anchors build --peer ik) (comma-separated; default "
         f"{','.join(anchors.DEFAULT_MODES)}; settings are llama.cpp's defaults)",
     )
     e = p.add_argument_group(

@@ -67,8 +67,9 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         metavar="MODE",
         default=None,
         help="gate llama.cpp's own server: llama-server in MODE (ngram-mod, draft, ...: "
-        "study.engines.anchors.SERVER_MODES) against llama-server without speculation, both "
-        "started here on the --config pair (built by `specdec anchors build`) (str; default off)",
+        "study.engines.anchors.SERVER_MODES; twin-<mode>, ik-<mode> on those builds) against "
+        "the same build without speculation, both started here on the --config pair (built by "
+        "`specdec anchors build`) (str; default off)",
     )
     e.add_argument(
         "--category",
@@ -234,7 +235,8 @@ def _greedy_prompts(prompts: list, settings: GateSettings) -> list:
 
 
 def _cmd_llama_server_gate(args: argparse.Namespace, settings: GateSettings) -> int:
-    """llama-server in a speculative mode against llama-server alone, on the --config pair."""
+    """llama-server in a speculative mode against the same build without speculation, on the
+    --config pair."""
     from specdec.backends.configs import resolve_config
     from specdec.study.engines import anchors
 
@@ -244,7 +246,7 @@ def _cmd_llama_server_gate(args: argparse.Namespace, settings: GateSettings) -> 
         raise ValueError("--llama-server needs --config NAME (the pair llama-server runs)")
     cfg = resolve_config(args.config)
     mode = args.llama_server
-    servers = anchors.servers_for([mode, "none"], cfg.target, cfg.draft)
+    servers = anchors.servers_for([mode, anchors.plain_mode(mode)], cfg.target, cfg.draft)
     with anchors.servers(servers):
         eps = [s.endpoint() for s in servers]
         extra = {"llama_server": mode, "servers": [s.describe() for s in servers]}

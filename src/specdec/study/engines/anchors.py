@@ -348,6 +348,12 @@ def split_peer(mode: str) -> tuple[str, str]:
     return mode, "stock"
 
 
+def plain_mode(mode: str) -> str:
+    """The same build without speculation: a gate's baseline ('ik-ngram-mod' -> 'ik-none'),
+    since another build's kernels give other greedy answers at near-ties."""
+    return PREFIXES.get(split_peer(mode)[1], "") + "none"
+
+
 def method_name(mode: str) -> str:
     """The bench method of a mode: 'llama-server', 'llama-server-<mode>' or the tool's name;
     the twin's: 'llama-server-twin', 'llama-server-twin-<mode>'; ik's: 'ik-llama-server',
