@@ -22,7 +22,20 @@ stderr log (bytes, tracebacks) are read before and after.
 Every answer to a good, prediction, cache or stop request is compared token for token with
 `generate()` on the same models, run here after the soak (a stop string's answer must be a
 prefix of it). With --deterministic the server's prompt cache is on (batch-invariant target),
-so this also checks the cache against fresh prefills.
+so this also checks the cache against fresh prefills. A sampled answer is comparable only where
+the server has no draft pool (`--draft-pool off`): with one, prompt lookup also drafts from the
+earlier requests of the key, in whatever order they arrived, and other drafts consume the
+sampler's random numbers otherwise (the distribution is the target's, the sample is not
+generate()'s); those are counted as not comparable, and greedy answers are compared either way.
+
+RSS is also read after every RSS_EVERY requests of the mix, so that its course shows: a plateau
+is RSS within PLATEAU of its level at the mix's half over the whole second half. `make
+soak-hostile` runs 500 requests; the run that settles a plateau (issue 33) is 2,000, the same
+command with -n 2000, whose second half is the last 1,000:
+
+    .venv/bin/python scripts/loadtest.py --soak --hostile --pid $! --server-log serve.log \\
+        --api-key KEY -n 2000 -c 16 --target llamacpp:smollm2-135m --drafter lookup -k 4 \\
+        --deterministic --max-queue 16 --out results/cpu/loadtest_hostile_2000.json
 """
 
 from __future__ import annotations
@@ -101,6 +114,49 @@ SHORT_PROMPTS = (
 )
 HEALTH_EVERY_S = 0.2
 WARMUP_OFFSET = 1_000_000
+#: Requests of the mix between two readings of the server's RSS.
+RSS_EVERY = 100
+#: A plateau: every RSS reading of the mix's second half within this fraction of the reading at
+#: its half (issue 33's target: flat within 2% over the last 1,000 of 2,000 requests).
+PLATEAU = 0.02
+
+
+class RssTrack:
+    """The server's RSS after every RSS_EVERY completed requests of the mix."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self.done = 0
+        self.samples: list[tuple[int, float]] = []  # (requests completed, RSS in MB)
+        self._lock = threading.Lock()
+
+    def completed(self) -> None:
+        with self._lock:
+            self.done += 1
+            if self.done % RSS_EVERY == 0 and self.pid is not None:
+                rss = _proc(self.pid)["rss_mb"]
+                if rss is not None:
+                    self.samples.append((self.done, round(rss, 1)))
+
+    def summary(self) -> dict[str, Any]:
+        """The readings, and the drift over the second half: (last - half) / half, and the
+        span of the second half's readings around the one at the half."""
+        out: dict[str, Any] = {"every": RSS_EVERY, "samples": self.samples}
+        if len(self.samples) < 2:
+            return {**out, "drift": None, "span": None, "plateau": None}
+        half_n = self.samples[-1][0] // 2
+        mid = min(self.samples, key=lambda s: abs(s[0] - half_n))
+        second = [rss for n, rss in self.samples if n >= mid[0]]
+        span = (max(second) - min(second)) / mid[1]
+        worst = max(abs(rss - mid[1]) / mid[1] for rss in second)
+        return {
+            **out,
+            "mid": mid,
+            "end": self.samples[-1],
+            "drift": (self.samples[-1][1] - mid[1]) / mid[1],
+            "span": span,
+            "plateau": worst <= PLATEAU,
+        }
 
 
 class Monitor:
@@ -410,8 +466,9 @@ def _burst(host: str, port: int, model: str, headers: dict, n: int) -> dict[str,
     }
 
 
-def _references(args: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Regenerate every recorded answer with generate() on the same models, here."""
+def _references(args: Any, results: list[dict[str, Any]], pooled: bool) -> dict[str, Any]:
+    """Regenerate every recorded answer with generate() on the same models, here; with a draft
+    pool on the server (`pooled`), the greedy ones only (the module docstring says why)."""
     from specdec.backends import load_model
     from specdec.backends.chat import encode_prediction, stop_ids
     from specdec.core.config import SpecConfig, Warp
@@ -424,11 +481,14 @@ def _references(args: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
     spec = SpecConfig(**{key: v for key, v in spec_kw.items() if v is not None})
     tok = target.tokenizer or getattr(draft, "tokenizer", None)
     stops = stop_ids(tok)
-    compared, mismatches = 0, []
+    compared, mismatches, not_comparable = 0, [], 0
     for r in results:
         if "ids" not in r or r.get("prompt_ids") is None or r["error"]:
             continue  # no complete answer to compare (a stream that failed is unexpected)
         body = r["body"]
+        if pooled and body["temperature"] > 0:
+            not_comparable += 1
+            continue
         pred = (body.get("prediction") or {}).get("content")
         out = generate(
             target,
@@ -462,10 +522,18 @@ def _references(args: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
     cached = sum(1 for r in results if (r.get("cached") or 0) > 0 and not r["error"])
     return {
         "compared": compared,
+        "not_comparable": not_comparable,
         "with_cached_prefix": cached,
         "mismatches": len(mismatches),
         "samples": mismatches[:5],
     }
+
+
+def _pooled(host: str, port: int, headers: dict) -> bool:
+    """Whether the server drafts from a cross-request draft pool (its /v1/models card)."""
+    status, raw = _get(host, port, "/v1/models", headers)
+    card = json.loads(raw)["data"][0] if status == 200 else {}
+    return card.get("speculation", {}).get("draft_pool", {}).get("scope", "key") != "off"
 
 
 def hostile_soak(args: Any, host: str, port: int, headers: dict, model: str) -> dict[str, Any]:
@@ -474,11 +542,15 @@ def hostile_soak(args: Any, host: str, port: int, headers: dict, model: str) -> 
         i: _plan(HOSTILE_MIX[i % len(HOSTILE_MIX)], i, model, prompts) for i in range(args.requests)
     }
 
+    track = RssTrack(args.pid)
+
     def run(i: int) -> dict[str, Any]:
         kind = HOSTILE_MIX[i % len(HOSTILE_MIX)]
         r = _one(host, port, kind, i, plans[i], headers)
         r["body"] = plans[i].get("body")
         r["room_sized"] = plans[i].get("room_sized", False)
+        if i < WARMUP_OFFSET:
+            track.completed()
         return r
 
     def mix(indices: range) -> list[dict[str, Any]]:
@@ -526,7 +598,7 @@ def hostile_soak(args: Any, host: str, port: int, headers: dict, model: str) -> 
                 f"{r['kind']} #{r['i']}: {r['status']} {r.get('code') or ''} {r['error'] or ''}"
             )
     wrong_typed_s = sorted(r["s"] for r in results if r["kind"] == "wrong_typed" and "s" in r)
-    refs = _references(args, results) if args.target else None
+    refs = _references(args, results, _pooled(host, port, headers)) if args.target else None
     rss_growth = (
         (after["rss_mb"] - before["rss_mb"]) / before["rss_mb"]
         if before["rss_mb"] and after["rss_mb"]
@@ -560,6 +632,7 @@ def hostile_soak(args: Any, host: str, port: int, headers: dict, model: str) -> 
         "before": before,
         "after": after,
         "rss_growth": rss_growth,
+        "rss_course": track.summary(),
         "new_504": after["504"] - before["504"],
         "new_tracebacks": (after["log"]["tracebacks"] or 0) - (before["log"]["tracebacks"] or 0),
         "log_bytes_added": (after["log"]["bytes"] or 0) - (before["log"]["bytes"] or 0),
@@ -574,6 +647,7 @@ def hostile_soak(args: Any, host: str, port: int, headers: dict, model: str) -> 
         and health["failures"] == 0
         and rss_growth is not None
         and rss_growth <= 0.05
+        and record["rss_course"]["plateau"] is not False
         and record["new_504"] == 0
         and record["new_tracebacks"] == 0
         and burst["429_without_retry_after"] == 0

@@ -568,22 +568,28 @@ def _finish_soak(args: argparse.Namespace, record: dict[str, Any]) -> int:
 
 
 def _finish_hostile(args: argparse.Namespace, record: dict[str, Any]) -> int:
-    h, ref = record["health"], record["reference"] or {}
+    h, ref, course = record["health"], record["reference"] or {}, record["rss_course"]
     same = ref.get("compared", 0) - ref.get("mismatches", 0)
     print(
         f"hostile soak: {record['requests']} requests in {record['wall_s']} s | crashes "
         f"{record['crashes']}, 5xx on well-formed {record['well_formed_5xx']}, unexpected "
         f"{record['unexpected']} | /health p99 {h['p99_ms']} ms (max {h['max_ms']}, "
         f"{h['samples']} samples) | RSS {record['before']['rss_mb']} -> "
-        f"{record['after']['rss_mb']} MB | fds {record['before']['fds']} -> "
+        f"{record['after']['rss_mb']} MB (second half: drift {_pct(course['drift'])}, span "
+        f"{_pct(course['span'])}) | fds {record['before']['fds']} -> "
         f"{record['after']['fds']} | new 504s {record['new_504']}, tracebacks "
         f"{record['new_tracebacks']} | answers == generate(): {same}/{ref.get('compared', 0)}"
+        f" ({ref.get('not_comparable', 0)} sampled with a draft pool: not comparable)"
         f" | ok {record['ok']}"
     )
     for e in record["unexpected_samples"]:
         print(f"  unexpected: {e}", file=sys.stderr)
     _write(args.out, record)
     return 0 if record["ok"] else 1
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{100 * v:+.1f}%"
 
 
 def _write(path: str | None, record: dict[str, Any]) -> None:

@@ -55,6 +55,7 @@ PROMPT = [5, 17, 29, 3, 41, 8, 22, 36, 11, 2]
 ANSWER = 64
 LOOKUP = {"drafter": "lookup", "k": 8}
 KEY_A, KEY_B, KEY_C = "key-of-tenant-a", "key-of-tenant-b", "key-of-tenant-c"
+OPERATOR = "key-of-the-operator"  # /metrics on a server with keys (serve.app._check_operator)
 
 
 class CharTokenizer:
@@ -98,6 +99,7 @@ def _server(
         draft_pool=mode,
         draft_pool_tokens=tokens,
         draft_pool_scopes=scopes,
+        metrics_key=OPERATOR if keys else None,
     )
     engine = Engine(target, model_id=spec, spec=SpecConfig(k="auto"), draft_pool=cfg.pool_config())
     engine.warm_up()
@@ -141,7 +143,8 @@ def _pooled(reply: dict[str, Any]) -> tuple[int, int]:
 
 
 def _metrics(srv: Server, key: str | None = None) -> str:
-    status, _, text = srv.request("GET", "/metrics", headers=_auth(key))
+    """/metrics, read with the operator's key where `key` says the server has keys."""
+    status, _, text = srv.request("GET", "/metrics", headers=_auth(key and OPERATOR))
     assert status == 200, text
     return text
 

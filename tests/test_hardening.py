@@ -27,7 +27,7 @@ from test_server import (
 )
 
 from specdec.core import drafters
-from specdec.serve import app as serve_app
+from specdec.serve import connections as serve_connections
 from specdec.serve.app import ServeConfig, public_model_name
 from specdec.serve.engine import Engine
 
@@ -116,7 +116,7 @@ def test_a_stalled_body_gets_408_and_the_connection_is_closed() -> None:
 
 
 def test_headers_sent_a_byte_at_a_time_are_cut_at_the_header_deadline(monkeypatch) -> None:
-    monkeypatch.setattr(serve_app, "HEADER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(serve_connections, "HEADER_TIMEOUT_S", 1.0)
     s = mock_server()
     try:
         with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:

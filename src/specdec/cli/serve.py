@@ -14,6 +14,7 @@ from specdec.serve.app import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REQUEST_TIMEOUT_S,
+    DEFAULT_WRITE_TIMEOUT_S,
     ServeConfig,
     serve,
 )
@@ -107,7 +108,16 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="accept several API keys, one per line of this file (blank lines and lines "
         "starting with # skipped; path; default none). Each key is a tenant of its own: with "
-        "--draft-pool key, its requests draft only from its own earlier requests",
+        "--draft-pool key, its requests draft only from its own earlier requests; its k=auto "
+        "statistics and its share of the queue are its own",
+    )
+    p.add_argument(
+        "--metrics-key-file",
+        default=None,
+        metavar="PATH",
+        help="the operator's key for GET /metrics, from this file's first line (path; default "
+        "none: the API key of a server with one, and no one's on a server with several, since "
+        "the metrics count every key's requests). An API key gets 403 there",
     )
     p.add_argument(
         "--allowed-host",
@@ -122,6 +132,14 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=DEFAULT_MAX_QUEUE,
         help=f"requests waiting for the engine before 429 (int >= 1; default {DEFAULT_MAX_QUEUE})",
+    )
+    p.add_argument(
+        "--max-queue-per-key",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests of one API key waiting before 429; the keys' requests then take turns "
+        "(int >= 1; default: --max-queue with one key, half of it with several)",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -148,6 +166,22 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=DEFAULT_MAX_CONNECTIONS,
         help=f"connections open at once, else 503 (int >= 1; default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=None,
+        metavar="N",
+        help="connections open at once from one client address, else 503 (int >= 1; default "
+        "half of --max-connections). Behind a reverse proxy every client has its address: set "
+        "it to --max-connections there",
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=float,
+        default=DEFAULT_WRITE_TIMEOUT_S,
+        help="seconds a response may wait for its client to read any of it before the "
+        f"connection is reset (float > 0; default {DEFAULT_WRITE_TIMEOUT_S:g})",
     )
     _add_pool_args(p)
     p.set_defaults(func=_cmd_serve)
@@ -187,11 +221,12 @@ def _add_pool_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     lows = (("max_queue", 1), ("max_body_bytes", 1), ("threads", 1), ("port", 0))
-    for name, low in (*lows, ("max_connections", 1)):
+    per = (("max_queue_per_key", 1), ("max_connections_per_client", 1))
+    for name, low in (*lows, ("max_connections", 1), *per):
         v = getattr(args, name)
         if v is not None and v < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
-    for name in ("request_timeout", "body_timeout"):
+    for name in ("request_timeout", "body_timeout", "write_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     return serve(
@@ -206,14 +241,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             api_keys=resolve_api_keys(
                 args.api_key, args.api_key_file, args.api_keys_file, os.environ
             ),
+            metrics_key=_metrics_key(args.metrics_key_file),
             allowed_hosts=tuple(args.allowed_host or ()),
             max_queue=args.max_queue,
+            max_queue_per_key=args.max_queue_per_key,
             max_body_bytes=args.max_body_bytes,
             request_timeout=args.request_timeout,
             deterministic=args.deterministic,
             prompt_cache=args.prompt_cache,
             body_timeout=args.body_timeout,
             max_connections=args.max_connections,
+            max_connections_per_client=args.max_connections_per_client,
+            write_timeout=args.write_timeout,
             draft_pool=args.draft_pool,
             draft_pool_tokens=args.draft_pool_tokens,
             draft_pool_scopes=args.draft_pool_scopes,
@@ -243,6 +282,17 @@ def resolve_api_keys(
             "with # are comments)"
         )
     return keys
+
+
+def _metrics_key(path: str | None) -> str | None:
+    """The operator's key: the first line of --metrics-key-file; None without the flag."""
+    if path is None:
+        return None
+    lines = _lines("--metrics-key-file", path)
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise ValueError(f"--metrics-key-file {path}: its first line, the key, is empty")
+    return key
 
 
 def _lines(flag: str, path: str) -> list[str]:

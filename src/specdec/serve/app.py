@@ -7,7 +7,9 @@ Endpoints
     GET  /v1/models             the one model; its id is the target spec string, with the
                                 drafters a request may ask for and the server's defaults
     GET  /health                {"status": "ok", ...} (no paths: it needs no API key)
-    GET  /metrics               Prometheus text format, each metric defined in its HELP line
+    GET  /metrics               Prometheus text format, each metric defined in its HELP line;
+                                the operator's (`_check_operator`): its counters add up every
+                                tenant's requests
     GET  /                      the playground (serve.playground): a static page that calls the
                                 API above, with the API key its user types in
 
@@ -48,7 +50,9 @@ running one is cancelled, and connections get GRACEFUL_SHUTDOWN_S seconds to clo
 API keys and tenants: a server may accept several keys (serve.keys), and a request's key is its
 tenant: what it may read server-side is scoped by it, its draft pool (serve.draft_pools: prompt
 lookup drafts from the earlier requests of the same key, unless --draft-pool says otherwise)
-and the prompt cache (the previous request's KV is kept for a request of the same scope only).
+and the prompt cache (the previous request's KV is kept for a request of the same scope only);
+what it may steer is too: its k="auto" policies (serve.tenant_policies) and its share of the
+queue (serve.job_queue: --max-queue-per-key places, and the keys take turns).
 
 Browsers: POST bodies must be `Content-Type: application/json` (415 otherwise), which a web
 page cannot send cross-origin without a CORS preflight this server never grants; and when bound
@@ -64,15 +68,21 @@ server keeps serving.
                                 not allowed (invalid_host), ...
     401 invalid_api_key         API keys are set and the Bearer token is none of them (on /v1
                                 and /metrics; /health needs none and says no more than ok)
+    403 operator_key_required   /metrics with a tenant's key where the operator has one of
+                                their own (--metrics-key-file), or the server has several keys
     404 model_not_found         (and unknown routes: not_found)
     408 request_timeout         the body did not arrive within --body-timeout (headers get
-                                HEADER_TIMEOUT_S, then the connection is closed)
+                                serve.connections.HEADER_TIMEOUT_S, then the connection is closed)
     413 request_too_large       body over --max-body-bytes
     415 unsupported_media_type  a POST body that is not application/json
-    429 queue_full              with Retry-After (seconds); decided before tokenizing
+    429 queue_full              with Retry-After (seconds); decided before tokenizing: the
+                                queue, or the key's share of it, is full
     500 server_error            the engine raised (the type is named, its text only logged)
     503 shutting_down           the server is stopping (engine_stopped: its worker is not
-                                running); also past --max-connections open connections
+                                running); also past --max-connections open connections, or
+                                --max-connections-per-client from one address (serve.
+                                connections, which also resets a connection whose client has
+                                taken no bytes for --write-timeout seconds)
     504 timeout                 --request-timeout passed, counted from arrival (queue included)
 A streaming request that fails after its response started gets the error object as its last
 SSE event (the openai client raises it as an APIError). A non-streaming request whose client
@@ -103,10 +113,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdec.core.config import MODEL_DRAFTERS, SpecConfig
 from specdec.serve import playground
+from specdec.serve.connections import (
+    DEFAULT_WRITE_TIMEOUT_S,
+    GRACEFUL_SHUTDOWN_S,  # noqa: F401 - re-exported: the tests read the shutdown bound here
+    uvicorn_server,
+)
 from specdec.serve.draft_pools import DEFAULT_POOL_SCOPES, DEFAULT_POOL_TOKENS, PoolConfig
-from specdec.serve.engine import DEFAULT_MAX_QUEUE, Delta, Done, Engine, Event, Failed, Job, Slot
+from specdec.serve.engine import DEFAULT_MAX_QUEUE, Delta, Done, Engine, Event, Failed, Job
 from specdec.serve.errors import ApiError, timeout_error
-from specdec.serve.keys import KeyRing
+from specdec.serve.job_queue import Slot
+from specdec.serve.keys import KeyRing, unauthorized
 from specdec.serve.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -122,17 +138,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 32k-token context is ~130 KB of text
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
-#: A slow client may hold a connection this long while sending headers, and as long again while
-#: sending its body; then it is cut (408 for the body). 1 MiB takes well under a second on any
-#: link a model server is reached over.
-HEADER_TIMEOUT_S = 10.0
+#: A slow client may take this long to send a request's body (408 after; its headers get
+#: serve.connections.HEADER_TIMEOUT_S).
 DEFAULT_BODY_TIMEOUT_S = 10.0
 #: Connections open at once (uvicorn's limit_concurrency): past it, new ones get 503, so stalled
 #: clients cannot exhaust memory or descriptors.
 DEFAULT_MAX_CONNECTIONS = 256
-#: Seconds uvicorn waits for open connections at shutdown. The engine fails waiting requests
-#: and cancels the running one first, so they close at once; this bounds the rest (slow clients).
-GRACEFUL_SHUTDOWN_S = 5
 #: Host names served when bound to loopback and no --allowed-host is given.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 #: The server's K unless -k says: K per round from measured costs (core.policy.CostModelK),
@@ -159,8 +170,11 @@ class ServeConfig:
     port: int = 8000
     api_key: str | None = None  # a key /v1 and /metrics accept (Bearer); none: no key needed
     api_keys: tuple[str, ...] = ()  # more accepted keys, each a tenant (--api-keys-file)
+    metrics_key: str | None = None  # the operator's key for /metrics (_check_operator)
     allowed_hosts: tuple[str, ...] = ()  # empty: loopback names when bound to loopback, else any
     max_queue: int = DEFAULT_MAX_QUEUE
+    # one key's waiting requests, at most; None: half of max_queue with several keys (queue_per_key)
+    max_queue_per_key: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     deterministic: bool = False  # batch-invariant llama.cpp numerics (backends.load_model)
@@ -169,16 +183,39 @@ class ServeConfig:
     prompt_cache: bool | None = None
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds to receive a request's body
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open at once; 503 beyond (uvicorn's limit)
+    # open at once from one address (serve.connections); None: half of max_connections
+    max_connections_per_client: int | None = None
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_S  # s a response may wait for its client to read
     draft_pool: str = "key"  # whose earlier requests prompt lookup drafts from: key, shared, off
     draft_pool_tokens: int = DEFAULT_POOL_TOKENS  # each scope's pool, in tokens
     draft_pool_scopes: int = DEFAULT_POOL_SCOPES  # pools held at once, at most
 
     def __post_init__(self) -> None:
         self.pool_config()  # a bad --draft-pool* value fails here, before any model loads
+        if self.metrics_key is not None and self.metrics_key in self.keys():
+            raise ValueError(
+                "the --metrics-key-file key is also an API key: give the operator a key of "
+                "their own, or the tenant that holds it reads every key's metrics"
+            )
 
     def keys(self) -> tuple[str, ...]:
         """Every accepted API key (none: no key is required)."""
         return tuple(dict.fromkeys(([self.api_key] if self.api_key else []) + list(self.api_keys)))
+
+    def queue_per_key(self) -> int:
+        """Waiting requests one key may hold: --max-queue-per-key, else all of --max-queue on a
+        server with one tenant and half of it (at least 1) with several, so that one key never
+        takes every place."""
+        if self.max_queue_per_key is not None:
+            return min(self.max_queue_per_key, self.max_queue)
+        return self.max_queue if len(self.keys()) <= 1 else max(1, self.max_queue // 2)
+
+    def connections_per_client(self) -> int:
+        """Connections one address may hold open: --max-connections-per-client, else half of
+        --max-connections (at least 1)."""
+        if self.max_connections_per_client is not None:
+            return min(self.max_connections_per_client, self.max_connections)
+        return max(1, self.max_connections // 2)
 
     def pool_config(self) -> PoolConfig:
         """The draft pools' settings, with no more pools than this server has tenants."""
@@ -204,8 +241,9 @@ class _Context:
     """What the routes need, on app.state.specdec."""
 
     engine: Engine
-    cfg: ServeConfig  # without its API keys: `keys` holds their digests
+    cfg: ServeConfig  # without its API keys: `keys` and `operator` hold their digests
     keys: KeyRing
+    operator: KeyRing | None  # the --metrics-key-file key; None: none was given
     model_ids: frozenset[str]  # the names a request's `model` may use
     public_id: str  # the id responses carry: the target spec without directories
 
@@ -440,7 +478,7 @@ async def _completion(
     # JSON and validation off the event loop; the bounds in parse_json keep both short.
     req = await asyncio.to_thread(_parse, kind, body)
     _check_model(ctx, req.model)
-    with engine.reserve() as slot:  # 429 / 503 now, before any tokenizing
+    with engine.reserve(tenant) as slot:  # 429 / 503 now, before any tokenizing
         # Templating and tokenizing up to --max-body-bytes of text takes a while: in a thread.
         if isinstance(req, ChatRequest):
             prompt = await asyncio.to_thread(engine.encode_chat, req.chat_messages())
@@ -453,11 +491,8 @@ async def _completion(
             pred = await asyncio.to_thread(engine.encode_prediction, req.prediction.text())
         vocab = engine.target.vocab_size
         params = validate_request(req, engine.n_ctx, vocab, prompt, pred, engine.defaults)
-        if params.prediction:  # its n-gram index, built here rather than under the engine lock
-            index = await asyncio.to_thread(
-                engine.prediction_index, params.prediction, _instruction(req)
-            )
-            params = dataclasses.replace(params, prediction_index=index)
+        if params.prediction:  # its hints, and its index if it may be built ahead (engine)
+            params = await asyncio.to_thread(engine.prepare_prediction, params, _instruction(req))
         return await _generate(request, ctx, req, params, arrived, slot, tenant)
 
 
@@ -514,9 +549,34 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=200 if alive else 503)
 
 
+def _check_operator(request: Request) -> None:
+    """/metrics counts every tenant's requests (their prompt tokens, cache and pool hits, one
+    request at a time when traffic is light), so it is the operator's: their key where one is
+    set (--metrics-key-file; a tenant's key gets 403), else the key of a server with one API
+    key, whose one tenant is its operator; with several keys and no operator key, nobody's
+    (403). A server without keys serves it to anyone, as it does /v1. 401 for a key that is
+    none of these."""
+    ctx = _ctx(request)
+    auth = request.headers.get("authorization", "")
+    if ctx.operator is None and len(ctx.keys) <= 1:
+        ctx.keys.tenant(auth)  # 401 without the one key
+        return
+    if ctx.operator is not None and ctx.operator.matches(auth):
+        return
+    if not ctx.keys.matches(auth):
+        raise unauthorized()
+    raise ApiError(
+        403,
+        "/metrics describes every API key's requests and needs the operator's key "
+        "(specdec serve --metrics-key-file)",
+        type="permission_error",
+        code="operator_key_required",
+    )
+
+
 async def prometheus(request: Request) -> Response:
     ctx = _ctx(request)
-    _tenant(request)  # its counters describe other clients' requests
+    _check_operator(request)
     engine = ctx.engine
     gauges = {
         "specdec_queue_depth": engine.queue_depth,
@@ -548,9 +608,10 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     public_id = public_model_name(cfg.target)
     names = {cfg.target, engine.target.name, engine.target.name.split(":", 1)[-1], public_id}
     keys = KeyRing(cfg.keys())
-    # The keys stay in the ring alone, as digests (serve.keys), not in the routes' config.
-    bare = dataclasses.replace(cfg, api_key=None, api_keys=())
-    app.state.specdec = _Context(engine, bare, keys, frozenset(names), public_id)
+    operator = KeyRing([cfg.metrics_key]) if cfg.metrics_key else None
+    # The keys stay in the rings alone, as digests (serve.keys), not in the routes' config.
+    bare = dataclasses.replace(cfg, api_key=None, api_keys=(), metrics_key=None)
+    app.state.specdec = _Context(engine, bare, keys, operator, frozenset(names), public_id)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
@@ -581,6 +642,7 @@ def build_engine(cfg: ServeConfig) -> Engine:
         model_id=cfg.target,
         spec=cfg.spec_config(),
         max_queue=cfg.max_queue,
+        max_queue_per_key=cfg.queue_per_key(),
         prompt_cache=cfg.prompt_cache,
         draft_pool=cfg.pool_config(),
     )
@@ -609,56 +671,6 @@ def public_model_name(spec: str) -> str:
     return f"{backend}{sep}{name}"
 
 
-def uvicorn_server(app: FastAPI, **config: Any) -> Any:
-    """A uvicorn.Server for `app` whose shutdown first drains the engine, so waiting requests
-    get their 503 and the running one is cancelled before uvicorn waits for connections."""
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        async def shutdown(self, sockets: Any = None) -> None:
-            app.state.specdec.engine.drain()
-            await super().shutdown(sockets)
-
-    config.setdefault("timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
-    config.setdefault("limit_concurrency", app.state.specdec.cfg.max_connections)
-    config.setdefault("http", _header_deadline_protocol())
-    return _Server(uvicorn.Config(app, **config))
-
-
-def _header_deadline_protocol() -> type:
-    """uvicorn's h11 protocol, with a deadline for a request's headers: uvicorn has none, so a
-    client sending a header byte every few seconds would hold its connection forever."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class _Protocol(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()  # the next request's headers get their own deadline
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._expire)
-
-        def _expire(self) -> None:
-            # No request in flight (none yet, or the last one answered): its headers are late.
-            if self.cycle is None or self.cycle.response_complete:
-                self.transport.close()
-
-    return _Protocol
-
-
 def _warnings(cfg: ServeConfig) -> list[str]:
     """What the operator should know about these flags before the server starts."""
     out = []
@@ -669,9 +681,16 @@ def _warnings(cfg: ServeConfig) -> list[str]:
         )
     if cfg.draft_pool == "shared" and len(cfg.keys()) > 1:
         out.append(
-            f"--draft-pool shared with {len(cfg.keys())} API keys: a client can learn, through "
-            "speed alone, whether its text matches another key's requests (--draft-pool key "
-            "keeps each key's pool apart)"
+            f"--draft-pool shared with {len(cfg.keys())} API keys: a client can learn whether its "
+            "text matches another key's requests, through speed, and through "
+            "usage.prompt_tokens_details.cached_tokens, which counts the prompt blocks the "
+            "previous request of any key left in the prompt cache (--draft-pool key keeps each "
+            "key's pool and cache apart)"
+        )
+    if len(cfg.keys()) > 1 and not cfg.metrics_key:
+        out.append(
+            f"{len(cfg.keys())} API keys and no --metrics-key-file: /metrics, which counts "
+            "every key's requests, answers no one (403)"
         )
     return out
 

@@ -8,9 +8,10 @@ any other thread brings one more, so every barrier sleeps and wakes through the 
 (measured: a 62 ms step took 88 ms from a second Python thread, pure llama-cpp-python alike).
 `start` runs it in a thread of its own instead (tests, embedding).
 
-Requests wait in a bounded FIFO (`max_queue` waiting, not counting the one being generated;
-429 with Retry-After beyond that). The worker hands each job typed events through the job's
-asyncio.Queue (`loop.call_soon_threadsafe`), in order:
+Requests wait in a bounded queue, one FIFO per tenant served in turn (serve.job_queue:
+`max_queue` waiting in all, not counting the one being generated, and `max_queue_per_key` for one
+API key; 429 with Retry-After beyond either). The worker hands each job typed events through the
+job's asyncio.Queue (`loop.call_soon_threadsafe`), in order:
 
     Start                   generation began (the request left the queue)
     Delta(text, token_ids, origins)  one round's committed tokens and the text now safe to
@@ -30,20 +31,27 @@ request of its scope (`prompt_cache`, in whole blocks); after an engine exceptio
 reset again. What does reach the next request on purpose: that prefix; its scope's draft pool
 (serve.draft_pools: prompt lookup drafts from the earlier requests of the same API key, or of
 every key with --draft-pool shared, and each request's prompt and output are added once it
-ends); and the k="auto" policies (`policies`: acceptance and costs learned, never tokens), whose
-verify-cost curve is kept for the next process (backends.costs).
+ends); and the k="auto" policies (`policies`: acceptance and costs learned, never tokens), kept
+per tenant (serve.tenant_policies) but for the verify-cost curve, which measures the machine and
+is kept for the next process too (backends.costs).
+
+A request's prediction is drafted from through its n-gram index (core.drafters.PredictionIndex,
+~1.5 KiB a token). It is built while the request waits, off the engine, as long as the indexes
+alive stay within PREBUILT_INDEX_TOKENS; past that, the worker builds it when the request
+starts, so that waiting requests hold only their token ids.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from specdec.backends import chat as prompting
@@ -53,7 +61,6 @@ from specdec.core.decode import SpecStream, stream
 from specdec.core.drafters import PredictionDrafter, PredictionIndex
 from specdec.core.metrics import GenerationStats
 from specdec.core.model import SpecModel
-from specdec.core.policy import AutoPolicies
 from specdec.core.pool import DraftPool
 from specdec.serve.draft_pools import PoolConfig, ServedPools
 from specdec.serve.errors import (
@@ -63,11 +70,13 @@ from specdec.serve.errors import (
     timeout_error,
     unavailable_error,
 )
+from specdec.serve.job_queue import JobQueue, QueueFull, Slot
 from specdec.serve.keys import ANONYMOUS
 from specdec.serve.metrics import Metrics, RoundMark
 from specdec.serve.origins import OriginTracker
 from specdec.serve.protocol import GenParams
 from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
+from specdec.serve.tenant_policies import TenantPolicies
 from specdec.serve.text import TextAssembler
 
 log = logging.getLogger(__name__)
@@ -79,6 +88,12 @@ DEFAULT_MAX_QUEUE = 64
 PROMPT_CACHE_BLOCK = 256
 RETRY_AFTER_RANGE_S = (1, 60)
 _SERVICE_EMA = 0.8  # smoothing of the mean generation time that Retry-After is estimated from
+#: Prediction tokens whose n-gram indexes may be alive at once having been built ahead, while
+#: their requests wait: ~50 MiB, a 32k-token prediction's whole index (measured: 1.5 KiB a
+#: token). 65 requests in flight once held ~420 MB of them (issue 33). Built ahead, an index
+#: costs the engine no time; built by the worker, it delays its own request's start (0.4 s for
+#: 32k random ids on this repository's 2-core box, 1.2 s in issue 21's measurement).
+PREBUILT_INDEX_TOKENS = 1 << 15
 
 
 # ------------------------------------------------------------------------------ events
@@ -147,93 +162,24 @@ def error_for(reason: str) -> ApiError:
     return cancelled_error()
 
 
-class _JobQueue:
-    """A bounded FIFO from which a waiting job can be withdrawn (queue.Queue cannot)."""
+class _IndexBudget:
+    """Tokens of prebuilt prediction indexes alive, bounded: an index's tokens come back when
+    the index is freed (its request ended and let go of it), whatever path it took."""
 
-    def __init__(self, maxsize: int) -> None:
-        self.maxsize = maxsize
-        self._jobs: collections.deque[Job] = collections.deque()
-        self._cond = threading.Condition()
-        self._closed = False
-        self._reserved = 0  # places held for requests still being tokenized (Slot)
-
-    def reserve(self) -> bool:
-        """Hold a place; False when waiting and held places fill the queue."""
-        with self._cond:
-            if len(self._jobs) + self._reserved >= self.maxsize:
-                return False
-            self._reserved += 1
-            return True
-
-    def release(self) -> None:
-        with self._cond:
-            self._reserved -= 1
-
-    def put(self, job: Job, slot: Slot | None = None) -> bool:
-        """Queue `job`, in its held place if `slot` is one; False when full."""
-        with self._cond:
-            if slot is not None and slot.take():
-                self._reserved -= 1
-            elif len(self._jobs) + self._reserved >= self.maxsize:
-                return False
-            self._jobs.append(job)
-            self._cond.notify()
-            return True
-
-    def get(self) -> Job | None:
-        """The next job; None once closed and empty."""
-        with self._cond:
-            while not self._jobs and not self._closed:
-                self._cond.wait()
-            return self._jobs.popleft() if self._jobs else None
-
-    def remove(self, job: Job) -> bool:
-        with self._cond:
-            try:
-                self._jobs.remove(job)
-            except ValueError:
-                return False
-            return True
-
-    def take_all(self) -> list[Job]:
-        with self._cond:
-            jobs = list(self._jobs)
-            self._jobs.clear()
-            return jobs
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def __len__(self) -> int:
-        return len(self._jobs)
-
-
-class Slot:
-    """A place held in the queue (Engine.reserve) until its job is submitted or it is released;
-    a context manager that releases it, a no-op once the job has been queued."""
-
-    def __init__(self, queue: _JobQueue) -> None:
-        self._queue = queue
-        self._held = True
+    def __init__(self, tokens: int) -> None:
+        self.free = tokens
         self._lock = threading.Lock()
 
-    def take(self) -> bool:
-        """Give up the place to a job (True once)."""
+    def take(self, tokens: int) -> bool:
         with self._lock:
-            held, self._held = self._held, False
-            return held
+            if tokens > self.free:
+                return False
+            self.free -= tokens
+            return True
 
-    def release(self) -> None:
-        if self.take():
-            self._queue.release()
-
-    def __enter__(self) -> Slot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def give(self, tokens: int) -> None:
+        with self._lock:
+            self.free += tokens
 
 
 def _copy_tokenizer(tokenizer: object) -> object | None:
@@ -265,21 +211,27 @@ class Engine:
         # the default speculation (`specdec serve` passes ServeConfig.spec_config(): k=auto)
         spec: SpecConfig = SpecConfig(),  # noqa: B008 - frozen
         max_queue: int = DEFAULT_MAX_QUEUE,
+        # waiting requests of one tenant, at most (None: max_queue; ServeConfig.queue_per_key)
+        max_queue_per_key: int | None = None,
         metrics: Metrics | None = None,
         prompt_cache: bool | None = None,
         # None: no draft pool (`specdec serve` passes ServeConfig.pool_config(): one per API key)
         draft_pool: PoolConfig | None = None,
-        # None: k="auto" policies kept for the engine's life, their curves in backends.costs
-        policies: AutoPolicies | None = None,
+        # None: k="auto" policies kept per tenant for the engine's life, their curves in
+        # backends.costs
+        policies: TenantPolicies | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_queue_per_key is not None and max_queue_per_key < 1:
+            raise ValueError(f"max_queue_per_key must be >= 1, got {max_queue_per_key}")
         self.target = target
         self.draft = draft
         self.model_id = model_id or target.name
         self.spec = spec
-        # What one request's k="auto" learned carries to the next (core.policy.AutoPolicies)
-        self.policies = policies if policies is not None else AutoPolicies(CurveFiles())
+        # What one request's k="auto" learned carries to the next of its tenant
+        # (serve.tenant_policies)
+        self.policies = policies if policies is not None else TenantPolicies(CurveFiles())
         # What a request gets when its `speculation` object does not say (the start-up flags)
         self.defaults = SpecDefaults.of(spec, draft is not None)
         # Keep the target's KV of the prefix shared with the previous request, in whole blocks
@@ -307,7 +259,8 @@ class Engine:
         # request threads encode prompts while the worker decodes outputs.
         self.tokenizer_lock = threading.Lock()
         self.busy = False
-        self._jobs = _JobQueue(max_queue)
+        self._jobs: JobQueue[Job] = JobQueue(max_queue, max_queue_per_key)
+        self._index_budget = _IndexBudget(PREBUILT_INDEX_TOKENS)
         self._running: Job | None = None
         self._service_s = 1.0  # EMA of generation wall time, for Retry-After
         self._stopping = False
@@ -341,17 +294,22 @@ class Engine:
                     pass
 
     def stream_args(
-        self, sp: Speculation, prediction: object, pool: DraftPool | None = None
+        self,
+        sp: Speculation,
+        prediction: object,
+        pool: DraftPool | None = None,
+        tenant: str = ANONYMOUS,
     ) -> dict[str, object]:
         """`decode.stream`'s draft, spec, prediction, pool and policies for a request's
         speculation: the draft model only for the drafters that run it, no prediction for "none"
-        (it drafts nothing), the draft pool only for the drafters that run prompt lookup."""
+        (it drafts nothing), the draft pool only for the drafters that run prompt lookup, the
+        k="auto" policies of the request's tenant."""
         return {
             "draft": self.draft if sp.uses_draft else None,
             "spec": sp.spec_config(),
             "prediction": None if sp.drafter == "none" else prediction,
             "pool": pool if sp.uses_lookup else None,
-            "policies": self.policies,
+            "policies": self.policies.get(tenant),
         }
 
     def start(self) -> None:
@@ -384,22 +342,27 @@ class Engine:
         return len(self._jobs)
 
     # -------------------------------------------------------------------------- admission
-    def reserve(self) -> Slot:
-        """A place in the queue for a request about to be tokenized: admission comes first, so
-        a flood of large prompts gets its 429 before any tokenizing, and `max_queue` bounds
-        the work in flight. ApiError 503 / 429 as `submit`; release the slot when done."""
+    def reserve(self, tenant: str = ANONYMOUS) -> Slot:
+        """A place in the queue for a request of `tenant` about to be tokenized: admission comes
+        first, so a flood of large prompts gets its 429 before any tokenizing, and the queue's
+        bounds bound the work in flight. ApiError 503 / 429 as `submit`; release the slot when
+        done."""
         self._check_open()
-        if not self._jobs.reserve():
-            raise self._queue_full()
-        return Slot(self._jobs)
+        try:
+            return self._jobs.reserve(tenant)
+        except QueueFull as e:
+            raise self._queue_full(e.scope) from None
 
     def submit(self, job: Job, slot: Slot | None = None) -> None:
-        """Queue `job` (FIFO), in `slot` if one was reserved; ApiError 503 when the engine is
-        stopping or its worker is not running (at once, not at the deadline), 429 when the
-        queue is full."""
+        """Queue `job` (its tenant's turn comes after the others', serve.job_queue), in `slot`
+        if one was reserved; ApiError 503 when the engine is stopping or its worker is not
+        running (at once, not at the deadline), 429 when the queue, or its tenant's share, is
+        full."""
         self._check_open()
-        if not self._jobs.put(job, slot):
-            raise self._queue_full()
+        try:
+            self._jobs.put(job, slot)
+        except QueueFull as e:
+            raise self._queue_full(e.scope) from None
 
     def _check_open(self) -> None:
         if self._stopping:
@@ -407,12 +370,17 @@ class Engine:
         if not self.alive:
             raise unavailable_error("the engine's worker is not running", "engine_stopped")
 
-    def _queue_full(self) -> ApiError:
+    def _queue_full(self, scope: str) -> ApiError:
         lo, hi = RETRY_AFTER_RANGE_S
         retry = min(hi, max(lo, math.ceil(self._service_s)))
+        what = (
+            f"the request queue is full ({self.max_queue} waiting)"
+            if scope == "queue"
+            else f"this API key has {self._jobs.per_tenant} requests waiting, its most"
+        )
         return ApiError(
             429,
-            f"the request queue is full ({self.max_queue} waiting); retry after {retry} s",
+            f"{what}; retry after {retry} s",
             type="rate_limit_error",
             code="queue_full",
             headers={"Retry-After": str(retry)},
@@ -457,10 +425,25 @@ class Engine:
 
     def prediction_index(self, prediction: list[int], instruction: str) -> PredictionIndex:
         """A request's prediction with its n-gram index, and the rewrites its instruction names
-        as hints (backends.chat.prediction_hints): built before the request takes the engine."""
+        as hints (backends.chat.prediction_hints)."""
+        return PredictionIndex(prediction, PredictionDrafter.N_MAX, self._hints(instruction))
+
+    def _hints(self, instruction: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
         with self.tokenizer_lock:
-            hints = prompting.prediction_hints(self.tokenizer, instruction)
-        return PredictionIndex(prediction, PredictionDrafter.N_MAX, hints)
+            return tuple(prompting.prediction_hints(self.tokenizer, instruction))
+
+    def prepare_prediction(self, params: GenParams, instruction: str) -> GenParams:
+        """`params` with its prediction's hints, and its index where PREBUILT_INDEX_TOKENS
+        allows (else the worker builds it when the request starts). Call off the event loop."""
+        if not params.prediction or params.speculation.drafter == "none":
+            return params  # nothing drafts from it
+        hints = self._hints(instruction)
+        tokens = len(params.prediction)
+        if not self._index_budget.take(tokens):
+            return dataclasses.replace(params, prediction_hints=hints)
+        index = PredictionIndex(params.prediction, PredictionDrafter.N_MAX, hints)
+        weakref.finalize(index, self._index_budget.give, tokens)
+        return dataclasses.replace(params, prediction_index=index, prediction_hints=hints)
 
     def encode_text(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -500,6 +483,7 @@ class Engine:
             return
         p = job.params
         origins = OriginTracker(self.decode) if p.origins else None
+        prediction = self._prediction(p)  # outside the lock, as it was built ahead
         with self.lock:
             started = time.perf_counter()
             use = self.pools.begin(job.tenant)
@@ -509,8 +493,9 @@ class Engine:
                     p.prompt_ids,
                     **self.stream_args(
                         p.speculation,
-                        p.prediction_index or p.prediction,
+                        prediction,
                         use.pool if use is not None else None,
+                        tenant=job.tenant,
                     ),
                     warp=p.warp,
                     max_new_tokens=p.max_tokens,
@@ -550,6 +535,14 @@ class Engine:
             self.metrics.inc("specdec_generations_by_drafter_total", drafter=p.speculation.drafter)
             if done is not None:  # last: a client that has its answer finds it in /metrics
                 job.emit(done)
+
+    @staticmethod
+    def _prediction(p: GenParams) -> list[int] | PredictionIndex | None:
+        """What the request drafts from first: its index, built now if it was not built ahead
+        (Engine.prepare_prediction)."""
+        if p.prediction_index is not None or not p.prediction or p.speculation.drafter == "none":
+            return p.prediction_index or p.prediction
+        return PredictionIndex(p.prediction, PredictionDrafter.N_MAX, p.prediction_hints)
 
     def _reuse_prefix(self, tenant: str) -> int:
         """decode.stream's reuse_prefix for a request: blocks of the KV the target holds, if the

@@ -37,12 +37,9 @@ class KeyRing:
     def __len__(self) -> int:
         return len(self._digests)
 
-    def tenant(self, authorization: str) -> str:
-        """The tenant id of the key in an `Authorization: Bearer KEY` header value: ANONYMOUS
-        when the server has no keys; ApiError 401 when it has and the header holds none of
-        them."""
-        if not self._digests:
-            return ANONYMOUS
+    def _find(self, authorization: str) -> bytes | None:
+        """The digest of the key in an `Authorization: Bearer KEY` header value, if it is one
+        of the ring's."""
         scheme, _, token = authorization.partition(" ")
         # Starlette decodes headers as latin-1: encoding back gives the bytes the client sent.
         given = self._digest(token.strip().encode("latin-1"))
@@ -50,11 +47,29 @@ class KeyRing:
         for known in self._digests:  # all of them: the time taken says nothing of which matched
             if hmac.compare_digest(given, known):
                 found = known
-        if scheme.lower() != "bearer" or found is None:
-            raise ApiError(
-                401,
-                "missing or incorrect API key (Authorization: Bearer KEY)",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        return found if scheme.lower() == "bearer" else None
+
+    def matches(self, authorization: str) -> bool:
+        """True when the header holds one of the ring's keys (never for an empty ring)."""
+        return self._find(authorization) is not None
+
+    def tenant(self, authorization: str) -> str:
+        """The tenant id of the key in an `Authorization: Bearer KEY` header value: ANONYMOUS
+        when the server has no keys; ApiError 401 when it has and the header holds none of
+        them."""
+        if not self._digests:
+            return ANONYMOUS
+        found = self._find(authorization)
+        if found is None:
+            raise unauthorized()
         return found[:_ID_BYTES].hex()
+
+
+def unauthorized() -> ApiError:
+    """The 401 of a request without an accepted key."""
+    return ApiError(
+        401,
+        "missing or incorrect API key (Authorization: Bearer KEY)",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )

@@ -313,7 +313,12 @@ class GenParams:
     seed: int
     stop: tuple[str, ...]
     prediction: list[int] | None = None  # token ids of the request's prediction
-    prediction_index: PredictionIndex | None = None  # built off the engine's lock (app)
+    # its n-gram index, built ahead off the engine's lock where the engine's budget allows
+    # (Engine.prepare_prediction), else by the worker when the request starts
+    prediction_index: PredictionIndex | None = None
+    # the rewrites the instruction names ((old ids, new ids) pairs: backends.chat.
+    # prediction_hints), for an index the worker builds
+    prediction_hints: tuple[tuple[tuple[int, ...], ...], ...] = ()
     speculation: Speculation = Speculation()  # noqa: RUF009 - frozen; the server's defaults applied
     origins: bool = False  # stream_options.include_speculation: token origins per chunk
 
