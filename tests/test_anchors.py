@@ -7,6 +7,7 @@ what decides whether that comparison is fair and what a user sees when something
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def test_ik_llama_cpp_is_a_named_peer_with_its_users_best_settings(tmp_path, mon
     --run-time-repack and specdec's numerics, its key in a file (it reads none from the
     environment) and its web UI off in its own spelling."""
     assert anchors.build_key("ik") not in (anchors.build_key(), anchors.build_key("twin"))
-    assert anchors.anchor_dir("ik").name.startswith(f"ik_llama.cpp-{anchors.IK_VERSION}-")
+    assert anchors.anchor_dir("ik").name.startswith(f"ik_llama.cpp-{anchors.PEERS['ik'].version}-")
     assert anchors._sources("ik") == []
     with pytest.raises(anchors.AnchorError, match="unknown peer 'vllm'"):
         anchors.build_key("vllm")
@@ -102,7 +103,8 @@ def test_ik_source_gets_its_build_info_written(tmp_path, monkeypatch) -> None:
     import io
     import tarfile
 
-    top = f"ik_llama_cpp_python-{anchors.IK_VERSION}/vendor/ik_llama.cpp/common"
+    ik = anchors.PEERS["ik"]
+    top = f"ik_llama_cpp_python-{ik.version}/vendor/ik_llama.cpp/common"
     sdist = tmp_path / "ik.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:
         data = b"int LLAMA_BUILD_NUMBER = @BUILD_NUMBER@;\n"
@@ -111,7 +113,8 @@ def test_ik_source_gets_its_build_info_written(tmp_path, monkeypatch) -> None:
         tar.addfile(info, io.BytesIO(data))
     with pytest.raises(anchors.AnchorError, match="is not the pinned ik-llama-cpp-python"):
         anchors._source("ik", sdist, tmp_path / "w0", lambda s: None)
-    monkeypatch.setattr(anchors, "IK_SDIST_SHA256", llamacpp_build._sha256(sdist))
+    pinned = dataclasses.replace(ik, sdist_sha256=llamacpp_build._sha256(sdist))
+    monkeypatch.setitem(anchors.PEERS, "ik", pinned)
     src = anchors._source("ik", sdist, tmp_path / "w1", lambda s: None)
     written = (src / "common" / "build-info.cpp").read_text()
     assert "LLAMA_BUILD_NUMBER = 0;" in written and "LLAMA_COMMIT" in written

