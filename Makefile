@@ -169,21 +169,23 @@ study-anchors: anchors
 	  --variants lookup:auto,wrong-prediction:auto \
 	  --llama-server-modes none,ngram-mod,ngram-map-k,lookup --tag anchors
 
-# The hostile soak (scripts/hostile_soak.py): a server on the smallest model, a fresh key,
-# $(SOAK_N) good and hostile requests (make soak-hostile SOAK_N=2000 for the RSS plateau), every
-# answer compared with generate(): the draft pool off, since a pool's drafts change the random
-# draws of a sampled answer and it could not be compared with a pool-less generate().
+# The hostile soak (scripts/loadtest.py --hostile; its mix: scripts/loadtest_hostile.py): a server
+# on the smallest model, a fresh key, $(SOAK_N) good and hostile requests (make soak-hostile
+# SOAK_N=2000 for the RSS plateau), every answer compared with generate(): the draft pool off,
+# since a pool's drafts change the random draws of a sampled answer and it could not be compared
+# with a pool-less generate(). SOAK_OUT: where the record goes.
 SOAK_SERVE := --target llamacpp:smollm2-135m --drafter lookup -k 4 --deterministic --threads 1
 SOAK_N ?= 500
+SOAK_OUT ?= results/cpu/loadtest_hostile.json
 soak-hostile: venv
 	@key=$$(mktemp); log=$$(mktemp); head -c 24 /dev/urandom | base64 > $$key; \
 	$(BIN)/specdec serve $(SOAK_SERVE) --draft-pool off --api-key-file $$key --body-timeout 2 --max-queue 16 \
 	  --request-timeout 60 --port 8312 > /dev/null 2> $$log & pid=$$!; \
 	for i in $$(seq 120); do curl -sf http://127.0.0.1:8312/health > /dev/null && break; \
 	  sleep 1; done; \
-	$(BIN)/python scripts/loadtest.py --url http://127.0.0.1:8312 --soak --hostile --pid $$pid \
-	  --server-log $$log --api-key "$$(cat $$key)" -n $(SOAK_N) -c 16 $(SOAK_SERVE) --max-queue 16 \
-	  --out results/cpu/loadtest_hostile.json; rc=$$?; kill $$pid; rm -f $$key $$log; exit $$rc
+	$(BIN)/python scripts/loadtest.py --url http://127.0.0.1:8312 --hostile --pid $$pid \
+	  --server-log $$log --api-key-file $$key -n $(SOAK_N) -c 16 $(SOAK_SERVE) --max-queue 16 \
+	  --out $(SOAK_OUT); rc=$$?; kill $$pid; rm -f $$key $$log; exit $$rc
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -1,0 +1,341 @@
+"""What every mode of scripts/loadtest.py shares, written once: the server under test and a GET of
+it, one planned request sent and what came back, the server's process and /metrics read from
+outside, the tally of a mix against the statuses each kind may get, the answers regenerated with
+`generate()` on the server's models, and the artifact written with the project's `write_json`
+and `meta_block`.
+
+The client side is the standard library; specdec is imported only to regenerate answers (after a
+soak, loading the models here) and to write the artifact.
+
+A soak's mix is a table of request kinds: request i is of kind MIX[i % len(MIX)], and
+`turn(i, MIX)` counts how many of its kind came before it, which rotates a kind's variants.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+#: Indices of warm-up requests: other prompts and seeds than those of the run.
+WARMUP_OFFSET = 1_000_000
+#: How long a "cancel" client waits after sending before it goes away: into the prefill.
+CANCEL_AFTER_S = 0.05
+#: How long a "never read" client holds its stream unread before it goes away.
+UNREAD_HOLD_S = 1.0
+
+
+@dataclass(frozen=True)
+class Server:
+    """The server under test: a loopback address, the headers every request carries
+    (Content-Type, and the Bearer key if it wants one) and the model id to ask for."""
+
+    host: str
+    port: int
+    headers: dict[str, str]
+    model: str
+
+
+def connect(url: str, api_key: str | None, model: str | None) -> Server:
+    """The server at `url`; its first model when `model` is None. ValueError unless the URL is
+    http:// on a loopback address (this is a load generator)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port or 80
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if parts.scheme != "http" or not loopback:
+        raise ValueError(f"--url must be http:// on a loopback address, got {url!r}")
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    server = Server(host, port, headers, model or "")
+    if model is None:
+        status, raw = get(server, "/v1/models")
+        if status != 200:
+            raise ValueError(f"GET {url}/v1/models answered {status or 'nothing'}")
+        server = Server(host, port, headers, json.loads(raw)["data"][0]["id"])
+    return server
+
+
+def get(server: Server, path: str) -> tuple[int, bytes]:
+    """GET `path` with the server's headers: (status, body), or (0, b"") if it did not answer."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    try:
+        conn.request("GET", path, headers=server.headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except (OSError, http.client.HTTPException):
+        return 0, b""
+    finally:
+        conn.close()
+
+
+def percentile(xs: Iterable[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no data."""
+    s = sorted(xs)
+    if not s:
+        return None
+    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+
+
+def turn(i: int, mix: Sequence[str]) -> int:
+    """How many requests of request i's kind came before it: the index that rotates a kind's
+    variants (i itself would not: every i of one kind has the same residue mod len(mix))."""
+    return i // len(mix)
+
+
+def run_mix(fn: Callable[[int], dict[str, Any]], indices: range, concurrency: int) -> list[dict]:
+    """fn(i) for every index, `concurrency` at a time; the results in index order."""
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(fn, indices))
+
+
+# ------------------------------------------------------------------------------ one request
+@dataclass
+class Plan:
+    """What request i of a soak sends, and how its client behaves.
+
+    leave: None reads the whole answer; "sent" goes away as soon as the request is sent;
+    "cancel" CANCEL_AFTER_S later; "unread" once the status line is in, after UNREAD_HOLD_S with
+    the stream unread; "first_line" after the first line of a 200 (other statuses read whole).
+    """
+
+    kind: str
+    i: int
+    data: bytes | None = None  # what is sent: `body` as JSON, or raw bytes
+    body: dict[str, Any] | None = None  # the JSON body, kept to regenerate the answer
+    method: str = "POST"
+    path: str = "/v1/chat/completions"
+    headers: dict[str, str] = field(default_factory=dict)  # over the server's
+    leave: str | None = None
+    room_sized: bool = False  # a prediction larger than the context: a 400, and only it
+
+    @classmethod
+    def of(cls, kind: str, i: int, body: dict[str, Any], **kw: Any) -> Plan:
+        return cls(kind, i, data=json.dumps(body).encode(), body=body, **kw)
+
+
+def send(server: Server, plan: Plan, timeout: float = 300.0) -> dict[str, Any]:
+    """Send one planned request: its kind and index, the status it got (an int, or "left" where
+    the client went away on purpose), any error, the seconds it took (`s`), Retry-After, the
+    error code of a 4xx/5xx, and with return_token_ids the prompt and completion ids and the
+    cached prompt tokens and the body sent (`prompt_ids`, `ids`, `cached`, `body`)."""
+    out: dict[str, Any] = {"kind": plan.kind, "i": plan.i, "status": None, "error": None}
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=timeout)
+    try:
+        conn.request(plan.method, plan.path, plan.data, {**server.headers, **plan.headers})
+        if plan.leave in ("sent", "cancel"):
+            time.sleep(CANCEL_AFTER_S if plan.leave == "cancel" else 0.0)
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            out["status"] = "left"
+            return out
+        resp = conn.getresponse()
+        out["status"] = resp.status
+        if plan.leave == "unread" or (plan.leave == "first_line" and resp.status == 200):
+            if plan.leave == "unread":
+                time.sleep(UNREAD_HOLD_S)  # the stream's first bytes sit unread
+            else:
+                resp.readline()  # the first event, then the client goes away mid-stream
+            out["status"] = "left"
+            return out
+        raw = resp.read()
+        out["retry_after"] = resp.getheader("Retry-After")
+        _read_answer(out, resp.status, raw, plan.body or {})
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+        out["s"] = time.perf_counter() - t0
+    return out
+
+
+def _read_answer(out: dict[str, Any], status: int, raw: bytes, body: dict[str, Any]) -> None:
+    streamed = bool(body.get("stream"))
+    if status == 200 and body.get("return_token_ids"):
+        out["prompt_ids"], out["ids"], out["cached"] = ids_of(raw, streamed)
+        out["body"] = body  # what generate() is asked afterwards
+    elif status >= 400:  # an error answer is JSON with a code (ValueError otherwise)
+        out["code"] = json.loads(raw).get("error", {}).get("code")
+    if status == 200 and streamed and b'"error"' in raw:
+        snippet = raw[raw.find(b'"error"') :][:160].decode(errors="replace")
+        out["error"] = f"stream error: {snippet}"
+
+
+def ids_of(raw: bytes, streamed: bool) -> tuple[list[int] | None, list[int], int | None]:
+    """(prompt ids, completion ids, cached prompt tokens) of a response with return_token_ids."""
+    if not streamed:
+        obj = json.loads(raw)
+        cached = obj["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return obj.get("prompt_token_ids"), obj["choices"][0].get("token_ids", []), cached
+    prompt, ids, cached = None, [], None
+    for line in raw.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        prompt = chunk.get("prompt_token_ids", prompt)
+        if chunk.get("choices"):
+            ids += chunk["choices"][0].get("token_ids", [])
+        if chunk.get("usage"):
+            cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return prompt, ids, cached
+
+
+def tally(
+    results: list[dict[str, Any]], allowed: Callable[[dict[str, Any]], tuple[Any, ...]]
+) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """The outcomes counted by kind, and one line for each request that erred or got an outcome
+    outside allowed(result) (an empty tuple allows any)."""
+    by_kind: dict[str, dict[str, int]] = {}
+    unexpected = []
+    for r in results:
+        counts = by_kind.setdefault(r["kind"], {})
+        counts[str(r["status"])] = counts.get(str(r["status"]), 0) + 1
+        ok = allowed(r)
+        if r["error"] or (ok and r["status"] not in ok):
+            what = (r["status"], r.get("code"), r["error"])
+            unexpected.append(f"{r['kind']} #{r['i']}: " + " ".join(str(x) for x in what if x))
+    return by_kind, unexpected
+
+
+def server_errors(results: list[dict[str, Any]], kinds: Iterable[str]) -> int:
+    """How many requests of these kinds got a 5xx."""
+    wanted = set(kinds)
+    return sum(
+        1
+        for r in results
+        if r["kind"] in wanted and isinstance(r["status"], int) and r["status"] >= 500
+    )
+
+
+def growth(before: float | None, after: float | None) -> float | None:
+    """(after - before) / before; None without both readings."""
+    return (after - before) / before if before and after else None
+
+
+# ------------------------------------------------------------------------------ the server, read
+def snapshot(server: Server, pid: int | None, log: str | None) -> dict[str, Any]:
+    """The server read from outside: its RSS (MB) and open descriptors from /proc/PID, its
+    Prometheus series and 504 answers from /metrics (-1: /metrics did not answer), and its
+    stderr log's size and tracebacks."""
+    return {**_proc(pid), **_metrics(server), "log": _log(log)}
+
+
+def _proc(pid: int | None) -> dict[str, Any]:
+    if pid is None:
+        return {"rss_mb": None, "fds": None}
+    rss = None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:  # the server is gone
+        return {"rss_mb": None, "fds": None}
+    return {"rss_mb": rss, "fds": fds}
+
+
+def rss_mb(pid: int | None) -> float | None:
+    return _proc(pid)["rss_mb"]
+
+
+def _metrics(server: Server) -> dict[str, Any]:
+    status, text = get(server, "/metrics")
+    if status != 200:
+        return {"series": -1, "504": -1.0}
+    samples = [x for x in text.decode(errors="replace").splitlines() if x and x[0] != "#"]
+    answers_504 = sum(
+        float(x.split()[-1])
+        for x in samples
+        if x.startswith("specdec_requests_total{") and 'code="504"' in x
+    )
+    return {"series": len(samples), "504": answers_504}
+
+
+def _log(path: str | None) -> dict[str, Any]:
+    if not path or not Path(path).is_file():
+        return {"bytes": None, "tracebacks": None}
+    text = Path(path).read_text(errors="replace")
+    return {"bytes": len(text.encode()), "tracebacks": text.count("Traceback")}
+
+
+def crashes(server: Server, pid: int | None) -> int:
+    """1 if the server's process is gone or /health does not answer 200, else 0."""
+    alive = pid is None or Path(f"/proc/{pid}").exists()
+    status, _ = get(server, "/health")
+    return 0 if alive and status == 200 else 1
+
+
+# ------------------------------------------------------------------------------ generate()
+@dataclass
+class Reference:
+    """The server's models loaded in this process, with the settings it was given."""
+
+    target: Any
+    draft: Any
+    spec: Any  # SpecConfig
+    tokenizer: Any
+    stops: list[int]
+
+
+def load_reference(args: Any) -> Reference:
+    """Load --target (and --draft) as the server did: --threads, --deterministic, --drafter, -k."""
+    from specdec.backends import load_model
+    from specdec.backends.chat import stop_ids
+    from specdec.core.config import SpecConfig
+
+    kw: dict[str, Any] = {"n_threads": args.threads} if args.threads else {}
+    target = load_model(args.target, deterministic=args.deterministic, **kw)
+    draft = load_model(args.draft, **kw) if args.draft else None
+    spec_kw = {"drafter": args.drafter, "k": args.k}
+    spec = SpecConfig(**{key: v for key, v in spec_kw.items() if v is not None})
+    tok = target.tokenizer or getattr(draft, "tokenizer", None)
+    return Reference(target, draft, spec, tok, stop_ids(tok))
+
+
+def regenerate(ref: Reference, prompt_ids: list[int], body: dict[str, Any]) -> list[int]:
+    """What `generate()` answers to a chat request's body (temperature, max_tokens, seed,
+    prediction) on these prompt ids."""
+    from specdec.backends.chat import encode_prediction
+    from specdec.core.config import Warp
+    from specdec.core.decode import generate
+
+    pred = (body.get("prediction") or {}).get("content")
+    return generate(
+        ref.target,
+        prompt_ids,
+        draft=ref.draft,
+        spec=ref.spec,
+        warp=Warp(body.get("temperature", 0.0)),
+        max_new_tokens=body["max_tokens"],
+        seed=body.get("seed", 0),
+        stop_ids=ref.stops,
+        prediction=encode_prediction(ref.tokenizer, pred) if pred else None,
+    ).tokens
+
+
+# ------------------------------------------------------------------------------ the artifact
+def write_record(path: str | None, schema: str, record: dict[str, Any]) -> None:
+    """Write `record` as a specdec artifact (its schema id, meta with the machine) to `path`."""
+    if not path:
+        return
+    from specdec.study.artifacts.provenance import meta_block
+    from specdec.study.artifacts.schema import write_json
+
+    meta = meta_block()
+    # the command line is recorded: a key given with --api-key must not be
+    meta["command"] = re.sub(r"(--api-key[= ])\S+", r"\1<redacted>", meta["command"])
+    write_json(path, {"schema": schema, "meta": meta, **record})
+    print(f"wrote {path}")
