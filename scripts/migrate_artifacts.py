@@ -27,7 +27,6 @@ REPORT.md read the same numbers after the migration as before:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Mapping
@@ -88,15 +87,10 @@ def migrate_run(r: dict[str, Any]) -> None:
 
 
 def _bench_config(config: dict[str, Any]) -> None:
-    from specdec.study.run.bench import BenchConfig
+    from specdec.study.run.bench import config_defaults
 
-    for f in dataclasses.fields(BenchConfig):
-        if f.name in config:
-            continue
-        if f.default is not dataclasses.MISSING:
-            config[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            config[f.name] = f.default_factory()
+    for key, value in config_defaults().items():
+        config.setdefault(key, value)
     for key, value in config.items():
         if isinstance(value, tuple):
             config[key] = list(value)

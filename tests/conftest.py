@@ -6,6 +6,8 @@
     smol_llamacpp    load_model("llamacpp:smollm2-135m"): Q4_1 in llama.cpp, default settings
                      (TEST_THREADS threads).
     smol_prompt_ids  ~300 token ids of real text: a chat-templated prompt plus an answer.
+    pair             (target, draft) mock models, module-wide, shaped by the module's V,
+                     PAIR_SCALE and PAIR_NOISE.
     qwen05_path      Path of qwen2.5-coder-0.5b.gguf, fetched on first use.
 A test that needs a model fetches it (`fetched`); where it cannot, the test fails, never skips.
 
@@ -33,6 +35,7 @@ import pytest
 
 from specdec.backends import load_model
 from specdec.backends.llamacpp import usable_cores
+from specdec.backends.mock import MockModel
 from specdec.core.model import SpecModel
 
 SMOL = "smollm2-135m"
@@ -87,6 +90,17 @@ def fetched(name: str) -> Path:
     from specdec.backends.registry import resolve
 
     return resolve(name, progress=False)
+
+
+@pytest.fixture(scope="module")
+def pair(request: pytest.FixtureRequest) -> tuple[MockModel, MockModel]:
+    """(target, draft) mock models for a module of mock-model tests: vocabulary `V`, the target's
+    logit scale `PAIR_SCALE` (default: MockModel's) and a draft that is the target plus
+    Gaussian noise `PAIR_NOISE` (default 0.7: close), each read from the test module."""
+    mod = request.module
+    scale = {"scale": mod.PAIR_SCALE} if hasattr(mod, "PAIR_SCALE") else {}
+    target = MockModel(mod.V, seed=0, **scale)
+    return target, MockModel.near(target, noise=getattr(mod, "PAIR_NOISE", 0.7), seed=1)
 
 
 @pytest.fixture(scope="session")

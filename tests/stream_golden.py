@@ -19,7 +19,7 @@ import re
 import sys
 from typing import Any
 
-from test_server import MOCK_SPEC, FakeTokenizer, Server, SlowMock, V
+from serverkit import MOCK_SPEC, FakeTokenizer, Server, SlowMock, V
 
 from specdec.core.config import SpecConfig
 from specdec.serve.app import ServeConfig

@@ -208,12 +208,13 @@ def test_a_server_that_exits_while_starting_is_a_clear_error(tmp_path) -> None:
 
 def test_bench_and_gate_refuse_bad_llama_server_settings_before_loading_anything(capsys) -> None:
     from specdec.cli import main as cli
-    from specdec.study.run.bench import BenchConfig
+    from specdec.study.run.bench import BenchConfig, Peers
 
+    peers = Peers(compare="llama-server", llama_server=("none",))
     with pytest.raises(ValueError, match="the target must be a llamacpp: model"):
-        BenchConfig("custom", "hf:a", "hf:b", compare="llama-server", llama_server=("none",))
+        BenchConfig("custom", "hf:a", "hf:b", peers=peers)
     with pytest.raises(ValueError, match="at least one llama-server mode"):
-        BenchConfig("custom", "llamacpp:a", "llamacpp:b", compare="llama-server")
+        BenchConfig("custom", "llamacpp:a", "llamacpp:b", peers=Peers(compare="llama-server"))
     assert cli.main(["gate", "--config", "all_gguf", "--llama-server", "ngram-moo"]) == 2
     assert "unknown llama-server mode" in capsys.readouterr().err
     assert cli.main(["gate", "--endpoint", "http://127.0.0.1:1"]) == 2

@@ -12,18 +12,12 @@ import pytest
 import torch
 
 import specdec
-from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.model import SpecModelError
 
 V = 16
+PAIR_SCALE = 3.0  # the `pair` fixture (conftest.py)
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 7, 1, 2, 3]
-
-
-@pytest.fixture(scope="module")
-def pair() -> tuple[MockModel, MockModel]:
-    target = MockModel(V, seed=0, scale=3.0)
-    return target, MockModel.near(target, noise=0.7, seed=1)
 
 
 def test_generate_and_stream_take_the_same_arguments() -> None:

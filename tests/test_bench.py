@@ -5,6 +5,7 @@ smoke runs including transformers' assisted generation as the anchor.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -15,13 +16,13 @@ import specdec.study.run.bench as bench
 from specdec.backends import registry
 from specdec.backends.mock import MockModel
 from specdec.cli.main import main
-from specdec.core.config import Warp
+from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
 from specdec.study.artifacts import provenance, runs, schema
 from specdec.study.present.tables import format_table
 from specdec.study.run import methods
 from specdec.study.run import prompts as prompt_set
-from specdec.study.run.bench import BenchConfig, bench_config, run_bench
+from specdec.study.run.bench import BenchConfig, Peers, bench_config, run_bench
 from specdec.study.run.sweep import format_sweep_table, run_sweep
 
 V = 48
@@ -29,15 +30,15 @@ TARGET_SPEC, DRAFT_SPEC = f"mock:vocab={V},seed=0", f"mock:vocab={V},seed=1"
 MOCK_CLI = ["--draft", DRAFT_SPEC, "--target", TARGET_SPEC, "--no-progress"]
 
 
-@pytest.fixture(scope="module")
-def pair() -> tuple[MockModel, MockModel]:
-    """(draft, target) as run_bench takes them: a draft close to the target."""
-    target = MockModel(V, seed=0)
-    return MockModel.near(target, noise=0.7, seed=1), target
+@pytest.fixture
+def models(pair) -> tuple[MockModel, MockModel]:
+    """conftest's mock pair as run_bench takes it: (draft, target)."""
+    target, draft = pair
+    return draft, target
 
 
 def _cfg(**kw) -> BenchConfig:
-    settings = dict(k=3, n_prompts=5, warmup=2, max_new_tokens=12)
+    settings = dict(spec=SpecConfig("model", 3), n_prompts=5, warmup=2, max_new_tokens=12)
     return BenchConfig("mock", DRAFT_SPEC, TARGET_SPEC, **{**settings, **kw})
 
 
@@ -48,9 +49,9 @@ def _load(path: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------ end to end
-def test_bench_artifact_validates_and_matches_its_rows(pair, tmp_path) -> None:
+def test_bench_artifact_validates_and_matches_its_rows(models, tmp_path) -> None:
     cfg = _cfg()
-    art = run_bench(cfg, tmp_path, progress=False, models=pair).to_json()
+    art = run_bench(cfg, tmp_path, progress=False, models=models).to_json()
     on_disk = _load(tmp_path / "bench_mock_k3_t0.8.json")
     assert on_disk["complete"] is True
     assert on_disk["rows"] == art["rows"] and on_disk["aggregates"] == art["aggregates"]
@@ -73,7 +74,7 @@ def test_bench_artifact_validates_and_matches_its_rows(pair, tmp_path) -> None:
     for i, rate in enumerate(agg["speculative"]["positional_acceptance"]):
         acc = sum(r["accepted_per_pos"][i] for r in spec)
         assert rate == pytest.approx(acc / sum(r["drafted_per_pos"][i] for r in spec))
-    assert len(agg["speculative"]["positional_acceptance"]) == cfg.k
+    assert len(agg["speculative"]["positional_acceptance"]) == cfg.spec.k
     assert agg["speculative"]["tokens_per_round"] == pytest.approx(
         sum(r["generated"] for r in spec) / sum(r["rounds"] for r in spec)
     )
@@ -96,21 +97,22 @@ def test_bench_artifact_validates_and_matches_its_rows(pair, tmp_path) -> None:
     # The rows are what generate() gives for that prompt and seed: nothing else leaks in.
     ids = bench._prompt_ids(None, prompt_set.load_prompts(3)[2].text, V)
     assert rows[0]["prompt_tokens"] == len(ids)
-    again = generate(pair[1], ids, max_new_tokens=12, warp=Warp(temperature=0.8), seed=2)
+    again = generate(models[1], ids, max_new_tokens=12, warp=Warp(temperature=0.8), seed=2)
     assert rows[0]["baseline"]["tokens"] == again.tokens
 
     table = format_table(art)
     assert "mock" in table and f"{agg['speedup']:.2f}x" in table
 
 
-def test_greedy_bench_speculative_tokens_equal_baseline(pair, tmp_path) -> None:
-    art = run_bench(_cfg(temperature=0.0, k=4), tmp_path, progress=False, models=pair).to_json()
+def test_greedy_bench_speculative_tokens_equal_baseline(models, tmp_path) -> None:
+    cfg = _cfg(spec=SpecConfig("model", 4), warp=Warp(temperature=0.0))
+    art = run_bench(cfg, tmp_path, progress=False, models=models).to_json()
     for row in art["rows"]:
         assert row["speculative"]["tokens"] == row["baseline"]["tokens"]
     assert (tmp_path / "bench_mock_k4_t0.json").is_file()
 
 
-def test_ctrl_c_keeps_finished_rows(pair, tmp_path, monkeypatch) -> None:
+def test_ctrl_c_keeps_finished_rows(models, tmp_path, monkeypatch) -> None:
     cfg = _cfg(n_prompts=6, warmup=1)
     calls = {"n": 0}
 
@@ -122,7 +124,7 @@ def test_ctrl_c_keeps_finished_rows(pair, tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(methods, "generate", interrupted_generate)
     with pytest.raises(KeyboardInterrupt):
-        run_bench(cfg, tmp_path, progress=False, models=pair, tag="cc")
+        run_bench(cfg, tmp_path, progress=False, models=models, tag="cc")
     art = _load(tmp_path / "bench_mock_k3_t0.8_cc.json")
     assert art["complete"] is False
     assert [r["index"] for r in art["rows"]] == [1, 2]
@@ -130,8 +132,10 @@ def test_ctrl_c_keeps_finished_rows(pair, tmp_path, monkeypatch) -> None:
     assert "(partial)" in format_table(art)
 
 
-def test_sweep_on_mock(pair, tmp_path) -> None:
-    summary = run_sweep(_cfg(n_prompts=3, warmup=1), [1, 2], tmp_path, progress=False, models=pair)
+def test_sweep_on_mock(models, tmp_path) -> None:
+    summary = run_sweep(
+        _cfg(n_prompts=3, warmup=1), [1, 2], tmp_path, progress=False, models=models
+    )
     on_disk = _load(tmp_path / "sweep_mock_t0.8.json")
     assert on_disk["schema"] == "specdec.sweep/1" and on_disk["complete"] is True
     assert on_disk["ks"] == [1, 2] and "k" not in on_disk["config"]
@@ -188,14 +192,23 @@ def test_cli_ctrl_c_exits_130_and_keeps_rows(tmp_path, monkeypatch) -> None:
     ("argv", "message"),
     [
         (["bench", "--config", "smoke", "-k", "0"], "K must be >= 1"),
-        (["bench", "--config", "smoke", "--prompts", "0"], "prompts must be in [1, 128]"),
-        (["bench", "--config", "smoke", "--prompts", "129"], "prompts must be in [1, 128]"),
+        (
+            ["bench", "--config", "smoke", "--prompts", "0"],
+            "prompts must be an integer in [1, 128]",
+        ),
+        (
+            ["bench", "--config", "smoke", "--prompts", "129"],
+            "prompts must be an integer in [1, 128]",
+        ),
         (["bench", "--config", "smoke", "--prompts", "2", "--warmup", "2"], "must be < prompts"),
-        (["bench", "--config", "smoke", "--warmup", "-1"], "warmup must be >= 0"),
+        (["bench", "--config", "smoke", "--warmup", "-1"], "warmup must be an integer >= 0"),
         (["bench", "--config", "smoke", "-t", "-1"], "temperature must be"),
         (["bench", "--config", "smoke", "--top-p", "1.5"], "top_p must be in (0, 1]"),
-        (["bench", "--config", "smoke", "--top-k", "0"], "top_k must be >= 1"),
-        (["bench", "--config", "smoke", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["bench", "--config", "smoke", "--top-k", "0"], "top_k must be an integer >= 1"),
+        (
+            ["bench", "--config", "smoke", "--max-new-tokens", "0"],
+            "max_new_tokens must be an integer >= 1",
+        ),
         (["bench", "--config", "nope"], "unknown config 'nope'"),
         (["bench"], "give --config NAME"),
         (["bench", "--draft", DRAFT_SPEC], "give both --draft and --target"),
@@ -213,7 +226,7 @@ def test_cli_ctrl_c_exits_130_and_keeps_rows(tmp_path, monkeypatch) -> None:
         (["sweep", "--config", "smoke", "--category", "poetry"], "unknown prompt category"),
         (
             ["bench", "--config", "smoke", "--category", "coding", "--prompts", "14"],
-            "prompts (of categories coding) must be in [1, 13], got 14",
+            "prompts (of categories coding) must be an integer in [1, 13], got 14",
         ),
         (["sweep", "--config", "smoke", "--k", "1,x"], "comma-separated integers"),
         (["sweep", "--config", "smoke", "--k", "0,2"], "every K must be an integer >= 1"),
@@ -224,21 +237,139 @@ def test_bad_flags_fail_fast_with_a_clear_message(argv, message, capsys) -> None
     assert message in capsys.readouterr().err
 
 
-def test_hf_assisted_refuses_a_non_hf_pair(pair, tmp_path) -> None:
+def test_hf_assisted_refuses_a_non_hf_pair(models, tmp_path) -> None:
     with pytest.raises(ValueError, match="both models must use the hf backend"):
-        _cfg(compare="hf-assisted")
-    cfg = BenchConfig("x", "hf:a", "hf:b", n_prompts=2, warmup=0, compare="hf-assisted")
+        _cfg(peers=Peers(compare="hf-assisted"))
+    hf_assisted = Peers(compare="hf-assisted")
+    cfg = BenchConfig("x", "hf:a", "hf:b", n_prompts=2, warmup=0, peers=hf_assisted)
     with pytest.raises(ValueError, match="transformers models"):
-        run_bench(cfg, tmp_path, progress=False, models=pair)  # mocks are not HFModels
+        run_bench(cfg, tmp_path, progress=False, models=models)  # mocks are not HFModels
 
 
 def test_bench_config() -> None:
-    c = bench_config("smoke", k=2)
-    assert (c.name, c.draft, c.target, c.k) == ("smoke", *bench.CONFIGS["smoke"], 2)
+    c = bench_config("smoke", spec=SpecConfig("model", 2))
+    assert (c.name, c.draft, c.target, c.spec.k) == ("smoke", *bench.CONFIGS["smoke"], 2)
     assert bench_config(None, DRAFT_SPEC, TARGET_SPEC).name == "custom"
     assert bench_config("custom", DRAFT_SPEC, TARGET_SPEC).name == "custom"
     with pytest.raises(ValueError, match="custom"):
         bench_config("custom")
+
+
+#: The artifact's config block as BenchConfig wrote it when its fields were flat (asdict): these
+#: keys, in this order. present/ and the committed results read them.
+OLD_CONFIG_KEYS = (
+    "name, draft, target, k, temperature, top_k, top_p, n_prompts, warmup, max_new_tokens, "
+    "compare, device, drafter, k_max, p_min, deterministic, variants, categories, endpoint, "
+    "endpoint_baseline, endpoint_model, endpoint_api, llama_server, served"
+).split(", ")
+
+
+def test_the_config_block_is_flat_and_round_trips() -> None:
+    cfg = BenchConfig(
+        "all_gguf",
+        "llamacpp:qwen2.5-coder-0.5b",
+        "llamacpp:qwen2.5-coder-1.5b",
+        spec=SpecConfig("prediction", "auto", k_max=12, p_min=0.25),
+        warp=Warp(0.0, top_k=40, top_p=0.9),
+        n_prompts=5,
+        warmup=1,
+        max_new_tokens=512,
+        device="cpu",
+        deterministic=True,
+        variants=("lookup:auto", "wrong-prediction:auto"),
+        categories=("rewrite",),
+        peers=Peers(compare="llama-server", llama_server=("none", "ngram-mod"), served=True),
+    )
+    block = cfg.to_json()
+    assert list(block) == OLD_CONFIG_KEYS
+    assert block == {
+        "name": "all_gguf",
+        "draft": "llamacpp:qwen2.5-coder-0.5b",
+        "target": "llamacpp:qwen2.5-coder-1.5b",
+        "k": "auto",
+        "temperature": 0.0,
+        "top_k": 40,
+        "top_p": 0.9,
+        "n_prompts": 5,
+        "warmup": 1,
+        "max_new_tokens": 512,
+        "compare": "llama-server",
+        "device": "cpu",
+        "drafter": "prediction",
+        "k_max": 12,
+        "p_min": 0.25,
+        "deterministic": True,
+        "variants": ("lookup:auto", "wrong-prediction:auto"),
+        "categories": ("rewrite",),
+        "endpoint": None,
+        "endpoint_baseline": None,
+        "endpoint_model": None,
+        "endpoint_api": "chat",
+        "llama_server": ("none", "ngram-mod"),
+        "served": True,
+    }
+    assert BenchConfig.from_json(json.loads(json.dumps(block))) == cfg
+    # every setting has one key, and the key names its field in the record that holds it
+    assert {key for key, _ in bench.CONFIG_KEYS} == set(OLD_CONFIG_KEYS)
+    records = {"": BenchConfig, "spec": SpecConfig, "warp": Warp, "peers": Peers}
+    for key, part in bench.CONFIG_KEYS:
+        assert key in {f.name for f in dataclasses.fields(records[part])}, (key, part)
+    # a block from before a flag takes its default; what is no setting is refused
+    assert BenchConfig.from_json({"name": "x", "draft": DRAFT_SPEC, "target": TARGET_SPEC}) == (
+        BenchConfig("x", DRAFT_SPEC, TARGET_SPEC)
+    )
+    with pytest.raises(ValueError, match="not a bench setting: kk"):
+        BenchConfig.from_json({**block, "kk": 1})
+
+
+def test_the_committed_artifacts_config_blocks_read_back_byte_for_byte() -> None:
+    """Every bench artifact committed (results/, the test fixtures): its config block, read into
+    a BenchConfig and written again, is the same JSON, key for key."""
+    root = Path(__file__).parent
+    paths = [*(root.parent / "results").rglob("bench_*.json"), *(root / "fixtures").rglob("*.json")]
+    n = 0
+    for path in paths:
+        art = json.loads(path.read_text())
+        if art.get("schema") != "specdec.bench/1":
+            continue
+        block = {k: v for k, v in art["config"].items() if k != "engines"}
+        again = BenchConfig.from_json(art["config"]).to_json()
+        assert json.dumps(again) == json.dumps(block), path
+        n += 1
+    assert n >= 4
+
+
+def test_config_defaults_are_what_an_old_artifact_ran_with() -> None:
+    """scripts/migrate_artifacts.py fills a key an artifact predates with its default."""
+    assert bench.config_defaults() == {
+        "k": 4,
+        "temperature": 0.8,
+        "top_k": None,
+        "top_p": None,
+        "n_prompts": 30,
+        "warmup": 2,
+        "max_new_tokens": 128,
+        "compare": None,
+        "device": None,
+        "drafter": "model",
+        "k_max": None,
+        "p_min": None,
+        "deterministic": False,
+        "variants": (),
+        "categories": (),
+        "endpoint": None,
+        "endpoint_baseline": None,
+        "endpoint_model": None,
+        "endpoint_api": "chat",
+        "llama_server": (),
+        "served": False,
+    }
+    assert list(bench.config_defaults()) == OLD_CONFIG_KEYS[3:]
+
+
+def test_a_bench_names_its_drafter() -> None:
+    with pytest.raises(ValueError, match="a bench names its drafter"):
+        _cfg(spec=SpecConfig(k=2))  # drafter None: target-only, no speculative method
 
 
 def test_the_latency_split_stacks_the_prefill_on_verify() -> None:
@@ -287,24 +418,30 @@ def test_cli_smoke_config(tmp_path) -> None:
     assert 1 <= row["speculative"]["generated"] <= 8 and row["prompt_tokens"] > 10
 
 
-@pytest.mark.model
-def test_hf_assisted_matches_our_greedy_baseline(tmp_path) -> None:
+def test_hf_assisted_matches_our_greedy_baseline(smol_hf, tmp_path) -> None:
     """transformers' assisted generation, greedy, on the same prompt: the same tokens as our
     target-only baseline (both fp32 on the CPU; a near-tie in the logits could in principle
-    flip an argmax between batch shapes, which this tiny case does not hit)."""
-    spec = "hf:smollm2-135m"
+    flip an argmax between batch shapes, which this tiny case does not hit). The draft is a
+    copy of the session's model (a module of its own: the method counts rounds and drafts with
+    forward hooks on each), not a second load from the GGUF file."""
+    import copy
+
+    from specdec.backends.hf import HFModel
+
+    draft = HFModel(copy.deepcopy(smol_hf.model), smol_hf.tokenizer, name=smol_hf.name)
+    model_spec = "hf:smollm2-135m"
     cfg = bench_config(
         None,
-        spec,
-        spec,
-        k=3,
-        temperature=0.0,
+        model_spec,
+        model_spec,
+        spec=SpecConfig("model", 3),
+        warp=Warp(temperature=0.0),
         n_prompts=1,
         warmup=0,
         max_new_tokens=8,
-        compare="hf-assisted",
+        peers=Peers(compare="hf-assisted"),
     )
-    art = run_bench(cfg, tmp_path, progress=False).to_json()
+    art = run_bench(cfg, tmp_path, progress=False, models=(draft, smol_hf)).to_json()
     schema.validate(art)
     row = art["rows"][0]
     hf = row["hf_assisted"]
@@ -324,11 +461,12 @@ def test_model_block_hashes_local_files(tmp_path) -> None:
     assert provenance.model_block(TARGET_SPEC, MockModel(V)).sha256 is None
 
 
-def test_variants_and_categories_in_one_run(pair, tmp_path) -> None:
+def test_variants_and_categories_in_one_run(models, tmp_path) -> None:
     """Issue 5's comparison tables: several speculative methods on the same prompts, with
     speedups per prompt category, all from one interleaved run."""
-    cfg = _cfg(k="auto", variants=("lookup:auto", "model:2"), n_prompts=4, warmup=1)
-    art = run_bench(cfg, tmp_path, progress=False, models=pair).to_json()
+    variants = ("lookup:auto", "model:2")
+    cfg = _cfg(spec=SpecConfig("model", "auto"), variants=variants, n_prompts=4, warmup=1)
+    art = run_bench(cfg, tmp_path, progress=False, models=models).to_json()
     schema.validate(art)
     assert art["variants"] == ["lookup-kauto", "model-k2"]
     for row in art["rows"]:
@@ -348,10 +486,10 @@ def test_variants_and_categories_in_one_run(pair, tmp_path) -> None:
     assert "lookup-kauto" in format_table(art)
 
 
-def test_category_filter_runs_the_first_prompts_of_those_categories(pair, tmp_path) -> None:
+def test_category_filter_runs_the_first_prompts_of_those_categories(models, tmp_path) -> None:
     cats = ("reasoning", "coding")
     cfg = _cfg(categories=cats, n_prompts=4, warmup=1, max_new_tokens=4)
-    art = run_bench(cfg, tmp_path, progress=False, models=pair).to_json()
+    art = run_bench(cfg, tmp_path, progress=False, models=models).to_json()
     on_disk = _load(tmp_path / "bench_mock_k3_t0.8_cat-reasoning-coding.json")  # not the full run's
     assert on_disk["config"]["categories"] == list(cats)
     want = [p.id for p in prompt_set.load_prompts() if p.category in cats][:4]  # file order
@@ -393,14 +531,13 @@ def test_rewrite_tasks_with_the_prediction_drafter(smol_llamacpp, tmp_path) -> N
     target-only (smollm2 is batch-invariant); the wrong-prediction leg gets another task's file
     and still reproduces target-only exactly. Fixed K, so drafting does not depend on timing
     (smollm2 is too small to copy a file: few drafts are accepted, and that is not tested)."""
-    spec = "llamacpp:smollm2-135m"
+    model_spec = "llamacpp:smollm2-135m"
     cfg = bench_config(
         None,
-        spec,
-        spec,
-        k=8,
-        drafter="prediction",
-        temperature=0.0,
+        model_spec,
+        model_spec,
+        spec=SpecConfig("prediction", 8),
+        warp=Warp(temperature=0.0),
         categories=("rewrite",),
         n_prompts=2,
         warmup=0,

@@ -202,8 +202,8 @@ def test_bad_tokens_and_lengths_raise_and_lose_nothing(model: SpecModel, seq: li
         # a batch of one ([1, n], as return_tensors="pt" gives) is one sequence; two are not
         (lambda: model.extend(torch.tensor([[1, 2], [3, 4]])), "one sequence is"),
         (lambda: model.forward([]), "empty token list"),
-        (lambda: model.truncate(-1), "must be >= 0"),
-        (lambda: model.truncate(2.0), "expects an int"),
+        (lambda: model.truncate(-1), "truncate's length must be an integer >= 0, got -1"),
+        (lambda: model.truncate(2.0), "truncate's length must be an integer >= 0, got 2.0"),
         (lambda: model.extend([seq[0]] * (model.n_ctx - 3)), "exceeds the context window"),
         (lambda: model.forward([seq[0]] * (model.n_ctx + 1)), "exceed the context window"),
     ]

@@ -26,13 +26,6 @@ PROMPT = [1, 2, 3]
 P_MIN = 0.01
 
 
-@pytest.fixture(scope="module")
-def pair() -> tuple[MockModel, MockModel]:
-    target = MockModel(V, seed=0)  # two different fixed stochastic matrices
-    draft = MockModel.near(target, noise=0.7, seed=1)
-    return target, draft
-
-
 def _sample_many(target, draft, k, seeds, temperature=1.0, **kw) -> list[list[int]]:
     return [
         generate(

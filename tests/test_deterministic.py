@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ from conftest import TEST_THREADS
 from specdec.backends import load_model
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
-from specdec.core.model import SpecModelError
+from specdec.core.model import SpecModel, SpecModelError
 from specdec.study.run.invariance import compare_nodes, probe_ids, summarize
 
 SHAPES = (1, *range(2, 18), 31, 32, 33, 63, 64)  # verify batches, and past sdmm's 8-row tiles
@@ -68,6 +69,41 @@ def smol_det():
     model.close()
 
 
+@pytest.fixture(scope="module")
+def qwen() -> Iterator[Callable[[str], SpecModel]]:
+    """The Qwen files in the default mode, each loaded once for this module (a 1.5B load with
+    sdmm's repack is ~10 s) and handed out with an empty cache."""
+    loaded: dict[str, SpecModel] = {}
+
+    def get(name: str) -> SpecModel:
+        if name not in loaded:
+            loaded[name] = load_model(f"llamacpp:{name}", n_threads=TEST_THREADS)
+        loaded[name].reset()
+        return loaded[name]
+
+    yield get
+    for model in loaded.values():
+        model.close()
+
+
+@pytest.fixture(scope="module")
+def stock_control() -> dict[str, tuple[str, float]]:
+    """The probe run on stock llama.cpp's kernels ($SPECDEC_MM=0: Q4_K repacked into a GEMM for
+    batches and a GEMV for one row, the tiled GEMM for 8+ rows), for both Qwen files in one
+    process of its own (the library reads the switch once): name -> (batch_invariant, max |Δ|)."""
+    env = {**os.environ, "SPECDEC_MM": "0", "GGML_CPU_TILED_MM": "1"}
+    res = subprocess.run(
+        [sys.executable, "-c", _STOCK_CONTROL, *QWEN],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [line.split() for line in res.stdout.splitlines() if line.startswith("control ")]
+    return {name: (invariant, float(diff)) for _, name, invariant, diff in lines}
+
+
 @pytest.mark.slow
 def test_smollm2_is_bit_identical_across_batch_shapes(smol_det) -> None:
     ids = probe_ids(smol_det.vocab_size, CONTEXT + N_PROBE)
@@ -77,33 +113,21 @@ def test_smollm2_is_bit_identical_across_batch_shapes(smol_det) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", QWEN)
-def test_qwen_is_bit_identical_across_batch_shapes_in_the_default_mode(name) -> None:
-    model = load_model(f"llamacpp:{name}", n_threads=TEST_THREADS)
-    try:
-        ids = probe_ids(model.vocab_size, CONTEXT + N_PROBE)
-        assert model.batch_invariant and model.extra_mib.get("SDMM", 0) > 0, model.extra_mib
-        assert _batch_shapes_agree(model, ids[:CONTEXT], ids[CONTEXT:]) == []
-        # deterministic mode is the same model and kernels here: nothing to switch off
-        det = load_model(f"llamacpp:{name}", n_threads=TEST_THREADS, n_ctx=64, deterministic=True)
-        assert det.extra_mib == model.extra_mib and det.batch_invariant
-        det.close()
-    finally:
-        model.close()
-    # Control: the same probe sees stock llama.cpp's kernels ($SPECDEC_MM=0: Q4_K repacked into
-    # a GEMM for batches and a GEMV for one row, the tiled GEMM for 8+ rows) differ. Without this
-    # the test above could pass because the probe cannot see a difference at all. A process of
-    # its own: the library reads the switch once.
-    env = {**os.environ, "SPECDEC_MM": "0", "GGML_CPU_TILED_MM": "1"}
-    res = subprocess.run(
-        [sys.executable, "-c", _STOCK_CONTROL, name],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    invariant, diff = res.stdout.split()[-2:]
-    assert invariant == "False" and float(diff) > 0, "the probe saw no difference on stock kernels"
+def test_qwen_is_bit_identical_across_batch_shapes_in_the_default_mode(
+    name, qwen, stock_control
+) -> None:
+    model = qwen(name)
+    ids = probe_ids(model.vocab_size, CONTEXT + N_PROBE)
+    assert model.batch_invariant and model.extra_mib.get("SDMM", 0) > 0, model.extra_mib
+    assert _batch_shapes_agree(model, ids[:CONTEXT], ids[CONTEXT:]) == []
+    # deterministic mode is the same model and kernels here: nothing to switch off
+    det = load_model(f"llamacpp:{name}", n_threads=TEST_THREADS, n_ctx=64, deterministic=True)
+    assert det.extra_mib == model.extra_mib and det.batch_invariant
+    det.close()
+    # Control: the same probe sees stock llama.cpp's kernels differ. Without this the test above
+    # could pass because the probe cannot see a difference at all.
+    invariant, diff = stock_control[name]
+    assert invariant == "False" and diff > 0, "the probe saw no difference on stock kernels"
 
 
 _STOCK_CONTROL = """
@@ -111,12 +135,15 @@ import sys
 import numpy as np
 from specdec.backends import load_model
 from specdec.study.run.invariance import probe_ids
-m = load_model(f"llamacpp:{sys.argv[1]}", n_threads=1, n_ctx=256)
-ids = probe_ids(m.vocab_size, 56)
-m.prefill(ids[:40])
-ref = np.stack([m.extend([t]).numpy()[0] for t in ids[40:56]])
-m.truncate(40)
-print(m.batch_invariant, float(np.abs(m.extend(ids[40:56]).numpy() - ref).max()))
+for name in sys.argv[1:]:
+    m = load_model(f"llamacpp:{name}", n_threads=1, n_ctx=256)
+    ids = probe_ids(m.vocab_size, 56)
+    m.prefill(ids[:40])
+    ref = np.stack([m.extend([t]).numpy()[0] for t in ids[40:56]])
+    m.truncate(40)
+    diff = float(np.abs(m.extend(ids[40:56]).numpy() - ref).max())
+    print("control", name, m.batch_invariant, diff, flush=True)
+    m.close()
 """
 
 _SLOW_DETERMINISTIC = """
@@ -194,26 +221,24 @@ _LONG_TASK = (
 
 
 @pytest.mark.slow
-def test_greedy_speculative_equals_target_only_on_qwen_in_the_default_mode() -> None:
+def test_greedy_speculative_equals_target_only_on_qwen_in_the_default_mode(qwen) -> None:
     """The end-to-end promise, in the default mode: on a long prompt (~1,000 tokens), prompt
     lookup at K = 15 (verify passes of 16 rows), a prediction drafter and a draft model at K = 5
-    give token for token the target-only output of the Qwen 1.5B at T = 0."""
-    target = load_model("llamacpp:qwen2.5-coder-1.5b", n_threads=TEST_THREADS)
-    draft = load_model("llamacpp:qwen2.5-coder-0.5b", n_threads=TEST_THREADS)
-    try:
-        prompt = list(target.tokenizer(_LONG_TASK)["input_ids"])
-        assert len(prompt) > 800
-        kw = dict(max_new_tokens=80, warp=Warp(0.0))
-        base = generate(target, prompt, **kw).tokens
-        lookup = generate(target, prompt, spec=SpecConfig("lookup", k=15), debug=True, **kw)
-        assert lookup.stats.drafted > 0 and lookup.tokens == base
-        pred = generate(target, prompt, spec=SpecConfig(k="auto"), prediction=prompt[20:], **kw)
-        assert pred.stats.drafted > 0 and pred.tokens == base
-        model = generate(target, prompt, draft=draft, spec=SpecConfig("model", k=5), **kw)
-        assert model.stats.drafted > 0 and model.tokens == base
-    finally:
-        target.close()
-        draft.close()
+    give token for token the target-only output of the Qwen 1.5B at T = 0. The speculative runs
+    keep the prompt's cached rows (reuse_prefix=1): prefilling it again would compute the same
+    rows in the same 512-token chunks."""
+    target, draft = qwen("qwen2.5-coder-1.5b"), qwen("qwen2.5-coder-0.5b")
+    prompt = list(target.tokenizer(_LONG_TASK)["input_ids"])
+    assert len(prompt) > 800
+    kw = dict(max_new_tokens=80, warp=Warp(0.0), reuse_prefix=1)
+    base = generate(target, prompt, **kw).tokens
+    lookup = generate(target, prompt, spec=SpecConfig("lookup", k=15), debug=True, **kw)
+    assert lookup.stats.drafted > 0 and lookup.tokens == base
+    assert lookup.stats.cached_prompt_tokens == len(prompt) - 1
+    pred = generate(target, prompt, spec=SpecConfig(k="auto"), prediction=prompt[20:], **kw)
+    assert pred.stats.drafted > 0 and pred.tokens == base
+    model = generate(target, prompt, draft=draft, spec=SpecConfig("model", k=5), **kw)
+    assert model.stats.drafted > 0 and model.tokens == base
 
 
 def test_deterministic_is_refused_where_it_cannot_hold(monkeypatch) -> None:
@@ -261,7 +286,7 @@ def test_probe_on_a_real_model_sees_identical_rows(smol_det) -> None:
 _SWITCH_ORDER = """
 import os
 from specdec.backends import load_model
-from specdec.core.model import SpecModelError
+from specdec.core.model import SpecModel, SpecModelError
 m = load_model("llamacpp:qwen2.5-coder-0.5b", n_threads=1, n_ctx=128)
 print("tiled", os.environ["GGML_CPU_TILED_MM"], m.batch_invariant)
 try:

@@ -11,7 +11,7 @@ Over README.md and docs/*.md:
               names become llamacpp:smollm2-135m, the test model (the session's, conftest.py),
               so that a block runs in seconds; and a block that calls a server
               (http://127.0.0.1:8000/v1) calls one started here, in process, on that model,
-              the way tests/test_server.py starts them (`specdec serve --drafter lookup -k auto`)
+              the way tests/serverkit.py starts them (`specdec serve --drafter lookup -k auto`)
 
 The first two load no model; the python blocks are marked `model`.
 """
@@ -314,7 +314,7 @@ def session_models(monkeypatch: pytest.MonkeyPatch, smol_llamacpp):
 def _server(target) -> Iterator[str]:
     """A server on `target`, as `specdec serve --target SMOL --drafter lookup -k auto` starts
     one; yields its base URL."""
-    from test_server import Server
+    from serverkit import Server
 
     from specdec.serve.app import ServeConfig
     from specdec.serve.engine import Engine

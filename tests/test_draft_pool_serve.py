@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from serverkit import MOCK_SPEC, Server, SlowMock, V, bearer, metric
 from stats_util import two_sample_chi2
-from test_server import MOCK_SPEC, Server, SlowMock, V, metric
 
 from specdec.cli import main as cli
 from specdec.cli.serve import resolve_api_keys
@@ -106,10 +106,6 @@ def _server(
     return Server(engine, cfg)
 
 
-def _auth(key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 def _complete(
     srv: Server,
     key: str | None = None,
@@ -126,7 +122,7 @@ def _complete(
         **({"speculation": speculation} if speculation is not None else {}),
         **body,
     }
-    status, _, reply = srv.request("POST", "/v1/completions", req, _auth(key))
+    status, _, reply = srv.request("POST", "/v1/completions", req, bearer(key))
     assert status == 200, reply
     return reply
 
@@ -144,7 +140,7 @@ def _pooled(reply: dict[str, Any]) -> tuple[int, int]:
 
 def _metrics(srv: Server, key: str | None = None) -> str:
     """/metrics, read with the operator's key where `key` says the server has keys."""
-    status, _, text = srv.request("GET", "/metrics", headers=_auth(key and OPERATOR))
+    status, _, text = srv.request("GET", "/metrics", headers=bearer(key and OPERATOR))
     assert status == 200, text
     return text
 
@@ -240,11 +236,11 @@ def test_key_b_never_drafts_from_key_a_pool(srv_ab: Server) -> None:
     assert _pooled(_complete(srv_ab, KEY_A))[1] > 0  # A's own pool
     assert _pooled(_complete(srv_ab, KEY_B))[1] > 0  # B's own pool, from B's first request
     status, _, err = srv_ab.request(
-        "POST", "/v1/completions", {"model": BIG_SPEC, "prompt": PROMPT}, _auth(KEY_C)
+        "POST", "/v1/completions", {"model": BIG_SPEC, "prompt": PROMPT}, bearer(KEY_C)
     )
     assert status == 401 and err["error"]["code"] == "invalid_api_key"
     assert _pool(_metrics(srv_ab, KEY_B), "scopes") == 2
-    card = srv_ab.request("GET", "/v1/models", headers=_auth(KEY_A))[2]
+    card = srv_ab.request("GET", "/v1/models", headers=bearer(KEY_A))[2]
     assert card["data"][0]["speculation"]["draft_pool"] == {"scope": "key", "tokens": 4096}
 
 

@@ -34,18 +34,14 @@ from specdec.core.policy import (
 from specdec.study.run.significance import paired_permutation_p
 
 V = 16  # small vocabulary: the sampled output repeats n-grams, so lookup finds matches
+# the `pair` fixture (conftest.py): peaked distributions, so generated text repeats itself like
+# real text does
+PAIR_SCALE = 3.0
 N_GEN = 600
 N_TOK = 30
 P_MIN = 0.01
 # A prompt with repeats, so prompt lookup has material from the first round on.
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 7, 1, 2, 3]
-
-
-@pytest.fixture(scope="module")
-def pair() -> tuple[MockModel, MockModel]:
-    # scale 3: peaked distributions, so generated text repeats itself like real text does
-    target = MockModel(V, seed=0, scale=3.0)
-    return target, MockModel.near(target, noise=0.7, seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_server import MOCK_SPEC, FakeTokenizer, SlowMock, V, serve_models
+from serverkit import MOCK_SPEC, FakeTokenizer, SlowMock, V, serve_models
 
 from specdec.study.artifacts import schema
 from specdec.study.engines import endpoint
@@ -151,7 +151,7 @@ def _bench_cfg(**kw: Any) -> BenchConfig:
         max_new_tokens=10,
         endpoint_api="completions",
     )
-    return BenchConfig(**{**base, **kw})
+    return BenchConfig.from_json({**base, **kw})
 
 
 def test_bench_between_two_endpoints_writes_the_usual_artifact(servers, tmp_path) -> None:

@@ -16,7 +16,7 @@ from conftest import TEST_THREADS
 
 import specdec.backends as models_mod
 import specdec.core.decode as decode_mod
-from specdec.backends.mock import MockModel
+from specdec.cli import args as cli_args
 from specdec.cli import main as cli
 from specdec.cli.args import EXIT_FAILED
 from specdec.study.artifacts import schema
@@ -38,19 +38,13 @@ from specdec.study.run.significance import (
 )
 
 V = 48
+# The `pair` fixture's draft (conftest.py) is loose (acceptance ~15%): an always-accept rule then
+# emits mostly draft tokens, a difference that ~1,000 tokens per method detect.
+PAIR_NOISE = 2.0
 N_PROMPTS = 40
 N_TOK = 25
 P_MIN = 0.01
 SETTINGS = GateSettings(prompts=N_PROMPTS, max_new_tokens=N_TOK, greedy_prompts=3, greedy_tokens=30)
-
-
-@pytest.fixture(scope="module")
-def pair() -> tuple[MockModel, MockModel]:
-    target = MockModel(V, seed=0)
-    # A loose draft (acceptance ~15%): an always-accept rule then emits mostly draft tokens, a
-    # difference that ~1,000 tokens per method detect.
-    draft = MockModel.near(target, noise=2.0, seed=1)
-    return target, draft
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +206,15 @@ def test_gate_cli_rejects_unknown_config_and_bad_sizes(tmp_path, capsys) -> None
 CI_P_MIN = 0.001
 
 
-@pytest.mark.model
-def test_gate_quick_on_smoke_passes(tmp_path) -> None:
+def test_gate_quick_on_smoke_passes(smol_llamacpp, smol_hf, tmp_path, monkeypatch) -> None:
+    # The smoke pair is the session's two models (loading the HF one is most of a minute here);
+    # the CLI's own loading is tested through `specdec bench --config smoke` (test_bench.py).
+    def session_pair(args, target: str, draft: str):
+        assert (target, draft) == ("llamacpp:smollm2-135m", "hf:smollm2-135m")
+        assert args.threads == TEST_THREADS and not args.deterministic
+        return smol_llamacpp, smol_hf
+
+    monkeypatch.setattr(cli_args, "load_pair", session_pair)
     rc = cli.main(
         [
             "gate",

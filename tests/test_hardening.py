@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from test_server import (
+from serverkit import (
     JSON,
     MOCK_SPEC,
     FakeTokenizer,

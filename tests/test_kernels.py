@@ -209,7 +209,11 @@ def test_the_patches_apply_to_the_pinned_sdist(tmp_path: Path) -> None:
     assert "ggml_backend_sdmm_buffer_type()" in (cpu / "ggml-cpu.cpp").read_text()
     copied = sorted(p.name for p in (cpu / "sdmm").iterdir())
     assert copied == [p.name for p in llamacpp_build.native_files()]
+    # the package's own build leaves out llama.cpp's common library (nothing it loads needs it)
+    common_on = "set(LLAMA_BUILD_COMMON ON CACHE BOOL"
+    assert common_on not in (src / "CMakeLists.txt").read_text()
     stock = llamacpp_build.prepare_source(sdist, tmp_path / "stock", fixes_only=True)
+    assert common_on in (stock / "CMakeLists.txt").read_text()
     stock_cpu = stock / "vendor/llama.cpp/ggml/src/ggml-cpu"
     assert "static const tile_config_t tc" in (stock_cpu / "amx/mmq.cpp").read_text()
     assert not (stock_cpu / "sdmm").exists()

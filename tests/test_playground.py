@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from serverkit import MOCK_SPEC, FakeTokenizer, Server, SlowMock, V
 from stream_golden import TemplateTokenizer
-from test_server import MOCK_SPEC, FakeTokenizer, Server, SlowMock, V
 
 from specdec.core.config import SpecConfig
 from specdec.serve import playground

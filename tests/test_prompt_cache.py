@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from test_server import MOCK_SPEC, SlowMock, V, metric, serve_models
+from serverkit import MOCK_SPEC, SlowMock, V, metric, serve_models
 
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp

@@ -20,7 +20,9 @@ import pytest
 
 from specdec.backends import load_model
 from specdec.backends.mock import MockModel
+from specdec.backends.replay import ModelledClock
 from specdec.cli.main import main
+from specdec.core.config import SpecConfig, Warp
 from specdec.study.run import replay as rp
 from specdec.study.run.bench import bench_config, run_bench
 
@@ -115,12 +117,29 @@ def test_a_policy_given_as_module_attr() -> None:
 
 
 # ------------------------------------------------------------------------------ one loop
+class _Timed(MockModel):
+    """A mock target whose passes take the curve's modelled time (`clock`, a ModelledClock) in
+    place of the microseconds a mock takes: k=auto then chooses the same K on every run, idle
+    or loaded, as it does in a replay."""
+
+    clock: ModelledClock | None = None
+
+    def _extend(self, ids: list[int]):
+        out = super()._extend(ids)
+        if self.clock is not None:
+            self.clock.verified(len(ids))
+        return out
+
+
 def _live(target, prompt, drafter, k, pred, stops=()):
-    """A greedy live run of decode.generate on a mock target, with its round log."""
+    """A greedy live run of decode.generate on a mock target, with its round log; on a _Timed
+    target in modelled time (CURVE's costs; the drafters here draft for free)."""
     from specdec.core.decode import generate
 
     rounds = []
     kw = {"prediction": pred} if drafter == "prediction" else {}
+    if isinstance(target, _Timed):
+        kw["clock"] = target.clock = ModelledClock(rp.curve_costs(CURVE))
     res = generate(
         target,
         prompt,
@@ -166,7 +185,7 @@ def test_a_replay_takes_the_live_runs_rounds(drafter, k, rejects) -> None:
     same rounds: the same source and K each round, the same accepted and emitted counts, the
     same tokens; k=auto included (the replay feeds it the live rounds' times). Both are the
     one loop, core.decode.stream, so a change to it reaches the replay."""
-    target = MockModel(16, seed=0, scale=3.0)
+    target = _Timed(16, seed=0, scale=3.0)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     out = _live(target, prompt, None, 1, [])[0].tokens  # target-only, to build a prediction
     pred = [*out[:20], 9, 9, 9, *out[23:]]  # the output, three tokens edited
@@ -216,16 +235,15 @@ def _check_reproduced(path, reps: list[rp.Reproduction]) -> None:
 def test_replay_reproduces_a_recorded_bench_on_mock_models(tmp_path) -> None:
     """A fresh bench run (k=auto, its policy shared across prompts as in a process; fixed K and
     the schedule beside it) and its replay agree round for round."""
-    spec = "mock:vocab=16,seed=0,scale=3"
-    target = load_model(spec)
+    model_spec = "mock:vocab=16,seed=0,scale=3"
+    target = load_model(model_spec)
     pair = (MockModel.near(target, noise=0.7, seed=1), target)
     cfg = bench_config(
         None,
         "mock:vocab=16,seed=1",
-        spec,
-        k="auto",
-        drafter="lookup",
-        temperature=0.0,
+        model_spec,
+        spec=SpecConfig("lookup", "auto"),
+        warp=Warp(temperature=0.0),
         n_prompts=4,
         warmup=0,
         max_new_tokens=60,
@@ -245,16 +263,15 @@ def test_replay_reproduces_the_prediction_drafter_on_a_real_model(
     and the wrong prediction, as in a bench process) and lookup at fixed K. No stored curve
     (an empty $SPECDEC_HOME, once the model is loaded), so the auto policy starts empty as
     the replay's does."""
-    spec = "llamacpp:smollm2-135m"
+    model_spec = "llamacpp:smollm2-135m"
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     model = smol_llamacpp
     cfg = bench_config(
         None,
-        spec,
-        spec,
-        k="auto",
-        drafter="prediction",
-        temperature=0.0,
+        model_spec,
+        model_spec,
+        spec=SpecConfig("prediction", "auto"),
+        warp=Warp(temperature=0.0),
         categories=("rewrite",),
         n_prompts=2,
         warmup=0,

@@ -227,6 +227,8 @@ def test_every_path_gives_the_whole_model_the_same_bits() -> None:
     best = _logits_with({})
     assert best["sdmm"] == SDMM_ISAS[max(_isas(lib))] and best["invariant"]
     for isa in _isas(lib)[1:]:  # the scalar reference is far too slow for a whole model
+        if best["sdmm"] == best["sdfa"] == SDMM_ISAS[isa]:
+            continue  # the run above took this path in both kernels
         forced = _logits_with({"SPECDEC_MM_ISA": SDMM_ISAS[isa]})
         assert forced["sdmm"] == forced["sdfa"] == SDMM_ISAS[isa]
         assert forced["digest"] == best["digest"], f"{SDMM_ISAS[isa]} logits differ"

@@ -1,5 +1,6 @@
 """The serve package's parts without an app: request validation, JSON parsing, text assembly,
-metrics labels and the engine's admission. The HTTP behaviour is tests/test_server.py's."""
+metrics labels and the engine's admission. The HTTP behaviour is tested through
+tests/serverkit.py's servers (test_server*.py and the files beside them)."""
 
 from __future__ import annotations
 

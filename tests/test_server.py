@@ -1,15 +1,17 @@
-"""`specdec serve` through real HTTP on loopback, driven by the real `openai` client.
+"""`specdec serve` through real HTTP on loopback, driven by the real `openai` client, on mock
+models (tests/serverkit.py: the in-process server, the mock pair, the helpers).
 
-Each server runs in-process (uvicorn in a background thread, on a socket bound to 127.0.0.1:0)
-so the tests can compare its output with `specdec.generate` on the very same model objects
-(taking `engine.lock`, as the server's worker does). Two kinds of engine:
+    text assembly  the pure detokenizer: stop strings held back, cut, released
+    mock engine    /v1/completions against `specdec.generate` on the server's own models:
+                   greedy and sampled, twenty concurrent clients, every bad input an OpenAI
+                   error (and the next request still exact), 429, 504, the drafter options,
+                   /health and /metrics, the first hardening round's findings on a shared server
+    CLI            `specdec serve` as a subprocess: loopback, the key from the environment,
+                   decoding in the main thread, SIGTERM, a taken port
 
-    mock    MockModel pairs (no tokenizer): /v1/completions with token-id prompts; the text is
-            the ids joined by spaces. Fast, so used for concurrency, 429, timeouts, bad input.
-            `SlowMock` sleeps in every forward pass to make requests overlap.
-    smoke   llama.cpp smollm2-135m target + HF smollm2-135m draft (the `smoke` pair), for the
-            chat template, real detokenization and stop strings: the session's models
-            (conftest), fetched if they are not cached.
+The rest of the server's HTTP tests: test_server_hardening.py (the first hardening round,
+issue 11, on servers of their own), test_server_smollm.py (a real model: chat template,
+detokenization, stop strings), test_hardening.py and test_tenants.py (the later rounds).
 """
 
 from __future__ import annotations
@@ -22,138 +24,30 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
 import pytest
+from serverkit import (
+    API_KEY,
+    AUTH,
+    GOOD,
+    MOCK_SPEC,
+    Server,
+    V,
+    assert_good_request_exact,
+    error_of,
+    expected,
+    metric,
+    mock_server,
+)
 
-from specdec.backends import chat as prompting
-from specdec.backends.mock import MockModel
-from specdec.core.config import SpecConfig, Warp
+from specdec.core.config import Warp
 from specdec.core.decode import generate
-from specdec.serve.app import GRACEFUL_SHUTDOWN_S, ServeConfig, create_app, uvicorn_server
-from specdec.serve.engine import Engine
+from specdec.serve.app import GRACEFUL_SHUTDOWN_S
 from specdec.serve.text import TextAssembler
-
-V = 48
-MOCK_SPEC = "mock:vocab=48,seed=0"
-API_KEY = "test-key"
-SMOKE_TARGET = "llamacpp:smollm2-135m"
-SMOKE_DRAFT = "hf:smollm2-135m"
-SMOKE_MAX_TOKENS = 8
-
-
-class SlowMock(MockModel):
-    """A MockModel whose forward passes take `delay` seconds, like a real model's."""
-
-    delay = 0.0
-
-    def _extend(self, ids: list[int]) -> Any:
-        time.sleep(self.delay)
-        return super()._extend(ids)
-
-
-class Server:
-    """uvicorn serving `create_app(engine, cfg)` on a fresh loopback port, in a thread."""
-
-    def __init__(self, engine: Engine, cfg: ServeConfig) -> None:
-        self.engine = engine
-        self.api_key = cfg.api_key
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.uv = uvicorn_server(create_app(engine, cfg), log_level="warning", lifespan="on")
-        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.uv.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-
-    def client(self, api_key: str = "unused", **kw: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, **kw)
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: bytes | dict | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> tuple[int, dict[str, str], Any]:
-        """Raw HTTP (for what the openai client will not send): status, headers, parsed body."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        data = json.dumps(body).encode() if isinstance(body, dict) else body
-        hdrs = {"Content-Type": "application/json", **(headers or {})}
-        conn.request(method, path, body=data, headers=hdrs)
-        resp = conn.getresponse()
-        raw = resp.read()
-        conn.close()
-        ctype = resp.getheader("content-type", "")
-        parsed = json.loads(raw) if ctype.startswith("application/json") else raw.decode()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, parsed
-
-    def metrics(self) -> str:
-        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return self.request("GET", "/metrics", headers=auth)[2]
-
-    def wait_idle(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while self.engine.busy or self.engine.queue_depth:
-            assert time.monotonic() < deadline, "engine still busy"
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        self.uv.should_exit = True
-        self.thread.join(30)
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one series in Prometheus text (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    series = f"{name}{{{want}}}" if labels else name
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return 0.0
-
-
-def mock_server(**cfg_kw: Any) -> Server:
-    delay = cfg_kw.pop("delay", 0.0)
-    n_ctx = cfg_kw.pop("n_ctx", 4096)
-    with_draft = cfg_kw.pop("with_draft", True)
-    spec = SpecConfig(**cfg_kw.pop("engine_kwargs", {}))
-    target = SlowMock(V, seed=0, n_ctx=n_ctx, name=MOCK_SPEC)
-    target.delay = delay
-    draft = None
-    if with_draft:
-        draft = SlowMock.near(target, noise=0.7, seed=1)
-        draft.delay = delay
-    cfg = ServeConfig(target=MOCK_SPEC, **cfg_kw)
-    engine = Engine(target, draft, model_id=MOCK_SPEC, spec=spec, max_queue=cfg.max_queue)
-    engine.warm_up()
-    return Server(engine, cfg)
-
-
-def expected(
-    srv: Server, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0
-) -> Any:
-    """What `specdec generate` gives for this request, on the server's own models."""
-    e = srv.engine
-    with e.lock:
-        return generate(
-            e.target,
-            prompt_ids,
-            draft=e.draft,
-            spec=e.spec,
-            warp=Warp(temperature),
-            max_new_tokens=max_tokens,
-            seed=seed,
-            stop_ids=e.stop_ids,
-        )
 
 
 # ---------------------------------------------------------------------------- pure: text assembly
@@ -262,18 +156,6 @@ def test_twenty_concurrent_clients_nothing_lost_or_crossed(mock: Server) -> None
     after = metric(mock.metrics(), "specdec_generations_total", outcome="finished")
     assert after - before == 20
 
-
-def _error_of(status: int, body: Any, code: str | None = None) -> dict:
-    assert isinstance(body, dict) and set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
-
-
-GOOD = {"model": MOCK_SPEC, "prompt": [1, 2, 3], "max_tokens": 4}
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 BAD_INPUTS = [
     # (id, path, body (bytes: sent as is), headers, status, param)
@@ -443,7 +325,7 @@ def test_bad_input_is_an_openai_error_and_the_server_keeps_serving(
 ) -> None:
     got, hdrs, resp = small_ctx.request("POST", path, body, headers)
     assert got == status, resp
-    err = _error_of(got, resp)
+    err = error_of(got, resp)
     if param is not None:
         assert err["param"] is not None and err["param"].startswith(param), err
     if status == 401:
@@ -451,20 +333,10 @@ def test_bad_input_is_an_openai_error_and_the_server_keeps_serving(
     assert_good_request_exact(small_ctx, AUTH)
 
 
-def assert_good_request_exact(srv: Server, headers: dict[str, str] | None = None) -> None:
-    """A greedy request after a bad one: still served, and still exactly `generate()`'s."""
-    body = {**GOOD, "temperature": 0, "seed": 1, "return_token_ids": True}
-    ok, _, good = srv.request("POST", "/v1/completions", body, headers)
-    assert ok == 200, good
-    want = expected(srv, GOOD["prompt"], GOOD["max_tokens"]).tokens
-    assert good["choices"][0]["token_ids"] == want
-    assert good["choices"][0]["text"] == " ".join(map(str, want))
-
-
 def test_wrong_method_and_client_side_error_classes(small_ctx: Server) -> None:
     status, _, body = small_ctx.request("GET", "/v1/completions", None, AUTH)
     assert status == 405
-    _error_of(status, body)
+    error_of(status, body)
     with pytest.raises(openai.AuthenticationError):
         small_ctx.client("wrong").completions.create(model=MOCK_SPEC, prompt=[1], max_tokens=2)
     client = small_ctx.client(API_KEY)
@@ -490,7 +362,7 @@ def test_queue_overflow_returns_429_with_retry_after() -> None:
         want = " ".join(map(str, expected(srv, [1, 2], 16).tokens))
         for status, hdrs, resp in results:
             if status == 429:
-                assert _error_of(status, resp, "queue_full")["type"] == "rate_limit_error"
+                assert error_of(status, resp, "queue_full")["type"] == "rate_limit_error"
                 assert int(hdrs["retry-after"]) >= 1
             else:
                 assert resp["choices"][0]["text"] == want
@@ -593,6 +465,49 @@ def test_models_health_and_metrics(mock: Server) -> None:
     )
 
 
+# ---------------------------------------------------------------------------- hardening (issue 11)
+# The findings checked on the shared server; those that need a server of their own are in
+# tests/test_server_hardening.py.
+def test_unknown_paths_without_a_key_add_at_most_one_metrics_series(mock: Server) -> None:
+    """Item 1: each distinct /v1 path, 404 before the key check, was a new series forever."""
+
+    def series() -> set[str]:
+        lines = mock.metrics().splitlines()
+        return {x.rsplit(" ", 1)[0] for x in lines if x.startswith("specdec_requests_total{")}
+
+    before = series()
+    for i in range(50):
+        status, _, body = mock.request("POST", f"/v1/probe-{i}/{i * 7919}", GOOD)
+        assert status == 404 and error_of(status, body, "not_found")
+    assert len(series() - before) <= 1
+    assert_good_request_exact(mock, AUTH)
+
+
+def test_temperature_1e_minus_39_is_greedy(mock: Server) -> None:
+    """Item 9: logits / 1e-39 overflowed to NaN, a 500 blamed on the model."""
+    body = {**GOOD, "temperature": 1e-39, "max_tokens": 12, "return_token_ids": True}
+    status, _, r = mock.request("POST", "/v1/completions", body, AUTH)
+    assert status == 200, r
+    assert r["choices"][0]["token_ids"] == expected(mock, GOOD["prompt"], 12).tokens
+    assert_good_request_exact(mock, AUTH)
+
+
+def test_stream_null_and_fields_that_ask_for_nothing_are_accepted(mock: Server) -> None:
+    body = {
+        **GOOD,
+        "temperature": 0,
+        "stream": None,
+        "logprobs": None,
+        "presence_penalty": 0,
+        "logit_bias": {},
+        "return_token_ids": True,
+    }
+    status, _, r = mock.request("POST", "/v1/completions", body, AUTH)
+    assert status == 200, r
+    assert r["choices"][0]["token_ids"] == expected(mock, GOOD["prompt"], GOOD["max_tokens"]).tokens
+
+
+# ---------------------------------------------------------------------------- CLI
 @pytest.mark.slow
 def test_cli_serve_subprocess_binds_loopback() -> None:
     with socket.socket() as s:
@@ -647,504 +562,6 @@ def test_cli_serve_subprocess_binds_loopback() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-
-
-# ---------------------------------------------------------------------------- hardening (issue 11)
-class SlowPrefillMock(MockModel):
-    """A MockModel whose prompt prefill takes `prefill_delay` seconds per chunk (a long prompt on
-    a real model), while its decode rounds are fast."""
-
-    prefill_delay = 0.0
-
-    def _prefill(self, ids: list[int]) -> None:
-        time.sleep(self.prefill_delay)
-        super()._prefill(ids)
-
-
-class FakeTokenizer:
-    """The slice of the HF tokenizer interface the server uses, over the mock's 48 ids: one
-    character per token. Like the Rust tokenizers it refuses text with a lone surrogate, and a
-    prompt starting with "slow" takes `delay` seconds to encode (a 1 MiB body's worth)."""
-
-    eos_token_id = None
-    bos_token_id = None
-    chat_template = None
-    delay = 1.5
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        text.encode("utf-8")  # UnicodeEncodeError on a lone surrogate, as tokenizers raises
-        if text.startswith("slow"):
-            time.sleep(self.delay)
-        return {"input_ids": [ord(c) % V for c in text]}
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(ord("0") + i) for i in ids)
-
-    def get_vocab(self) -> dict[str, int]:
-        return {chr(ord("0") + i): i for i in range(V)}
-
-
-def serve_models(target: MockModel, draft: MockModel | None = None, **cfg_kw: Any) -> Server:
-    """A server over these models (the engine warmed up, as `specdec serve` does)."""
-    cfg = ServeConfig(target=cfg_kw.pop("spec", MOCK_SPEC), **cfg_kw)
-    engine = Engine(target, draft, model_id=MOCK_SPEC, max_queue=cfg.max_queue)
-    engine.warm_up()
-    return Server(engine, cfg)
-
-
-def _open_stream(srv: Server, body: dict) -> tuple[http.client.HTTPConnection, Any]:
-    """A streaming request, read up to its first chunk with generated text."""
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), JSON)
-    resp = conn.getresponse()
-    assert resp.status == 200
-    while b'"text":"' not in (line := resp.readline()) or b'"text":""' in line:
-        assert line, "the stream ended before any text"
-    return conn, resp
-
-
-def _send_and_leave(srv: Server, body: dict) -> http.client.HTTPConnection:
-    """Send a request without reading the answer; closing the connection is a disconnect."""
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(body), JSON)
-    return conn
-
-
-def _wait_for(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
-JSON = {"Content-Type": "application/json"}
-LONG = {"model": MOCK_SPEC, "prompt": [1, 2], "max_tokens": 1000, "temperature": 0.8}
-
-
-def test_unknown_paths_without_a_key_add_at_most_one_metrics_series(mock: Server) -> None:
-    """Item 1: each distinct /v1 path, 404 before the key check, was a new series forever."""
-
-    def series() -> set[str]:
-        lines = mock.metrics().splitlines()
-        return {x.rsplit(" ", 1)[0] for x in lines if x.startswith("specdec_requests_total{")}
-
-    before = series()
-    for i in range(50):
-        status, _, body = mock.request("POST", f"/v1/probe-{i}/{i * 7919}", GOOD)
-        assert status == 404 and _error_of(status, body, "not_found")
-    assert len(series() - before) <= 1
-    assert_good_request_exact(mock, AUTH)
-
-
-def test_temperature_1e_minus_39_is_greedy(mock: Server) -> None:
-    """Item 9: logits / 1e-39 overflowed to NaN, a 500 blamed on the model."""
-    body = {**GOOD, "temperature": 1e-39, "max_tokens": 12, "return_token_ids": True}
-    status, _, r = mock.request("POST", "/v1/completions", body, AUTH)
-    assert status == 200, r
-    assert r["choices"][0]["token_ids"] == expected(mock, GOOD["prompt"], 12).tokens
-    assert_good_request_exact(mock, AUTH)
-
-
-def test_stream_null_and_fields_that_ask_for_nothing_are_accepted(mock: Server) -> None:
-    body = {
-        **GOOD,
-        "temperature": 0,
-        "stream": None,
-        "logprobs": None,
-        "presence_penalty": 0,
-        "logit_bias": {},
-        "return_token_ids": True,
-    }
-    status, _, r = mock.request("POST", "/v1/completions", body, AUTH)
-    assert status == 200, r
-    assert r["choices"][0]["token_ids"] == expected(mock, GOOD["prompt"], GOOD["max_tokens"]).tokens
-
-
-def test_health_shows_no_paths_and_there_is_no_openapi_schema() -> None:
-    """Low: /health (no key needed) showed the absolute model path; /openapi.json was on."""
-    target = SlowMock(V, seed=0, name=MOCK_SPEC)
-    srv = serve_models(target, spec="llamacpp:/home/someone/private/model.gguf")
-    try:
-        status, _, health = srv.request("GET", "/health")
-        assert status == 200 and health["model"] == "llamacpp:model.gguf", health
-        assert "/home" not in json.dumps(health)
-        for path in ("/openapi.json", "/docs", "/redoc"):
-            assert srv.request("GET", path)[0] == 404, path
-        assert_good_request_exact(srv)
-    finally:
-        srv.close()
-
-
-def test_disconnect_during_a_slow_prefill_frees_the_engine_within_a_chunk() -> None:
-    """Item 5: cancellation was checked only between rounds, after the whole prefill."""
-    target = SlowPrefillMock(V, seed=0, name=MOCK_SPEC)
-    srv = serve_models(target, SlowPrefillMock.near(target, noise=0.7, seed=1))
-    target.prefill_delay = 1.0  # per 512-token chunk: a 2048-token prompt prefills in 4 s
-    try:
-        before = metric(srv.metrics(), "specdec_generations_total", outcome="cancelled")
-        body = {"model": MOCK_SPEC, "prompt": [i % V for i in range(2048)], "max_tokens": 8}
-        conn = _send_and_leave(srv, body)
-        _wait_for(lambda: srv.engine.busy, 10, "the request never started")
-        time.sleep(0.3)  # inside the first prefill chunk
-        conn.close()
-        t0 = time.monotonic()
-        srv.wait_idle()
-        assert time.monotonic() - t0 < 2.0  # one chunk (1 s) at most, not the 3 s left
-        after = metric(srv.metrics(), "specdec_generations_total", outcome="cancelled")
-        assert after == before + 1
-        assert_good_request_exact(srv)
-    finally:
-        srv.close()
-
-
-def test_tokenization_runs_off_the_event_loop() -> None:
-    """Item 6: a long prompt's tokenization blocked the event loop: no other request (not even
-    /health) was answered meanwhile."""
-    target = SlowMock(V, seed=0, name=MOCK_SPEC)
-    target.tokenizer = FakeTokenizer()
-    srv = serve_models(target)
-    try:
-        body = {"model": MOCK_SPEC, "prompt": "slow prompt", "max_tokens": 3, "temperature": 0}
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            slow = pool.submit(srv.request, "POST", "/v1/completions", body)
-            time.sleep(0.3)  # the slow request is being tokenized now (1.5 s)
-            t0 = time.monotonic()
-            assert srv.request("GET", "/health")[0] == 200
-            assert time.monotonic() - t0 < 0.5
-            status, _, r = slow.result()
-        assert status == 200, r
-        want = expected(srv, FakeTokenizer()("slow prompt")["input_ids"], 3).tokens
-        assert r["choices"][0]["text"] == FakeTokenizer().decode(want)
-    finally:
-        srv.close()
-
-
-def test_a_lone_surrogate_in_a_text_prompt_is_400_not_500() -> None:
-    """Low: the tokenizer raised UnicodeEncodeError on the surrogate: a 500."""
-    target = SlowMock(V, seed=0, name=MOCK_SPEC)
-    target.tokenizer = FakeTokenizer()
-    srv = serve_models(target)
-    try:
-        raw = b'{"model": "%s", "prompt": "ab\\ud800", "max_tokens": 2}' % MOCK_SPEC.encode()
-        status, _, body = srv.request("POST", "/v1/completions", raw)
-        assert status == 400 and _error_of(status, body, "invalid_text")
-        ok = {"model": MOCK_SPEC, "prompt": "abc", "max_tokens": 4, "temperature": 0}
-        status, _, r = srv.request("POST", "/v1/completions", ok)
-        want = expected(srv, FakeTokenizer()("abc")["input_ids"], 4).tokens
-        assert status == 200 and r["choices"][0]["text"] == FakeTokenizer().decode(want)
-    finally:
-        srv.close()
-
-
-def test_a_request_abandoned_in_the_queue_frees_its_slot_at_once() -> None:
-    """Low: a cancelled job kept its queue slot (429s) until the worker reached it."""
-    srv = mock_server(delay=0.02, max_queue=1, with_draft=False)
-    try:
-        running, _ = _open_stream(srv, LONG)
-        waiting = _send_and_leave(srv, {**LONG, "max_tokens": 4})
-        _wait_for(lambda: srv.engine.queue_depth == 1, 10, "the second request was not queued")
-        waiting.close()  # its client goes away while it waits
-        _wait_for(lambda: srv.engine.queue_depth == 0, 5, "the abandoned job kept its slot")
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            body = {**GOOD, "temperature": 0, "return_token_ids": True}
-            third = pool.submit(srv.request, "POST", "/v1/completions", body)
-            _wait_for(lambda: srv.engine.queue_depth == 1 or third.done(), 10, "not queued")
-            running.close()  # now the engine is free for it
-            status, _, r = third.result()
-        assert status == 200, r  # not 429: the slot was free
-        assert r["choices"][0]["token_ids"] == expected(srv, GOOD["prompt"], 4).tokens
-    finally:
-        srv.close()
-
-
-def test_a_request_that_times_out_while_queued_counts_as_timeout() -> None:
-    """Low: it was counted as cancelled (the event loop's cancel was all the worker saw)."""
-    srv = mock_server(delay=0.02, request_timeout=0.6, with_draft=False)
-    try:
-        before = srv.metrics()
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            body = {**LONG, "max_tokens": 400}
-            got = list(pool.map(lambda _: srv.request("POST", "/v1/completions", body), range(2)))
-        assert [g[0] for g in got] == [504, 504]
-        srv.wait_idle()
-        after = srv.metrics()
-        for outcome, n in (("timeout", 2), ("cancelled", 0)):
-            was = metric(before, "specdec_generations_total", outcome=outcome)
-            assert metric(after, "specdec_generations_total", outcome=outcome) == was + n, outcome
-        assert_good_request_exact(srv)
-    finally:
-        srv.close()
-
-
-def test_shutdown_fails_the_queue_cancels_the_running_request_and_is_bounded() -> None:
-    """Item 7: shutdown waited for every queued connection without limit, so the engine's 503
-    drain never ran, and the running request went on to its last token."""
-    srv = mock_server(delay=0.02, max_queue=8, with_draft=False)
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        conn, stream = _open_stream(srv, LONG)  # 1000 tokens: ~20 s if left running
-        queued = [
-            pool.submit(srv.request, "POST", "/v1/completions", {**GOOD, "max_tokens": 8})
-            for _ in range(3)
-        ]
-        _wait_for(lambda: srv.engine.queue_depth == 3, 10, "the requests were not queued")
-        t0 = time.monotonic()
-        srv.close()
-        assert time.monotonic() - t0 < GRACEFUL_SHUTDOWN_S
-        for q in queued:
-            status, _, body = q.result(timeout=10)
-            assert status == 503 and _error_of(status, body, "shutting_down")
-        rest = stream.read().decode()  # the stream ends with the error event, promptly
-        assert "shutting_down" in rest and "[DONE]" not in rest
-        conn.close()
-    # The models are fine: a new server on them is exact.
-    fresh = serve_models(srv.engine.target)
-    try:
-        assert_good_request_exact(fresh)
-    finally:
-        fresh.close()
-
-
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_dead_worker_fails_requests_at_once() -> None:
-    """Low: submit did not check the worker, so requests waited for their deadline (504)."""
-
-    class Fatal(MockModel):
-        armed = False
-
-        def _prefill(self, ids: list[int]) -> None:
-            if self.armed:
-                raise SystemExit("the worker thread dies")  # a BaseException: not caught
-            super()._prefill(ids)
-
-    target = Fatal(V, seed=0, name=MOCK_SPEC)
-    srv = serve_models(target, request_timeout=30)
-    target.armed = True
-    try:
-        t0 = time.monotonic()
-        body = {**GOOD, "prompt": [1, 2, 3, 4]}
-        assert srv.request("POST", "/v1/completions", body)[0] == 500
-        _wait_for(lambda: not srv.engine.alive, 5, "the worker is still alive")
-        status, _, err = srv.request("POST", "/v1/completions", GOOD)
-        assert status == 503 and _error_of(status, err)["code"] in (
-            "engine_stopped",
-            "shutting_down",
-        )
-        assert srv.request("GET", "/health")[0] == 503
-        assert time.monotonic() - t0 < 10  # not the 30 s deadline
-    finally:
-        srv.close()
-    target.armed = False
-    fresh = serve_models(target)
-    try:
-        assert_good_request_exact(fresh)
-    finally:
-        fresh.close()
-
-
-# ---------------------------------------------------------------------------- smoke engine
-@pytest.fixture(scope="module")
-def smoke(_smol_llamacpp_session, _smol_hf_session) -> Server:
-    """The session's smollm2 pair (conftest: fetched if missing, one load per session)."""
-    target, draft = _smol_llamacpp_session, _smol_hf_session
-    target.reset()
-    draft.reset()
-    engine = Engine(target, draft, model_id=SMOKE_TARGET)
-    srv = Server(engine, ServeConfig(target=SMOKE_TARGET, draft=SMOKE_DRAFT))
-    yield srv
-    srv.close()
-
-
-def _chat(srv: Server, text: str, **kw: Any) -> Any:
-    return srv.client().chat.completions.create(
-        model=SMOKE_TARGET, messages=[{"role": "user", "content": text}], **kw
-    )
-
-
-def _chat_stream(srv: Server, text: str, **kw: Any) -> tuple[str, list, str | None]:
-    parts, ids, finish = [], [], None
-    for chunk in _chat(srv, text, stream=True, **kw):
-        for c in chunk.choices:
-            parts.append(c.delta.content or "")
-            ids += getattr(c, "token_ids", None) or []
-            finish = c.finish_reason or finish
-    return "".join(parts), ids, finish
-
-
-def _assert_greedy_chat_equals_generate(smoke: Server, text: str) -> Any:
-    tok = smoke.engine.tokenizer
-    prompt_ids = prompting.encode(tok, text)  # the path `specdec generate` takes
-    want = expected(smoke, prompt_ids, SMOKE_MAX_TOKENS)
-    r = _chat(
-        smoke,
-        text,
-        max_tokens=SMOKE_MAX_TOKENS,
-        temperature=0,
-        seed=3,
-        extra_body={"return_token_ids": True},
-    )
-    assert r.prompt_token_ids == prompt_ids
-    assert r.choices[0].token_ids == want.tokens
-    assert r.choices[0].message.content == prompting.decode(tok, want.tokens)
-    assert r.choices[0].finish_reason == want.stop_reason
-    assert r.usage.prompt_tokens == len(prompt_ids)
-    assert r.usage.completion_tokens == len(want.tokens)
-    assert r.spec["drafted"] == want.stats.drafted > 0
-    assert r.spec["acceptance_rate"] == pytest.approx(want.stats.acceptance_rate)
-    return r
-
-
-def test_chat_greedy_equals_generate_token_for_token(smoke: Server) -> None:
-    text = "Name three colors."
-    r = _assert_greedy_chat_equals_generate(smoke, text)
-    # the bare model name (no backend prefix) is accepted as the model id too
-    r2 = smoke.client().chat.completions.create(
-        model="smollm2-135m",
-        messages=[{"role": "user", "content": text}],
-        max_tokens=SMOKE_MAX_TOKENS,
-        temperature=0,
-    )
-    assert r2.choices[0].message.content == r.choices[0].message.content
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_chat_stream_concatenates_to_nonstreamed_text(smoke: Server, temperature: float) -> None:
-    kw = dict(
-        max_tokens=SMOKE_MAX_TOKENS,
-        temperature=temperature,
-        seed=11,
-        extra_body={"return_token_ids": True},
-    )
-    full = _chat(smoke, "Write a haiku about rain.", **kw)
-    streamed, ids, finish = _chat_stream(smoke, "Write a haiku about rain.", **kw)
-    assert streamed == full.choices[0].message.content and streamed
-    assert ids == full.choices[0].token_ids
-    assert finish == full.choices[0].finish_reason
-
-
-def test_completions_text_prompt_stream_and_not(smoke: Server) -> None:
-    tok = smoke.engine.tokenizer
-    prompt = "The capital of France is"
-    want = expected(smoke, prompting.encode(tok, prompt, chat=False), SMOKE_MAX_TOKENS)
-    client = smoke.client()
-    kw = dict(model=SMOKE_TARGET, prompt=prompt, max_tokens=SMOKE_MAX_TOKENS, temperature=0)
-    full = client.completions.create(**kw)
-    assert full.choices[0].text == prompting.decode(tok, want.tokens)
-    chunks = list(
-        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
-    )
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
-    assert chunks[-1].usage.completion_tokens == len(want.tokens)
-
-
-def test_stop_string_cuts_the_text_and_stops_generating(smoke: Server) -> None:
-    text = "Count from one to ten in words."
-    kw = dict(max_tokens=12, temperature=0)
-    full = _chat(smoke, text, **kw).choices[0].message.content
-    mid = len(full) // 2
-    stop = full[mid : mid + 3]  # three characters in the middle of the greedy output
-    cut = full[: full.find(stop)]
-    assert 0 < len(cut) < len(full), full
-    r = _chat(smoke, text, stop=[stop, "never-appears"], **kw)
-    assert r.choices[0].message.content == cut
-    assert r.choices[0].finish_reason == "stop"
-    assert r.usage.completion_tokens < 12  # generation stopped, not just the text
-    streamed, _, finish = _chat_stream(smoke, text, stop=stop, **kw)
-    assert streamed == cut and finish == "stop"
-
-
-def test_disconnect_mid_stream_frees_the_engine_without_leaking(smoke: Server) -> None:
-    before = metric(smoke.metrics(), "specdec_generations_total", outcome="cancelled")
-    body = {
-        "model": SMOKE_TARGET,
-        "max_tokens": 200,
-        "temperature": 0.7,
-        "seed": 5,
-        "stream": True,
-        "messages": [{"role": "user", "content": "Tell me a long story."}],
-    }
-    conn = http.client.HTTPConnection("127.0.0.1", smoke.port, timeout=60)
-    conn.request(
-        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
-    )
-    resp = conn.getresponse()
-    assert resp.status == 200
-    for _ in range(1000):  # read until the first chunk with generated text
-        line = resp.readline()
-        assert line, "the stream ended before any text"
-        if b'"content":"' in line and b'"content":""' not in line:
-            break
-    resp.close()
-    conn.close()  # the TCP connection goes away mid-stream
-    t0 = time.monotonic()
-    smoke.wait_idle(timeout=60)
-    assert time.monotonic() - t0 < 20  # stopped within a round or so, not after 200 tokens
-    text = smoke.metrics()
-    assert metric(text, "specdec_generations_total", outcome="cancelled") == before + 1
-    # the next request sees none of the abandoned one's state
-    _assert_greedy_chat_equals_generate(smoke, "Name three colors.")
-
-
-def test_concurrent_chat_clients_get_their_own_answers(smoke: Server) -> None:
-    tok = smoke.engine.tokenizer
-    texts = ["Say hi.", "Name a fruit.", "What is 2+2?", "Name a planet."]
-    wants = [
-        prompting.decode(tok, expected(smoke, prompting.encode(tok, t), 4).tokens) for t in texts
-    ]
-    with ThreadPoolExecutor(max_workers=len(texts)) as pool:
-        got = list(
-            pool.map(
-                lambda t: _chat(smoke, t, max_tokens=4, temperature=0).choices[0].message.content,
-                texts,
-            )
-        )
-    assert got == wants
-
-
-def test_prediction_is_drafted_from_exact_and_counted_in_usage(smoke: Server) -> None:
-    """OpenAI's Predicted Outputs on a real model: a prediction that the answer repeats is
-    drafted from (accepted prediction tokens in usage, streamed and not), and the answer is
-    exactly generate()'s without it; a prediction too long for the context is a 400."""
-    tok = smoke.engine.tokenizer
-    text = "Repeat exactly: the quick brown fox jumps over the lazy dog."
-    prompt_ids = prompting.encode(tok, text)
-    want = expected(smoke, prompt_ids, SMOKE_MAX_TOKENS)
-    answer = prompting.decode(tok, want.tokens)
-    kw = dict(max_tokens=SMOKE_MAX_TOKENS, temperature=0, seed=3)
-    pred = {"prediction": {"type": "content", "content": answer}, "return_token_ids": True}
-    r = _chat(smoke, text, extra_body=pred, **kw)
-    assert r.choices[0].token_ids == want.tokens
-    details = r.usage.completion_tokens_details
-    assert details.accepted_prediction_tokens > 0
-    assert details.rejected_prediction_tokens >= 0
-    parts = [{"type": "text", "text": answer[:5]}, {"type": "text", "text": answer[5:]}]
-    chunks = list(
-        _chat(
-            smoke,
-            text,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"prediction": {"type": "content", "content": parts}},
-            **kw,
-        )
-    )
-    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert streamed == r.choices[0].message.content
-    last = chunks[-1].usage.completion_tokens_details
-    assert last.accepted_prediction_tokens == details.accepted_prediction_tokens
-    status, _, body = smoke.request(
-        "POST",
-        "/v1/chat/completions",
-        {
-            "model": SMOKE_TARGET,
-            "messages": [{"role": "user", "content": text}],
-            "prediction": {"type": "content", "content": "word " * 5000},
-        },
-    )
-    assert status == 400 and body["error"]["param"] == "prediction", body
-    assert body["error"]["code"] == "context_length_exceeded"
-    assert _chat(smoke, text, extra_body={"return_token_ids": True}, **kw).choices[0].token_ids == (
-        want.tokens
-    )
 
 
 _MAIN_THREAD_SERVE = """

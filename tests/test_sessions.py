@@ -10,12 +10,13 @@ import re
 
 import pytest
 
+from specdec.core.config import SpecConfig, Warp
 from specdec.study.engines import endpoint
 from specdec.study.present.sessions import format_sessions
 from specdec.study.present.tables import format_table
 from specdec.study.run import bench, methods
 from specdec.study.run import prompts as prompt_set
-from specdec.study.run.bench import bench_config, run_bench
+from specdec.study.run.bench import Peers, bench_config, run_bench
 
 MOCK = ("mock:vocab=48,seed=1", "mock:vocab=48,seed=0")
 
@@ -67,7 +68,12 @@ def test_session_category_is_selected_alone_and_checked() -> None:
         bench.select_prompts(("session", "rewrite"))
     with pytest.raises(ValueError, match="chat conversation"):
         bench_config(
-            None, *MOCK, categories=("session",), n_prompts=2, warmup=0, endpoint_api="completions"
+            None,
+            *MOCK,
+            categories=("session",),
+            n_prompts=2,
+            warmup=0,
+            peers=Peers(endpoint_api="completions"),
         )
 
 
@@ -89,9 +95,8 @@ def test_the_session_protocol_on_mock_models(tmp_path, monkeypatch) -> None:
         n_prompts=2,
         warmup=0,
         max_new_tokens=10,
-        drafter="lookup",
-        k=3,
-        temperature=0.0,
+        spec=SpecConfig("lookup", 3),
+        warp=Warp(temperature=0.0),
         variants=("lookup:auto",),
     )
     art = run_bench(cfg, tmp_path, progress=False)
@@ -141,11 +146,10 @@ def test_session_runs_turn_the_servers_prompt_cache_on() -> None:
         "llamacpp:smollm2-135m",
         "llamacpp:smollm2-135m",
         categories=("session",),
-        served=True,
-        drafter="prediction",
-        k="auto",
+        spec=SpecConfig("prediction", "auto"),
         n_prompts=1,
         warmup=0,
+        peers=Peers(served=True),
     )
     servers = methods.specdec_servers(cfg)
     for srv in servers.values():
@@ -156,11 +160,10 @@ def test_session_runs_turn_the_servers_prompt_cache_on() -> None:
         "llamacpp:smollm2-135m",
         "llamacpp:smollm2-135m",
         categories=("rewrite",),
-        served=True,
-        drafter="prediction",
-        k="auto",
+        spec=SpecConfig("prediction", "auto"),
         n_prompts=1,
         warmup=0,
+        peers=Peers(served=True),
     )
     assert all("--no-prompt-cache" in s.command() for s in methods.specdec_servers(plain).values())
 
@@ -170,19 +173,18 @@ def test_a_served_session_end_to_end(tmp_path) -> None:
     """A tiny session run through two `specdec serve` processes (target-only and the
     prediction drafter), their prompt caches on: later turns are served partly from the cache,
     and the answers are the reference's."""
-    spec = "llamacpp:smollm2-135m"
+    model_spec = "llamacpp:smollm2-135m"
     cfg = bench_config(
         None,
-        spec,
-        spec,
+        model_spec,
+        model_spec,
         categories=("session",),
-        served=True,
-        drafter="prediction",
-        k="auto",
+        spec=SpecConfig("prediction", "auto"),
         n_prompts=1,
         warmup=0,
         max_new_tokens=12,
-        temperature=0.0,
+        warp=Warp(temperature=0.0),
+        peers=Peers(served=True),
     )
     art = run_bench(cfg, tmp_path, progress=False)
     assert len(art.rows) == len(prompt_set.load_sessions()[0].turns)

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
+from serverkit import MOCK_SPEC, Server, SlowMock, V, metric
 from stats_util import two_sample_chi2
 from stream_golden import TemplateTokenizer, capture, golden_server
-from test_server import MOCK_SPEC, Server, SlowMock, V, metric
 
 from specdec.backends import chat as prompting
 from specdec.core.config import SpecConfig, Warp

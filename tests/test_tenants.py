@@ -31,14 +31,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from test_server import (
+from serverkit import (
     MOCK_SPEC,
     FakeTokenizer,
     Server,
     SlowMock,
     V,
-    _open_stream,
+    bearer,
     mock_server,
+    open_stream,
+    wait_for,
 )
 
 from specdec.core import drafters
@@ -53,13 +55,9 @@ from specdec.serve.text import MAX_HELD_TOKENS, TextAssembler
 KEY_A, KEY_B, OPERATOR = "key-of-tenant-a", "key-of-tenant-b", "key-of-the-operator"
 
 
-def _auth(key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 def _complete(srv: Server, key: str | None, prompt: list[int], **body: Any) -> dict[str, Any]:
     req = {"model": MOCK_SPEC, "prompt": prompt, **body}
-    status, _, out = srv.request("POST", "/v1/completions", req, _auth(key))
+    status, _, out = srv.request("POST", "/v1/completions", req, bearer(key))
     assert status == 200, out
     return out
 
@@ -122,6 +120,7 @@ def _drafting_of_b(poisoned: bool) -> dict[str, Any]:
         srv.close()
 
 
+@pytest.mark.slow  # seconds of a live server's traffic: `make test` runs it
 def test_one_key_s_traffic_does_not_steer_another_key_s_k() -> None:
     """Finding 1: with one AutoPolicies per engine, B drafted 4 (3 of 4 runs) or 24 tokens in
     64 against 42-44 in its control, 56-58 rounds at K = 0 against 9-10. Per key, B's drafting
@@ -166,6 +165,7 @@ def _first_line(c: socket.socket) -> bytes:
         return b"(reset)"
 
 
+@pytest.mark.slow  # seconds of a live server's traffic: `make test` runs it
 def test_clients_that_never_read_leave_others_their_places() -> None:
     """Finding 2: six clients that never read and one stream against --max-connections 8:
     another client's /health got 503. Now one address holds at most half the places (the rest
@@ -174,9 +174,9 @@ def test_clients_that_never_read_leave_others_their_places() -> None:
     socks: list[socket.socket] = []
     try:
         socks = [_non_reader(srv.port, 1) for _ in range(6)]
-        _wait(lambda: _open_from(srv, "127.0.0.2") >= 4)
+        wait_for(lambda: _open_from(srv, "127.0.0.2") >= 4)
         body = {"model": MOCK_SPEC, "prompt": [1, 2], "max_tokens": 400, "temperature": 0}
-        conn, resp = _open_stream(srv, body)  # a legitimate stream, open throughout
+        conn, resp = open_stream(srv, body)  # a legitimate stream, open throughout
         status, _, health = srv.request("GET", "/health")
         assert status == 200 and health["status"] == "ok", health
         assert _open_from(srv, "127.0.0.2") == 4  # its share: half of --max-connections
@@ -198,9 +198,9 @@ def test_a_client_that_stops_reading_is_cut_at_the_write_deadline() -> None:
     socks: list[socket.socket] = []
     try:
         socks = [_non_reader(srv.port, 400) for _ in range(6)]
-        _wait(lambda: _open_from(srv, "127.0.0.2") == 6)  # held, their writes paused
+        wait_for(lambda: _open_from(srv, "127.0.0.2") == 6)  # held, their writes paused
         t0 = time.monotonic()
-        _wait(lambda: _open_from(srv, "127.0.0.2") == 0, timeout=10)
+        wait_for(lambda: _open_from(srv, "127.0.0.2") == 0, timeout=10)
         assert time.monotonic() - t0 < 5
         assert srv.request("GET", "/health")[0] == 200
     finally:
@@ -218,7 +218,7 @@ def test_metrics_are_the_operator_s(key: str | None, status: int) -> None:
     one (prompt tokens, cached blocks, pool hits)."""
     srv = _keyed_server(SlowMock(V, seed=0, name=MOCK_SPEC))
     try:
-        got, _, body = srv.request("GET", "/metrics", headers=_auth(key))
+        got, _, body = srv.request("GET", "/metrics", headers=bearer(key))
         assert got == status, body
         if status == 403:
             assert body["error"]["code"] == "operator_key_required"
@@ -230,7 +230,7 @@ def test_several_keys_without_an_operator_key_serve_metrics_to_no_one() -> None:
     cfg = ServeConfig(target=MOCK_SPEC, api_keys=(KEY_A, KEY_B))
     srv = Server(Engine(SlowMock(V, seed=0, name=MOCK_SPEC), model_id=MOCK_SPEC), cfg)
     try:
-        assert srv.request("GET", "/metrics", headers=_auth(KEY_A))[0] == 403
+        assert srv.request("GET", "/metrics", headers=bearer(KEY_A))[0] == 403
     finally:
         srv.close()
     with pytest.raises(ValueError, match="also an API key"):
@@ -238,6 +238,7 @@ def test_several_keys_without_an_operator_key_serve_metrics_to_no_one() -> None:
 
 
 # ------------------------------------------------------------------------------ queue
+@pytest.mark.slow  # seconds of a live server's traffic: `make test` runs it
 def test_a_flooding_key_gets_its_share_and_another_key_goes_next() -> None:
     """Finding 4: one FIFO for every key: A's flood took every place, and B's request waited
     behind all of it (or got 429). Now A waits in its share (half of --max-queue with two keys)
@@ -258,16 +259,16 @@ def test_a_flooding_key_gets_its_share_and_another_key_goes_next() -> None:
 
             def send(key: str, first: int, max_tokens: int = 20) -> Any:
                 req = {"model": MOCK_SPEC, "prompt": [first, 3], "max_tokens": max_tokens}
-                return pool.submit(srv.request, "POST", "/v1/completions", req, _auth(key))
+                return pool.submit(srv.request, "POST", "/v1/completions", req, bearer(key))
 
             running = send(KEY_A, 1, max_tokens=150)  # ~3 s: the flood comes while it runs
-            _wait(lambda: srv.engine.busy)
+            wait_for(lambda: srv.engine.busy)
             flood = [send(KEY_A, 1) for _ in range(5)]
-            _wait(lambda: sum(f.done() for f in flood) == 2 and srv.engine.queue_depth == 3)
+            wait_for(lambda: sum(f.done() for f in flood) == 2 and srv.engine.queue_depth == 3)
             statuses = [f.result()[0] for f in flood if f.done()]
             assert statuses == [429, 429], statuses  # past A's share of 3
             b = send(KEY_B, 2)
-            _wait(lambda: srv.engine.queue_depth == 4)
+            wait_for(lambda: srv.engine.queue_depth == 4)
             assert srv.engine.busy and not running.done()  # B queued behind A's three
             assert b.result(30)[0] == 200 and running.result(30)[0] == 200
             assert [f.result(30)[0] for f in flood].count(200) == 3
@@ -276,14 +277,8 @@ def test_a_flooding_key_gets_its_share_and_another_key_goes_next() -> None:
         srv.close()
 
 
-def _wait(cond: Any, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 # ------------------------------------------------------------------------------ predictions
+@pytest.mark.slow  # seconds of a live server's traffic: `make test` runs it
 def test_prediction_indexes_built_ahead_stay_within_their_budget(monkeypatch) -> None:
     """Finding 5: each waiting request held its prediction's index (~6.5 MiB at n_ctx 4096):
     ~420 MB with 65 in flight. With a budget of two 500-token predictions, six waiting requests

@@ -14,7 +14,10 @@ llama.cpp's quantized kernels on the same file.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +83,21 @@ def _load_config(path: Path) -> Any:
     return load_conversion("configs", path, convert, AutoConfig.from_pretrained)
 
 
+@contextmanager
+def _one_tensor_name_map() -> Iterator[None]:
+    """transformers' GGUF loader asks gguf for a TensorNameMap once per submodule (~400 times for
+    a 30-layer model, each rebuilding every name pattern: most of a small model's load); the map
+    is a function of (arch, n_blocks) alone, so it is built once per load."""
+    import gguf
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = build
+
+
 class HFModel(SpecModel):
     """A transformers causal LM with one DynamicCache (batch size 1)."""
 
@@ -141,7 +159,8 @@ class HFModel(SpecModel):
         if path.is_dir():
             model = AutoModelForCausalLM.from_pretrained(path, **kw, **weights)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kw)
+            with _one_tensor_name_map():
+                model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kw)
         model = model.to(dev)
         return cls(model, load_tokenizer(path), name=name or f"hf:{path.name}", n_ctx=n_ctx)
 

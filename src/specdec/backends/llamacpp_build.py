@@ -18,7 +18,9 @@ patch in patches/ applied by `git apply` (a patch that does not apply stops the 
 `fix-*` patches are upstream bug fixes (also given to the stock peer, study.engines.anchors),
 `specdec-*` patches are specdec's own changes. specdec-sdmm.patch hooks specdec's matmul for
 verify batches (native/, copied into ggml-cpu/sdmm/ before the patches apply) into ggml-cpu as an
-extra buffer type: docs/kernels.md. The "portable" flavor (GGML_NATIVE=OFF, AVX2) is built only
+extra buffer type: docs/kernels.md. specdec-no-common.patch leaves llama.cpp's common library
+(argument parsing, chat templates and downloads for its tools) out of the wheel, which loads
+libllama and ggml alone. The "portable" flavor (GGML_NATIVE=OFF, AVX2) is built only
 to test that a lesser CPU's code path runs and agrees, and there only its CPU backend
 (build_cpu_backend; tests/test_kernels.py).
 """

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from specdec.cli import args as cli_args
+from specdec.core.config import SpecConfig, Warp
 from specdec.study.engines import anchors, endpoint
 from specdec.study.present.tables import format_table
 from specdec.study.run import prompts as prompt_set
@@ -14,6 +14,7 @@ from specdec.study.run.bench import (
     COMPARES,
     CONFIGS,
     BenchConfig,
+    Peers,
     bench_config,
     parse_categories,
     run_bench,
@@ -203,33 +204,36 @@ def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) ->
     n_prompts = args.prompts
     if n_prompts is None:  # the default, capped at what the categories hold
         n_prompts = min(args.default_prompts, len(select_prompts(categories)))
-    extra: dict[str, Any] = {"categories": categories}
+    spec, variants, peers = SpecConfig("model", k), (), Peers(compare)
     if hasattr(args, "drafter"):  # bench only; the sweep is the draft model at fixed K
+        spec = SpecConfig(**{**cli_args.spec_options(args), "k": k})
         variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-        extra.update(drafter=args.drafter, k_max=args.k_max, p_min=args.p_min, variants=variants)
-        extra.update(
+        modes: tuple[str, ...] = ()
+        if compare == "llama-server":
+            modes = tuple(m.strip() for m in args.llama_server_modes.split(",") if m.strip())
+        peers = Peers(
+            compare=compare,
             endpoint=args.endpoint,
             endpoint_baseline=args.endpoint_baseline,
             endpoint_model=args.endpoint_model,
             endpoint_api=args.endpoint_api,
+            llama_server=modes,
             served=getattr(args, "serve", False),
         )
-        if compare == "llama-server":
-            modes = tuple(m.strip() for m in args.llama_server_modes.split(",") if m.strip())
-            extra["llama_server"] = modes
     return bench_config(
         args.config,
         args.draft,
         args.target,
-        k=k,
-        **cli_args.warp_options(args),
+        spec=spec,
+        warp=Warp(**cli_args.warp_options(args)),
         n_prompts=n_prompts,
         warmup=args.warmup,
         max_new_tokens=args.max_new_tokens,
-        compare=compare,
         device=args.device,
         deterministic=args.deterministic,
-        **extra,
+        variants=variants,
+        categories=categories,
+        peers=peers,
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from specdec.backends.costs import CurveFiles
 from specdec.cli import args as cli_args
+from specdec.core.config import check_int
 from specdec.study.run.microbench import (
     CONTENDED_SPREAD,
     acceptance_profile,
@@ -83,9 +84,8 @@ def _cmd_microbench(args: argparse.Namespace) -> int:
             bench = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read the bench artifact {path}: {e}") from e
-        k = bench.get("config", {}).get("k")
-        if isinstance(k, bool) or not isinstance(k, int):  # before the minutes of measuring
-            raise ValueError(f"{path}: --check needs fixed-K bench artifacts, this one has k={k!r}")
+        k = bench.get("config", {}).get("k")  # checked before the minutes of measuring
+        check_int(f"{path}: --check needs fixed-K bench artifacts; its config.k", k, 1)
         acceptance_profile(bench, source=str(path))  # validates the schema and the rows
         benches.append((str(path), bench))
     target, draft = cli_args.load_pair(args, args.target, args.draft)

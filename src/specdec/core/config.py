@@ -14,7 +14,7 @@ CLI can declare its flags without importing torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -40,14 +40,36 @@ DrafterName = Literal["model", "lookup", "composite", "prediction"]
 KName = Literal["auto", "schedule"]
 
 
-def check_int(what: str, value: Any, lo: int, hi: int | None = None) -> int:
-    """`value` if it is an int (not a bool) in [lo, hi]; ValueError naming `what` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{what} must be {bound}, got {value}")
-    return value
+def check_int(
+    what: str,
+    value: Any,
+    lo: int,
+    hi: int | None = None,
+    *,
+    alternatives: str = "",
+    error: Callable[[str], Exception] = ValueError,
+) -> int:
+    """`value` if it is an int in [lo, hi] (hi None: no upper bound); otherwise `error` (a
+    ValueError unless the caller raises its own kind, e.g. an HTTP 400) with the message
+    "WHAT must be [ALTERNATIVES or ]an integer in [LO, HI], got VALUE".
+
+    The one integer rule of the package. A bool is refused although Python counts it an int:
+    True given as a count is a mistake. `alternatives` names what else the caller accepts in the
+    same place, having checked it first (e.g. "'auto', 'schedule'" for K). VALUE is cut short: a
+    client's value may be as long as a request body."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if lo <= value and (hi is None or value <= hi):
+            return value
+    bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+    either = f"{alternatives} or " if alternatives else ""
+    raise error(f"{what} must be {either}an integer {bound}, got {shown(value)}")
+
+
+def shown(value: Any, quote: bool = True) -> str:
+    """A value for an error message (its repr, or str without `quote`), at most 60 characters:
+    a client's value may be anything up to the request body's cap."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def is_policy(k: object) -> bool:
@@ -59,10 +81,7 @@ def check_k(k: Any) -> None:
     """K: an int >= 1, 'auto', 'schedule' or a KPolicy object."""
     if is_policy(k) or (isinstance(k, str) and k in NAMED_K):
         return
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(
-            f"k (draft tokens per round) must be an integer >= 1, 'auto' or 'schedule'; got {k!r}"
-        )
+    check_int("k (draft tokens per round)", k, 1, alternatives="'auto', 'schedule'")
 
 
 @dataclass(frozen=True)
@@ -116,9 +135,8 @@ class SpecConfig:
         if isinstance(self.drafter, str) and self.drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {self.drafter!r}; use one of {', '.join(DRAFTERS)}")
         check_k(self.k)
-        m = self.k_max
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ValueError(f"k_max must be an integer >= 1, got {m!r}")
+        if self.k_max is not None:
+            check_int("k_max", self.k_max, 1)
         p = self.p_min
         if p is not None and (
             isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1

@@ -27,6 +27,7 @@ from specdec.core.config import (
     KName,
     SpecConfig,
     Warp,
+    check_int,
     config_from,
 )
 from specdec.core.device import synchronize
@@ -454,10 +455,7 @@ def _check_budget(
     target: SpecModel, draft: SpecModel | None, prompt: list[int], max_new_tokens: int
 ) -> int:
     """Check the prompt and the budget against both models; return the sampling width V."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_int("max_new_tokens", max_new_tokens, 1)
     if not prompt:
         raise ValueError("the prompt is empty; pass at least one token id (e.g. BOS)")
     width = target.vocab_size if draft is None else check_pair(draft, target)

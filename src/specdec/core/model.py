@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from specdec.core.config import check_int
+
 #: Token ids as the API takes them: a list (or any iterable) of ints, a 1-D integer tensor (or
 #: [1, n]: a batch of one), or a tokenizer's output holding input_ids (a BatchEncoding, a dict).
 TokenIds = Iterable[int] | torch.Tensor | Mapping[str, Any]
@@ -145,10 +147,7 @@ class SpecModel(ABC):
 
     def truncate(self, n: int) -> None:
         """Roll the cache back to its first n tokens; a no-op when n >= n_cached."""
-        if not isinstance(n, int) or isinstance(n, bool):
-            raise SpecModelError(f"truncate expects an int length, got {type(n).__name__}")
-        if n < 0:
-            raise SpecModelError(f"truncate length must be >= 0, got {n}")
+        check_int("truncate's length", n, 0, error=SpecModelError)
         if n >= self.n_cached:
             return
         self._truncate(n)

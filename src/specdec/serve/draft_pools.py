@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specdec.core.config import check_int
 from specdec.core.pool import KEYS, DraftPool, DraftPools, PoolStats
 from specdec.serve.metrics import Metrics
 
@@ -72,8 +73,7 @@ class PoolConfig:
             ("--draft-pool-tokens", self.tokens, MIN_POOL_TOKENS, MAX_POOL_TOKENS),
             ("--draft-pool-scopes", self.scopes, 1, 1 << 16),
         ):
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise ValueError(f"{flag} must be an integer in [{lo}, {hi}], got {v!r}")
+            check_int(flag, v, lo, hi)
 
     def for_tenants(self, tenants: int) -> PoolConfig:
         """This config on a server with `tenants` possible scopes (its API keys, or 1): no more

@@ -10,7 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from specdec.core.config import MODEL_DRAFTERS, NAMED_K, KName, SpecConfig, default_drafter
+from specdec.core.config import (
+    MODEL_DRAFTERS,
+    NAMED_K,
+    KName,
+    SpecConfig,
+    check_int,
+    default_drafter,
+    shown,
+)
 from specdec.serve.errors import bad
 
 if TYPE_CHECKING:
@@ -119,7 +127,7 @@ def resolve_speculation(raw: Any, defaults: SpecDefaults, has_prediction: bool) 
     unknown = sorted(set(raw) - set(SPEC_FIELDS))
     if unknown:
         raise bad(
-            f"speculation.{_show(unknown[0], quote=False)} is not a field of speculation; its "
+            f"speculation.{shown(unknown[0], quote=False)} is not a field of speculation; its "
             f"fields are {', '.join(SPEC_FIELDS)}",
             "speculation",
             "unknown_parameter",
@@ -159,7 +167,7 @@ def _spec_drafter(value: Any, defaults: SpecDefaults, has_prediction: bool) -> s
         return "prediction" if has_prediction else "none"
     if not isinstance(value, str) or value not in SPEC_DRAFTERS:
         raise bad(
-            f"speculation.drafter must be one of {', '.join(SPEC_DRAFTERS)}; got {_show(value)}",
+            f"speculation.drafter must be one of {', '.join(SPEC_DRAFTERS)}; got {shown(value)}",
             "speculation.drafter",
             "invalid_value",
         )
@@ -176,18 +184,12 @@ def _spec_drafter(value: Any, defaults: SpecDefaults, has_prediction: bool) -> s
 def _spec_k(name: str, value: Any, named: bool = True) -> int | str:
     if named and isinstance(value, str) and value in NAMED_K:
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REQUEST_K:
-        names = "'auto', 'schedule' or " if named else ""
-        raise bad(
-            f"speculation.{name} must be {names}an integer in [1, {MAX_REQUEST_K}]; "
-            f"got {_show(value)}",
-            f"speculation.{name}",
-            "invalid_value",
-        )
-    return value
-
-
-def _show(value: Any, quote: bool = True) -> str:
-    """A client's value in an error message, cut short (it may be anything up to the body cap)."""
-    text = repr(value) if quote else str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    param = f"speculation.{name}"
+    return check_int(
+        param,
+        value,
+        1,
+        MAX_REQUEST_K,
+        alternatives="'auto', 'schedule'" if named else "",
+        error=lambda message: bad(message, param, "invalid_value"),
+    )

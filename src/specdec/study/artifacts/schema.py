@@ -366,8 +366,9 @@ class BenchArtifact(RunConfig, RunModels, Artifact):
     SCHEMA: ClassVar[str] = "specdec.bench/1"
     schema_id: Literal["specdec.bench/1"] = _schema_id("specdec.bench/1")
     meta: Mapping[str, Any]  # meta_block()
-    # asdict(run.bench.BenchConfig), which documents each field; `categories` [] means every
-    # prompt.
+    # run.bench.BenchConfig.to_json(): its settings, flat (run.bench.CONFIG_KEYS), plus
+    # "engines" (what the run started); BenchConfig documents each. `categories` [] means
+    # every prompt.
     config: Mapping[str, Any]
     models: Mapping[str, Model | None]  # {"draft": MODEL, "target": MODEL}
     rows: tuple[BenchRow, ...]

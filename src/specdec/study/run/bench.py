@@ -33,15 +33,14 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from specdec.backends import chat as prompting
 from specdec.backends import parse_spec
 from specdec.backends.configs import CONFIGS as PAIRS
-from specdec.core.config import DRAFTERS, SpecConfig, Warp
-from specdec.core.config import check_int as _check_int
+from specdec.core.config import DRAFTERS, SpecConfig, Warp, check_int, is_policy
 from specdec.core.model import SpecModel
 from specdec.study.artifacts.provenance import (
     meta_block,
@@ -72,31 +71,12 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # goes into file names
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark run; every field is a `specdec bench` flag. Validated on construction."""
+class Peers:
+    """What runs beside or instead of the in-process methods: a --compare anchor, OpenAI-compatible
+    endpoints, llama.cpp's servers, specdec's own servers (--serve). Checks its fields on
+    construction; BenchConfig checks them against the models and the prompts."""
 
-    name: str
-    draft: str  # model spec, BACKEND:NAME_OR_PATH
-    target: str
-    k: int | str = 4  # an int >= 1, "auto" or "schedule" (decode.generate)
-    temperature: float = 0.8
-    top_k: int | None = None
-    top_p: float | None = None
-    n_prompts: int = 30
-    warmup: int = 2
-    max_new_tokens: int = 128
-    compare: str | None = None  # None or "hf-assisted"
-    device: str | None = None  # None: best available (specdec.core.device.get_device)
-    drafter: str = "model"  # one of methods.BENCH_DRAFTERS
-    k_max: int | None = None  # the largest K for k="auto" / "schedule" (None: SpecConfig's)
-    p_min: float | None = None  # draft confidence cutoff
-    deterministic: bool = False  # batch-invariant llama.cpp numerics (backends.load_model)
-    # Extra speculative methods run on the same prompts, "DRAFTER:K" each (e.g. "lookup:auto"):
-    # one run holds every method of a comparison table, so their ratios are valid.
-    variants: tuple[str, ...] = ()
-    # Prompt categories to run (prompts.jsonl's "category"); () = every prompt. Applied before
-    # n_prompts: the run takes the first n_prompts prompts of these categories, in file order.
-    categories: tuple[str, ...] = ()
+    compare: str | None = None  # None, "hf-assisted" or "llama-server" (COMPARES)
     # OpenAI-compatible servers (engines/endpoint.py) that stand in for the in-process methods:
     # `endpoint` runs "speculative", `endpoint_baseline` runs "baseline". With both, no model
     # is loaded (the target's tokenizer only, to count tokens where `usage` is missing).
@@ -110,45 +90,7 @@ class BenchConfig:
     # (anchors.SpecdecServer): the served comparison against llama-server, both warm
     served: bool = False
 
-    @property
-    def sessions(self) -> bool:
-        """A run of multi-turn edit sessions (the "session" category): servers keep their
-        prompt cache on (specdec serve --prompt-cache, llama-server cache_prompt), as an
-        editor's server does between the turns of a conversation."""
-        return SESSION in self.categories
-
-    @property
-    def spec(self) -> SpecConfig:
-        return SpecConfig(methods.core_drafter(self.drafter), self.k, self.k_max, self.p_min)
-
-    @property
-    def warp(self) -> Warp:
-        return Warp(self.temperature, self.top_k, self.top_p)
-
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _SAFE_NAME.match(self.name):
-            raise ValueError(f"config name {self.name!r} must be letters, digits, '_', '.', '-'")
-        backends = (parse_spec(self.draft)[0], parse_spec(self.target)[0])
-        if self.drafter is None:
-            raise ValueError(f"a bench needs a drafter; choose from {', '.join(DRAFTERS)}")
-        self.spec  # noqa: B018 - SpecConfig and Warp check their fields (one rule each)
-        self.warp  # noqa: B018
-        for v in self.variants:
-            methods.parse_variant(v)
-        if isinstance(self.categories, str) or not all(isinstance(c, str) for c in self.categories):
-            raise ValueError(f"categories must be a tuple of names, got {self.categories!r}")
-        n_available = len(select_prompts(self.categories))  # checks the category names
-        what = "prompts"
-        if self.categories:
-            what = f"prompts (of categories {', '.join(self.categories)})"
-        _check_int(what, self.n_prompts, 1, n_available)
-        _check_int("warmup", self.warmup, 0)
-        if self.warmup >= self.n_prompts:
-            raise ValueError(
-                f"warmup ({self.warmup}) must be < prompts ({self.n_prompts}): at least one "
-                "prompt has to be recorded"
-            )
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
         for url in (self.endpoint, self.endpoint_baseline):
             if url is not None:
                 endpoint.Endpoint(url, api=self.endpoint_api)  # checks the URL and the api
@@ -157,25 +99,164 @@ class BenchConfig:
                 "--serve starts specdec's own servers for the baseline and the speculative "
                 "method; drop --endpoint/--endpoint-baseline, or drop --serve"
             )
-        if self.llama_server:
-            anchors.check_modes(self.llama_server, self.target, self.draft, tools=True)
-        if self.sessions and (self.endpoint_api != "chat" or self.compare == "hf-assisted"):
+        if self.compare is not None and self.compare not in COMPARES:
+            raise ValueError(f"unknown --compare {self.compare!r}; choose from {COMPARES}")
+        if self.compare == "llama-server" and not self.llama_server:
+            raise ValueError("--compare llama-server needs at least one llama-server mode")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run; every field is a `specdec bench` flag, those of one component grouped
+    in its own record: `spec` (the speculative method), `warp` (every method's sampling), `peers`
+    (what runs out of process). Each record checks its own fields; this checks them together,
+    on construction. `to_json` writes the artifact's flat `config` block, `from_json` reads it."""
+
+    name: str
+    draft: str  # model spec, BACKEND:NAME_OR_PATH
+    target: str
+    # The speculative method: a named drafter (core.config.DRAFTERS) and K (an int >= 1, "auto"
+    # or "schedule"), k_max, p_min; the variants reuse its k_max and p_min.
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig("model", 4))
+    warp: Warp = field(default_factory=Warp)  # temperature, top_k, top_p: every method's
+    n_prompts: int = 30
+    warmup: int = 2
+    max_new_tokens: int = 128
+    device: str | None = None  # None: best available (specdec.core.device.get_device)
+    deterministic: bool = False  # batch-invariant llama.cpp numerics (backends.load_model)
+    # Extra speculative methods run on the same prompts, "DRAFTER:K" each (e.g. "lookup:auto"):
+    # one run holds every method of a comparison table, so their ratios are valid.
+    variants: tuple[str, ...] = ()
+    # Prompt categories to run (prompts.jsonl's "category"); () = every prompt. Applied before
+    # n_prompts: the run takes the first n_prompts prompts of these categories, in file order.
+    categories: tuple[str, ...] = ()
+    peers: Peers = field(default_factory=Peers)
+
+    @property
+    def sessions(self) -> bool:
+        """A run of multi-turn edit sessions (the "session" category): servers keep their
+        prompt cache on (specdec serve --prompt-cache, llama-server cache_prompt), as an
+        editor's server does between the turns of a conversation."""
+        return SESSION in self.categories
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _SAFE_NAME.match(self.name):
+            raise ValueError(f"config name {self.name!r} must be letters, digits, '_', '.', '-'")
+        backends = (parse_spec(self.draft)[0], parse_spec(self.target)[0])
+        if not isinstance(self.spec.drafter, str) or is_policy(self.spec.k):
+            raise ValueError(
+                f"a bench names its drafter ({', '.join(DRAFTERS)}) and its K (an int, 'auto' "
+                f"or 'schedule'), which its artifact records; got {self.spec}"
+            )
+        for v in self.variants:
+            methods.parse_variant(v)
+        self._check_prompts()
+        peers = self.peers
+        if peers.llama_server:
+            anchors.check_modes(peers.llama_server, self.target, self.draft, tools=True)
+        if self.sessions and (peers.endpoint_api != "chat" or peers.compare == "hf-assisted"):
             raise ValueError(
                 f"the {SESSION!r} category is a chat conversation: it needs --endpoint-api chat "
                 "and no --compare hf-assisted"
             )
-        if self.compare is not None:
-            if self.compare not in COMPARES:
-                raise ValueError(f"unknown --compare {self.compare!r}; choose from {COMPARES}")
-            if self.compare == "llama-server" and not self.llama_server:
-                raise ValueError("--compare llama-server needs at least one llama-server mode")
-            if self.compare == "hf-assisted" and backends != ("hf", "hf"):
-                raise ValueError(
-                    "--compare hf-assisted runs transformers' generate(assistant_model=...), so "
-                    f"both models must use the hf backend; config {self.name!r} pairs draft "
-                    f"{self.draft} with target {self.target} (use --config all_hf, or "
-                    "--draft hf:... --target hf:...)"
-                )
+        if peers.compare == "hf-assisted" and backends != ("hf", "hf"):
+            raise ValueError(
+                "--compare hf-assisted runs transformers' generate(assistant_model=...), so "
+                f"both models must use the hf backend; config {self.name!r} pairs draft "
+                f"{self.draft} with target {self.target} (use --config all_hf, or "
+                "--draft hf:... --target hf:...)"
+            )
+
+    def _check_prompts(self) -> None:
+        """categories, n_prompts, warmup and max_new_tokens against the prompt set."""
+        if isinstance(self.categories, str) or not all(isinstance(c, str) for c in self.categories):
+            raise ValueError(f"categories must be a tuple of names, got {self.categories!r}")
+        n_available = len(select_prompts(self.categories))  # checks the category names
+        what = "prompts"
+        if self.categories:
+            what = f"prompts (of categories {', '.join(self.categories)})"
+        check_int(what, self.n_prompts, 1, n_available)
+        check_int("warmup", self.warmup, 0)
+        if self.warmup >= self.n_prompts:
+            raise ValueError(
+                f"warmup ({self.warmup}) must be < prompts ({self.n_prompts}): at least one "
+                "prompt has to be recorded"
+            )
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+
+    def to_json(self) -> dict[str, Any]:
+        """The artifact's `config` block: every setting under its flag's name, flat, in
+        CONFIG_KEYS' order (tuples stay tuples; write_json makes them lists)."""
+        records = {"": self, "spec": self.spec, "warp": self.warp, "peers": self.peers}
+        return {key: getattr(records[part], key) for key, part in CONFIG_KEYS}
+
+    @classmethod
+    def from_json(cls, config: Mapping[str, Any]) -> BenchConfig:
+        """The BenchConfig a `config` block records, checked as on construction: `to_json`'s
+        inverse. A key the block lacks takes its default; "engines" (what the run started, not
+        a setting) is passed over; JSON's lists are read back as the tuples they were."""
+        home = dict(CONFIG_KEYS)
+        unknown = [key for key in config if key not in home and key != "engines"]
+        if unknown:
+            raise ValueError(f"not a bench setting: {', '.join(unknown)}")
+        kw: dict[str, dict[str, Any]] = {part: {} for part in set(home.values())}
+        for key, value in config.items():
+            if key in home:
+                kw[home[key]][key] = tuple(value) if isinstance(value, list) else value
+        defaults = _defaults()
+        parts = {part: replace(defaults[part], **given) for part, given in kw.items() if part}
+        return cls(**kw[""], **parts)
+
+
+#: The artifact's `config` keys (BenchConfig.to_json) in the order its files have always had,
+#: each with the record of a BenchConfig that holds it ("": the config itself). The report
+#: (study/present) and the committed results read these names: keep them.
+CONFIG_KEYS: tuple[tuple[str, str], ...] = (
+    ("name", ""),
+    ("draft", ""),
+    ("target", ""),
+    ("k", "spec"),
+    ("temperature", "warp"),
+    ("top_k", "warp"),
+    ("top_p", "warp"),
+    ("n_prompts", ""),
+    ("warmup", ""),
+    ("max_new_tokens", ""),
+    ("compare", "peers"),
+    ("device", ""),
+    ("drafter", "spec"),
+    ("k_max", "spec"),
+    ("p_min", "spec"),
+    ("deterministic", ""),
+    ("variants", ""),
+    ("categories", ""),
+    ("endpoint", "peers"),
+    ("endpoint_baseline", "peers"),
+    ("endpoint_model", "peers"),
+    ("endpoint_api", "peers"),
+    ("llama_server", "peers"),
+    ("served", "peers"),
+)
+
+
+def config_defaults() -> dict[str, Any]:
+    """The `config` keys that have a default, with it, in CONFIG_KEYS' order: what a run from
+    before a flag existed ran with (scripts/migrate_artifacts.py fills them in)."""
+    own = _defaults()
+    out = {}
+    for key, part in CONFIG_KEYS:
+        value = getattr(own[part], key) if part else own[key]
+        if value is not MISSING:
+            out[key] = value
+    return out
+
+
+def _defaults() -> dict[str, Any]:
+    """BenchConfig's fields' defaults, its records built; MISSING for name, draft and target."""
+    return {
+        f.name: f.default if f.default_factory is MISSING else f.default_factory()
+        for f in fields(BenchConfig)
+    }
 
 
 def prompt_categories() -> tuple[str, ...]:
@@ -247,9 +328,10 @@ def bench_config(
 
 def artifact_name(cfg: BenchConfig, tag: str | None = None) -> str:
     """bench_<config>_k<K>_t<T>[_<tag>].json: deterministic, so a rerun replaces its artifact."""
-    drafter = "" if cfg.drafter == "model" else f"_{cfg.drafter}"
+    drafter = "" if cfg.spec.drafter == "model" else f"_{cfg.spec.drafter}"
     cats = categories_part(cfg)
-    return f"bench_{cfg.name}{drafter}_k{cfg.k}_t{cfg.temperature:g}{cats}{tag_suffix(tag)}.json"
+    k, t = cfg.spec.k, cfg.warp.temperature
+    return f"bench_{cfg.name}{drafter}_k{k}_t{t:g}{cats}{tag_suffix(tag)}.json"
 
 
 def categories_part(cfg: BenchConfig) -> str:
@@ -286,7 +368,7 @@ def run_bench(
         with methods.loaded_pair(cfg) as (draft, target), methods.engines(cfg, progress) as engines:
             return _run(cfg, draft, target, path, progress, engines)
     draft, target = models
-    if cfg.compare == "hf-assisted" and not all(hf.is_hf(m) for m in models):
+    if cfg.peers.compare == "hf-assisted" and not all(hf.is_hf(m) for m in models):
         raise ValueError(
             "--compare hf-assisted needs transformers models (hf backend) on both sides"
         )
@@ -314,7 +396,7 @@ def _run(
     blocks = {"draft": (cfg.draft, draft), "target": (cfg.target, target)}
     art = BenchArtifact(
         meta=meta_block(),
-        config={**asdict(cfg), "engines": engines.settings},
+        config={**cfg.to_json(), "engines": engines.settings},
         models={r: model_block(s, m) if m is not None else None for r, (s, m) in blocks.items()},
         rows=(),
         aggregates=aggregate([], names),
@@ -328,7 +410,7 @@ def _run(
     predictions = [_prediction_ids(tokenizer, p.prediction) for p in prompts]
     bar = tqdm(
         prompts,
-        desc=f"bench {cfg.name} K={cfg.k}",
+        desc=f"bench {cfg.name} K={cfg.spec.k}",
         unit="prompt",
         disable=not progress,
     )

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from specdec.backends import chat as prompting
 from specdec.backends import load_model
 from specdec.backends.costs import CurveFiles
-from specdec.core.config import DRAFTERS, SpecConfig, check_k
+from specdec.core.config import DRAFTERS, check_k
 from specdec.core.decode import generate
 from specdec.core.drafters import PredictionDrafter, PredictionIndex
 from specdec.core.metrics import Round
@@ -80,11 +80,12 @@ Runner = Callable[[Task], Mapping[str, Any]]  # -> RUN record
 
 def _needs(cfg: BenchConfig) -> tuple[bool, bool]:
     """(draft, target): which models the in-process methods run on."""
-    local = [(cfg.drafter, cfg.k)] if cfg.endpoint is None and not cfg.served else []
+    peers = cfg.peers
+    local = [(cfg.spec.drafter, cfg.spec.k)] if peers.endpoint is None and not peers.served else []
     local += [parse_variant(v) for v in cfg.variants]
-    draft = cfg.compare == "hf-assisted" or any(d in ("model", "composite") for d, _ in local)
-    baseline_local = cfg.endpoint_baseline is None and not cfg.served
-    target = bool(local) or baseline_local or cfg.compare == "hf-assisted"
+    draft = peers.compare == "hf-assisted" or any(d in ("model", "composite") for d, _ in local)
+    baseline_local = peers.endpoint_baseline is None and not peers.served
+    target = bool(local) or baseline_local or peers.compare == "hf-assisted"
     return draft, target
 
 
@@ -100,12 +101,13 @@ class Engines:
 
 @contextmanager
 def engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
-    """Endpoint clients for cfg.endpoint / endpoint_baseline and the llama-server anchors
+    """Endpoint clients for cfg.peers.endpoint / endpoint_baseline and the llama-server anchors
     (started one at a time before the first prompt, stopped after the last)."""
     key = endpoint.api_key_from_env()
-    given = {"speculative": cfg.endpoint, "baseline": cfg.endpoint_baseline}
+    peers = cfg.peers
+    given = {"speculative": peers.endpoint, "baseline": peers.endpoint_baseline}
     eps = {
-        m: endpoint.Endpoint(url, cfg.endpoint_model, cfg.endpoint_api, key, label=url)
+        m: endpoint.Endpoint(url, peers.endpoint_model, peers.endpoint_api, key, label=url)
         for m, url in given.items()
         if url is not None
     }
@@ -118,7 +120,7 @@ def engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
             stack.enter_context(srv)
             eps[method] = srv.endpoint()
             settings[method] = srv.describe()
-        for srv in anchors.servers_for(cfg.llama_server, cfg.target, cfg.draft, tools=True):
+        for srv in anchors.servers_for(peers.llama_server, cfg.target, cfg.draft, tools=True):
             name = anchors.method_name(srv.mode)
             if isinstance(srv, anchors.LlamaLookup):
                 tools[name] = stack.enter_context(srv)
@@ -137,26 +139,28 @@ def engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
 
 
 def specdec_servers(cfg: BenchConfig) -> dict[str, anchors.SpecdecServer]:
-    """With cfg.served: "baseline" (target-only) and "speculative" (the run's drafter and K) as
-    `specdec serve` processes; a prediction comes with each request, drafted first, then prompt
-    lookup (what the in-process prediction drafter does)."""
-    if not cfg.served:
+    """With cfg.peers.served: "baseline" (target-only) and "speculative" (the run's drafter and
+    K) as `specdec serve` processes; a prediction comes with each request, drafted first, then
+    prompt lookup (what the in-process prediction drafter does)."""
+    if not cfg.peers.served:
         return {}
-    drafter = "lookup" if cfg.drafter == "prediction" else core_drafter(cfg.drafter)
-    args = ["--drafter", drafter, "-k", str(cfg.k)]
+    spec = cfg.spec
+    drafter = "lookup" if spec.drafter == "prediction" else str(spec.drafter)
+    args = ["--drafter", drafter, "-k", str(spec.k)]
     if drafter in ("model", "composite"):
         args = ["--draft", cfg.draft, *args]
-    if cfg.k_max is not None:
-        args += ["--k-max", str(cfg.k_max)]
-    if cfg.p_min is not None:
-        args += ["--p-min", str(cfg.p_min)]
+    if spec.k_max is not None:
+        args += ["--k-max", str(spec.k_max)]
+    if spec.p_min is not None:
+        args += ["--p-min", str(spec.p_min)]
     if cfg.deterministic:
         args += ["--deterministic"]
     base = ["--deterministic"] if cfg.deterministic else []
     server = anchors.PromptCachingServer if cfg.sessions else anchors.SpecdecServer
+    name = f"served-{spec.drafter}"
     return {
         "baseline": server(Path(), tuple(base), target=cfg.target, name="served"),
-        "speculative": server(Path(), tuple(args), target=cfg.target, name=f"served-{cfg.drafter}"),
+        "speculative": server(Path(), tuple(args), target=cfg.target, name=name),
     }
 
 
@@ -207,7 +211,7 @@ def runners(
             name = core_drafter(drafter)
             if name == "prediction" and pred is None:
                 name = "lookup"  # a prompt without a prediction: what the drafter falls back to
-            spec = SpecConfig(name, k, cfg.k_max, cfg.p_min)
+            spec = replace(cfg.spec, drafter=name, k=k)  # the run's k_max and p_min
             kw = (
                 {"prediction": _with_hints(tokenizer, pred, t.text)} if name == "prediction" else {}
             )
@@ -229,21 +233,21 @@ def runners(
 
     runners: dict[str, Runner] = {
         "baseline": lambda t: record(generate(target, t.ids, seed=t.seed, **sampling)),
-        "speculative": speculative(cfg.drafter, cfg.k),
+        "speculative": speculative(str(cfg.spec.drafter), cfg.spec.k),
     }
     for name, client in engines.clients.items():
         # OpenAI's `prediction` field goes to --endpoint only, and only for --drafter prediction
         # (llama-server, like most engines, has no such field)
-        pred = name == "speculative" and cfg.drafter == "prediction"
+        pred = name == "speculative" and cfg.spec.drafter == "prediction"
         runners[name] = endpoint_runner(cfg, client, tokenizer, with_prediction=pred)
     for name, tool in engines.tools.items():
         runners[name] = tool_runner(cfg, name, tool, tokenizer)
-    if cfg.compare == "hf-assisted":
+    if cfg.peers.compare == "hf-assisted":
         runners["hf_assisted"] = lambda t: hf.run(
             draft,
             target,
             t.ids,
-            k=cfg.k,
+            k=cfg.spec.k,
             max_new_tokens=cfg.max_new_tokens,
             warp=cfg.warp,
             seed=t.seed,
@@ -271,10 +275,10 @@ def endpoint_runner(
         req = endpoint.Request(
             t.text,
             cfg.max_new_tokens,
-            cfg.temperature,
+            cfg.warp.temperature,
             t.seed,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
+            top_p=cfg.warp.top_p,
+            top_k=cfg.warp.top_k,
             prediction=t.prediction_text if with_prediction else None,
             history=t.history,
         )
@@ -311,7 +315,7 @@ def tool_runner(cfg: BenchConfig, name: str, tool: anchors.LlamaLookup, tokenize
     def run(t: Task) -> Mapping[str, Any]:
         prompt = tokenizer.decode(t.ids, skip_special_tokens=False)
         try:
-            r = tool.run(prompt, cfg.max_new_tokens, cfg.temperature, t.seed)
+            r = tool.run(prompt, cfg.max_new_tokens, cfg.warp.temperature, t.seed)
         except anchors.AnchorError as e:  # one prompt's failure, recorded like an endpoint's
             raise endpoint.EndpointError("tool", str(e)) from e
         if r["prompt_tokens"] != len(t.ids):  # it would be timing another prompt

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from specdec.core.config import check_int
 from specdec.core.cost import (
     best_k,
     expected_tokens_per_round,
@@ -108,8 +109,7 @@ def check_prediction(
     """
     cfg = bench.get("config", {})
     k = cfg.get("k")
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise ValueError(f"{source}: the prediction check needs a fixed-K bench, got k={k!r}")
+    check_int(f"{source}: the prediction check needs a fixed-K bench; its config.k", k, 1)
     prof = acceptance_profile(bench, source)
     model_free = cfg.get("drafter") == "lookup"
     if not model_free and c is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from specdec.core.config import check_int
@@ -31,7 +31,8 @@ from specdec.study.run.bench import (
 
 def sweep_name(cfg: BenchConfig, tag: str | None = None) -> str:
     """sweep_<config>_t<T>[_cat-...][_<tag>].json."""
-    return f"sweep_{cfg.name}_t{cfg.temperature:g}{categories_part(cfg)}{tag_suffix(tag)}.json"
+    t = cfg.warp.temperature
+    return f"sweep_{cfg.name}_t{t:g}{categories_part(cfg)}{tag_suffix(tag)}.json"
 
 
 def run_sweep(
@@ -42,8 +43,9 @@ def run_sweep(
     models: tuple[SpecModel, SpecModel] | None = None,
     tag: str | None = None,
 ) -> SweepArtifact:
-    """`run_bench` at every K in `ks` (cfg.k is ignored), the models loaded once. The summary is
-    rewritten after every K (and on Ctrl-C, which is re-raised); returned with its `path` set."""
+    """`run_bench` at every K in `ks` (cfg.spec.k is ignored), the models loaded once. The summary
+    is rewritten after every K (and on Ctrl-C, which is re-raised); returned with its `path`
+    set."""
     ks = list(dict.fromkeys(ks))
     if not ks:
         raise ValueError("the sweep needs at least one K")
@@ -55,13 +57,13 @@ def run_sweep(
             return run_sweep(cfg, ks, out_dir, progress, pair, tag)
     summary = SweepArtifact(
         meta=meta_block(),
-        config={k: v for k, v in asdict(cfg).items() if k != "k"},
+        config={key: v for key, v in cfg.to_json().items() if key != "k"},
         ks=tuple(ks),
         points=(),
         complete=False,
         path=path,
     )
-    for c in (replace(cfg, k=k) for k in ks):
+    for c in (replace(cfg, spec=replace(cfg.spec, k=k)) for k in ks):
         try:
             art = run_bench(c, out_dir, progress, models, tag)
         except KeyboardInterrupt:
