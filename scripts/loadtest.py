@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest_common import (
+    SHORT_PROMPTS,
     WARMUP_OFFSET,
     Plan,
     Server,
@@ -75,12 +76,8 @@ from loadtest_common import (
 from loadtest_hostile import hostile_soak
 from loadtest_hostile import report as report_hostile
 
-DEFAULT_PROMPTS = (
-    "Write a Python function that reverses a string.",
-    "Explain what a hash map is in two sentences.",
-    "List three uses of binary search.",
-    "Summarize the plot of Hamlet in one paragraph.",
-)
+#: The load run's prompts where the package is not installed: the first short prompts.
+DEFAULT_PROMPTS = SHORT_PROMPTS[:4]
 
 
 def _prompts() -> list[str]:

@@ -34,6 +34,23 @@ CANCEL_AFTER_S = 0.05
 #: How long a "never read" client holds its stream unread before it goes away.
 UNREAD_HOLD_S = 1.0
 
+#: The good requests' prompts: short, so that the engine keeps up with 16 clients on one thread
+#: (long prompts queue past any deadline, and a 504 under overload says nothing of robustness).
+SHORT_PROMPTS = (
+    "Write a Python function that reverses a string.",
+    "Explain what a hash map is in two sentences.",
+    "List three uses of binary search.",
+    "Summarize the plot of Hamlet in one paragraph.",
+    "What does HTTP status 429 mean?",
+    "Give a haiku about autumn.",
+    "Convert 100 degrees Fahrenheit to Celsius.",
+    "Name the planets of the solar system.",
+    "Write a SQL query that counts rows in a table named users.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe a binary tree in one sentence.",
+    "Suggest a name for a cat.",
+)
+
 
 @dataclass(frozen=True)
 class Server:

@@ -45,6 +45,7 @@ from collections import Counter
 from typing import Any
 
 from loadtest_common import (
+    SHORT_PROMPTS,
     WARMUP_OFFSET,
     Plan,
     Server,
@@ -109,22 +110,6 @@ SHARED = "You are a careful assistant. " + " ".join(
     f"Rule {i}: answer in plain words, and say when you are unsure." for i in range(30)
 )
 QUESTIONS = ("What is 2 + 2?", "Name a prime number.", "What colour is the sky?", "Say hi.")
-#: The good requests' prompts: short, so that the engine keeps up with 16 clients on one thread
-#: (long prompts queue past any deadline, and a 504 under overload says nothing of robustness).
-SHORT_PROMPTS = (
-    "Write a Python function that reverses a string.",
-    "Explain what a hash map is in two sentences.",
-    "List three uses of binary search.",
-    "Summarize the plot of Hamlet in one paragraph.",
-    "What does HTTP status 429 mean?",
-    "Give a haiku about autumn.",
-    "Convert 100 degrees Fahrenheit to Celsius.",
-    "Name the planets of the solar system.",
-    "Write a SQL query that counts rows in a table named users.",
-    "What is the difference between a list and a tuple in Python?",
-    "Describe a binary tree in one sentence.",
-    "Suggest a name for a cat.",
-)
 BAD_KEY_ROUTES = (
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
@@ -449,7 +434,7 @@ def _record(
 
 
 def _ok(record: dict[str, Any], deterministic: bool) -> bool:
-    health, refs, growth = record["health"], record["reference"], record["rss_growth"]
+    health, refs, rss = record["health"], record["reference"], record["rss_growth"]
     return bool(
         record["crashes"] == 0
         and record["well_formed_5xx"] == 0
@@ -457,8 +442,8 @@ def _ok(record: dict[str, Any], deterministic: bool) -> bool:
         and health["p99_ms"] is not None
         and health["p99_ms"] < HEALTH_P99_MAX_MS
         and health["failures"] == 0
-        and growth is not None
-        and growth <= RSS_GROWTH_MAX
+        and rss is not None
+        and rss <= RSS_GROWTH_MAX
         and record["rss_course"]["plateau"] is not False
         and record["new_504"] == 0
         and record["new_tracebacks"] == 0

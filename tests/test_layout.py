@@ -73,11 +73,16 @@ TORCH_IO_NAMES = {"load", "save", "hub", "from_file", "jit", "onnx", "distribute
 
 
 def _imports(
-    path: Path, *, typing_only: bool = True, package: list[str] | None = None
+    path: Path,
+    *,
+    typing_only: bool = True,
+    package: list[str] | None = None,
+    names: bool = False,
 ) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in the file, relative ones resolved
     (against `package`, by default the file's own); without `typing_only`, leaving out those
-    under `if TYPE_CHECKING:` (they never run)."""
+    under `if TYPE_CHECKING:` (they never run); with `names`, `from P import x` also as P.x
+    (x may be a module: the caller knows which names are)."""
     tree = ast.parse(path.read_text(), str(path))
     if package is None:
         package = ["specdec", *path.relative_to(SRC).parent.parts]
@@ -95,8 +100,8 @@ def _imports(
             else:
                 mod = node.module or ""
             out.append((node.lineno, mod))
-            if mod == "specdec":  # `from specdec import x`: x is the module imported
-                out += [(node.lineno, f"specdec.{a.name}") for a in node.names]
+            if mod == "specdec" or names:  # `from specdec import x`: x is the module imported
+                out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
     return out
 
 
@@ -260,16 +265,6 @@ def test_the_io_check_catches_files_and_sockets(tmp_path: Path) -> None:
         assert what in found, what
 
 
-def _core_graph() -> dict[str, set[str]]:
-    """core module -> the core modules it imports when it runs (lazy imports included, type-only
-    ones not)."""
-    graph = {}
-    for path in CORE:
-        mods = {m for _, m in _imports(path, typing_only=False)}
-        graph[path.stem] = {m.split(".")[2] for m in mods if m.startswith("specdec.core.")}
-    return graph
-
-
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import cycle of the graph (its modules, the first repeated at the end), or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -314,29 +309,15 @@ def _module_name(path: Path) -> str:
 
 def _module_graph(paths: list[Path]) -> dict[str, set[str]]:
     """module -> the modules of `paths` it imports when it runs (lazy imports included, type-only
-    ones not). `from P import m` is an import of P.m where that is a module, and a module's own
-    packages are left out (Python runs them first whatever the module imports)."""
-    names = {_module_name(p) for p in paths}
+    ones not); `from P import m` counts P.m where that is one of them. A module's own packages
+    are left out: Python runs them first whatever the module imports."""
+    known = {_module_name(p) for p in paths}
     graph: dict[str, set[str]] = {}
     for path in paths:
         me = _module_name(path)
-        tree = ast.parse(path.read_text(), str(path))
-        skip = {id(n) for n in _type_checking_blocks(tree)}
-        deps: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
-            if isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                mod = node.module or ""
-                if node.level:  # relative to the module's package (an __init__ is its own)
-                    pkg = me.split(".") if path.stem == "__init__" else me.split(".")[:-1]
-                    base = pkg[: len(pkg) - node.level + 1]
-                    mod = ".".join([*base, *([node.module] if node.module else [])])
-                subs = {f"{mod}.{a.name}" for a in node.names} & names
-                deps |= subs or {mod}
-        graph[me] = {d for d in deps & names if d != me and not me.startswith(d + ".")}
+        package = None if path.is_relative_to(SRC) else []  # tests and scripts: no packages
+        deps = {m for _, m in _imports(path, typing_only=False, package=package, names=True)}
+        graph[me] = {d for d in deps & known if d != me and not me.startswith(d + ".")}
     return graph
 
 
@@ -360,12 +341,6 @@ def test_the_module_graph_resolves_submodules_and_skips_parents(tmp_path: Path) 
     assert "specdec.core.model" in graph["specdec.backends.hf"]
 
 
-def test_core_has_no_import_cycle() -> None:
-    """Each core module can be read (and imported) after the ones it imports: a cycle would
-    mean two modules that only make sense together."""
-    assert _cycle(_core_graph()) is None, " -> ".join(_cycle(_core_graph()) or ())
-
-
 def test_the_cycle_check_finds_cycles() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"config": {"sampling"}, "sampling": {"config"}}) == [
@@ -374,7 +349,8 @@ def test_the_cycle_check_finds_cycles() -> None:
         "config",
     ]
     assert _cycle({"a": {"b"}, "b": set()}) is None
-    assert "decode" in _core_graph() and "sampling" in _core_graph()["decode"]
+    core = _module_graph(CORE)
+    assert "specdec.core.sampling" in core["specdec.core.decode"]
 
 
 #: The size rule: a module a reader can hold in mind, a function that fits on a screen or two.
