@@ -152,6 +152,12 @@ study-anchors: anchors
 	  --llama-server-modes none,ngram-mod,ngram-map-k,twin-ngram-mod,ik-none,ik-ngram-mod \
 	  --tag served --out $(SERVED)
 	$(BIN)/specdec figures $(SERVED)
+	# four edits at once: specdec serve --parallel 4 and --parallel 1, llama-server -np 4
+	# (ik_llama.cpp 0.1.5 aborts with -np 4: docs/results.md)
+	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 4 --warmup 0 --category rewrite \
+	  --drafter prediction -k auto --max-new-tokens 400 --serve --concurrency 4 --repeats 2 \
+	  --compare llama-server --llama-server-modes none,ngram-mod --tag parallel \
+	  --out results/cpu/parallel
 	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 5 --warmup 1 $(ANCHOR_BENCH) \
 	  --variants lookup:auto,wrong-prediction:auto \
 	  --llama-server-modes none,ngram-mod,ngram-map-k,lookup,twin-none,twin-ngram-mod --tag anchors
@@ -173,8 +179,11 @@ study-anchors: anchors
 # on the smallest model, a fresh key, $(SOAK_N) good and hostile requests (make soak-hostile
 # SOAK_N=2000 for the RSS plateau), every answer compared with generate(): the draft pool off,
 # since a pool's drafts change the random draws of a sampled answer and it could not be compared
-# with a pool-less generate(). SOAK_OUT: where the record goes.
-SOAK_SERVE := --target llamacpp:smollm2-135m --drafter lookup -k 4 --deterministic --threads 1
+# with a pool-less generate(). SOAK_OUT: where the record goes; SOAK_PARALLEL: the server's
+# --parallel (its slots; a fixed K drafts alike alone and in company, so sampled answers compare).
+SOAK_PARALLEL ?= 1
+SOAK_SERVE := --target llamacpp:smollm2-135m --drafter lookup -k 4 --deterministic --threads 1 \
+  --parallel $(SOAK_PARALLEL)
 SOAK_N ?= 500
 SOAK_OUT ?= results/cpu/loadtest_hostile.json
 soak-hostile: venv

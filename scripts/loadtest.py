@@ -428,6 +428,9 @@ def _parser() -> argparse.ArgumentParser:
     soak_args.add_argument("-k", default=None, help="the server's -k (default: the engine's)")
     soak_args.add_argument("--threads", type=int, default=1, help="threads per model (default 1)")
     soak_args.add_argument(
+        "--parallel", type=int, default=1, help="the server's --parallel, recorded (default 1)"
+    )
+    soak_args.add_argument(
         "--deterministic", action="store_true", help="the server runs --deterministic"
     )
     soak_args.add_argument(

@@ -406,6 +406,7 @@ def _record(
         "target": args.target,
         "drafter": args.drafter,
         "deterministic": args.deterministic,
+        "parallel": args.parallel,
         "requests": len(results),
         "concurrency": args.concurrency,
         "wall_s": seen["wall_s"],

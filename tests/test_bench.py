@@ -563,3 +563,41 @@ def test_rewrite_tasks_with_the_prediction_drafter(smol_llamacpp, tmp_path) -> N
             run["accepted_prediction_tokens"] + run["rejected_prediction_tokens"] == d
             for run, d in zip(runs, drafted, strict=True)
         )
+
+
+def test_cli_compare_llama_server_reads_its_modes_and_concurrency_plans_its_servers() -> None:
+    """`bench --compare llama-server` takes --llama-server-modes (it once refused every mode
+    before reading them); --concurrency C plans specdec's servers at --parallel 1 and C and
+    each llama-server at -np C with C times the context."""
+    from specdec.cli.bench import _config_from
+    from specdec.cli.main import build_parser
+    from specdec.study.run import together
+
+    gguf = ["--draft", "llamacpp:smollm2-135m", "--target", "llamacpp:smollm2-135m"]
+    argv = ["bench", *gguf, "--compare", "llama-server", "--llama-server-modes", "none,ngram-mod"]
+    args = build_parser().parse_args([*argv, "--serve", "--drafter", "lookup", "-k", "auto"])
+    cfg = _config_from(args, args.k, args.compare)
+    assert cfg.peers.llama_server == ("none", "ngram-mod") and cfg.peers.served
+    plan = together.servers(cfg, 4)
+    names = [n for n, _ in plan]
+    assert names == ["served-p1", "served-p4", "served-lookup-p1", "served-lookup-p4",
+                     "llama-server-np4", "llama-server-ngram-mod-np4"]  # fmt: skip
+    assert plan[1][1].args[-2:] == ("--parallel", "4") and "-np" not in plan[1][1].command()
+    llama = plan[-1][1].command()
+    assert llama[llama.index("-np") + 1] == "4" and llama[llama.index("-c") + 1] == "16384"
+    with pytest.raises(ValueError, match="multiple of it"):
+        together.run_together(dataclasses.replace(cfg, n_prompts=6), 4, "/nonexistent")
+
+
+def test_together_summary_counts_answers_equal_to_the_first_methods() -> None:
+    from specdec.study.run.together import summarize
+
+    def row(method: str, texts: list[str], tps: float) -> dict:
+        reqs = [{"prompt_id": f"p{i}", "text": t, "wall_s": 1.0} for i, t in enumerate(texts)]
+        return {"method": method, "repeat": 0, "group": 0, "errors": 0, "tokens_per_s": tps,
+                "slowest_s": 2.0, "requests": reqs}  # fmt: skip
+
+    rows = [row("a", ["x", "y"], 10.0), row("b", ["x", "z"], 40.0)]
+    s = summarize(rows, ["a", "b"])
+    assert s["a"]["same_answers"] == 2 and s["b"]["same_answers"] == 1
+    assert s["b"]["tokens_per_s"] == 40.0 and s["b"]["answers"] == 2

@@ -16,7 +16,7 @@ from stats_util import two_sample_chi2
 import specdec.core.decode as decode_mod
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import generate, stream
+from specdec.core.decode import generate, rounds_together, stream
 from specdec.study.run.significance import paired_permutation_p
 
 V = 48
@@ -57,6 +57,34 @@ def baseline_samples(pair) -> list[list[int]]:
 def test_level2_speculative_matches_baseline(pair, baseline_samples) -> None:
     target, draft = pair
     spec = _sample_many(target, draft, 4, range(N_GEN), debug=True)
+    _assert_distributed_as(spec, baseline_samples)
+
+
+@pytest.mark.stats
+def test_level2_in_company_matches_baseline(pair, baseline_samples) -> None:
+    """Generations sampled four at a time in shared passes (decode.rounds_together: one K for
+    the pass, padded rows, each its own drafter, rule and generator) are distributed as the
+    target alone: the same test, against the same baseline."""
+    target, draft = pair
+    kinds = [("model", 4), ("model", "auto"), ("lookup", "auto"), ("composite", 2)]
+    targets, drafts = target.slots(4), draft.slots(4)
+    spec = []
+    for group in range(N_GEN // 4):
+        gens = [
+            stream(t, PROMPT, draft=None if kind == "lookup" else d, temperature=1.0,
+                   spec=SpecConfig(drafter=kind, k=k),
+                   max_new_tokens=N_TOK, seed=20_000 + 4 * group + j, debug=True).generation
+            for j, (t, d, (kind, k)) in enumerate(zip(targets, drafts, kinds, strict=True))
+        ]  # fmt: skip
+        for g in gens:
+            g.prefill()
+        while live := [g for g in gens if not g.done]:
+            rounds_together(live)
+        spec += [g.tokens for g in gens]
+    _assert_distributed_as(spec, baseline_samples)
+
+
+def _assert_distributed_as(spec: list[list[int]], baseline_samples: list[list[int]]) -> None:
     assert sum(map(len, spec)) == N_GEN * N_TOK
     # Decided by the permutation p-value of the chi-square statistic, as the level-3 gate does:
     # tokens of one generation are dependent, so the chi2(dof) table is anti-conservative here

@@ -269,7 +269,7 @@ def test_probe_finds_the_first_differing_op() -> None:
 
 @pytest.mark.slow
 def test_probe_on_a_real_model_sees_identical_rows(smol_det) -> None:
-    from specdec.backends.llamacpp import OpCapture
+    from specdec.backends.llamacpp_ops import OpCapture
     from specdec.study.run.invariance import probe
 
     capture = OpCapture()

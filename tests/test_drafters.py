@@ -24,6 +24,7 @@ from specdec.core.decode import generate
 from specdec.core.drafters import LookupDrafter
 from specdec.core.metrics import Round
 from specdec.core.policy import (
+    MIN_SLOPE,
     PRIOR_SLOPE,
     AutoPolicies,
     CostModelK,
@@ -235,8 +236,10 @@ def test_auto_learns_costs_online_and_interpolates() -> None:
     p.observe(_round("model", 3, 1, draft_s=0.03, verify_s=0.2))
     assert p.v(1) == pytest.approx(0.1) and p.v(4) == pytest.approx(0.2)
     assert p.v(2) == pytest.approx(0.1 + (0.2 - 0.1) / 3)
-    # beyond the data: the prior's slope from the last measurement, per measured step v(1)
-    assert p.v(5) == pytest.approx(0.2 + PRIOR_SLOPE * 0.1)
+    # beyond the data: the last two measurements' slope, within [MIN_SLOPE, PRIOR_SLOPE] steps
+    assert p.v(5) == pytest.approx(0.2 + (0.2 - 0.1) / 3)
+    p.observe(_round("model", 7, 1, draft_s=0.03, verify_s=0.2))  # flat: the floor's slope
+    assert p.v(10) == pytest.approx(0.2 + MIN_SLOPE * 0.1 * 2)
     a = p.alphas("model")
     assert a[0] > a[1]  # position 1 accepted, position 2 rejected
     assert a[2] == pytest.approx(a[1])  # position 3 never judged: position 2's estimate

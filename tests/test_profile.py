@@ -1,4 +1,4 @@
-"""`specdec profile`: the per-op split of a verify pass (study.run.profile, llamacpp.OpTimer)."""
+"""`specdec profile`: the per-op split of a verify pass (study.run.profile, OpTimer)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_profile_of_a_real_model() -> None:
     """On smollm2 (Q4_1): every layer's matmuls, the tied output matmul and attention are seen;
     the timer changes no logit; the parts account for most of the unprofiled pass."""
     from specdec.backends import load_model
-    from specdec.backends.llamacpp import OpTimer
+    from specdec.backends.llamacpp_ops import OpTimer
     from specdec.study.run.invariance import probe_ids
 
     probes = run_profile("llamacpp:smollm2-135m", [40], [1, 4], repeats=2, n_threads=1)

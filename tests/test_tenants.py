@@ -72,6 +72,8 @@ def _keyed_server(target: SlowMock, **cfg_kw: Any) -> Server:
         model_id=MOCK_SPEC,
         max_queue=cfg.max_queue,
         max_queue_per_key=cfg.queue_per_key(),
+        parallel=cfg.parallel,
+        max_running_per_key=cfg.running_per_key(),
         **engine_kw,
     )
     return Server(engine, cfg)
@@ -247,13 +249,13 @@ def test_a_flooding_key_gets_its_share_and_another_key_goes_next() -> None:
     target.delay = 0.02
     srv = _keyed_server(target, max_queue=6)
     served: list[int] = []
-    real = srv.engine._serve
+    real = srv.engine._admit
 
     def spy(job: Any) -> None:
         served.append(job.params.prompt_ids[0])  # 1: key A's, 2: key B's
         real(job)
 
-    srv.engine._serve = spy
+    srv.engine._admit = spy
     try:
         with ThreadPoolExecutor(8) as pool:
 
@@ -273,6 +275,35 @@ def test_a_flooding_key_gets_its_share_and_another_key_goes_next() -> None:
             assert b.result(30)[0] == 200 and running.result(30)[0] == 200
             assert [f.result(30)[0] for f in flood].count(200) == 3
         assert served == [1, 2, 1, 1, 1], served  # B's right after the one running
+    finally:
+        srv.close()
+
+
+def test_one_key_holds_at_most_its_share_of_the_slots() -> None:
+    """--parallel 2 with two keys: a key runs one request at a time (half the slots), so B's
+    request starts beside A's running one instead of behind A's backlog."""
+    target = SlowMock(V, seed=0, name=MOCK_SPEC)
+    target.delay = 0.01
+    srv = _keyed_server(target, parallel=2)
+    e = srv.engine
+    assert e.running_per_key == 1
+    seen: list[list[str]] = []
+    try:
+        with ThreadPoolExecutor(6) as pool:
+
+            def send(key: str, first: int) -> Any:
+                req = {"model": MOCK_SPEC, "prompt": [first, 3], "max_tokens": 40}
+                return pool.submit(srv.request, "POST", "/v1/completions", req, bearer(key))
+
+            futs = [send(KEY_A, 1) for _ in range(4)]
+            wait_for(lambda: e.running == 1 and e.queue_depth == 3)
+            futs.append(send(KEY_B, 2))
+            while not all(f.done() for f in futs):
+                seen.append([a.job.params.prompt_ids[0] for a in list(e._active)])
+                time.sleep(0.005)
+            assert [f.result()[0] for f in futs] == [200] * 5
+        assert all(ids.count(1) <= 1 for ids in seen), "key A held both slots"
+        assert any(sorted(ids) == [1, 2] for ids in seen), "B never ran beside A"
     finally:
         srv.close()
 

@@ -6,7 +6,16 @@ V = 151936, n_ctx = 4096) and re-tokenizing through its own helpers. Here a `lla
 every token for output, and only the new rows are copied out with `llama_get_logits_ith`; the
 logits buffer llama.cpp keeps is [n_batch, V].
 
-Rollback is one call, as in llama.cpp's common/speculative: `llama_memory_seq_rm(mem, 0, n, -1)`.
+Rollback is one call, as in llama.cpp's common/speculative: `llama_memory_seq_rm(mem, seq, n, -1)`.
+
+Slots (`n_seq` > 1, a server's --parallel): one context holds n_seq sequences, each in a KV
+stream of its own (llama.cpp's non-unified cache: n_ctx cells per sequence), so a sequence's
+cells start at 0 and lie in position order exactly as they would alone, and sdfa reads a row's
+cache the same way in company: its logits are the same bits (tests/test_slots.py). One
+`llama_decode` over tokens of several sequences is one pass over the weights only if every
+sequence brings the same number of tokens and their ids are consecutive (llama.cpp splits a
+multi-stream batch into ubatches of equal tokens per sequence, over a run of sequence ids);
+otherwise llama.cpp splits it, correctly but with one pass per piece.
 
 Numerics, measured on CPU (the contract tests pin them): the logits of a position must not depend
 on how the tokens were batched, or a verify batch of K+1 tokens disagrees with one-token-at-a-time
@@ -48,15 +57,18 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from specdec.core.config import check_int
 from specdec.core.device import get_device
 from specdec.core.model import SpecModel, SpecModelError
+
+if TYPE_CHECKING:
+    from specdec.backends.llamacpp_ops import OpCapture, OpTimer
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +77,7 @@ DEFAULT_N_CTX = 4096
 # [n_batch, V] float32 output buffer: 512 x 151936 x 4 B = 311 MB for Qwen. Longer extends (prompt
 # prefills) are split into n_batch-sized calls.
 DEFAULT_N_BATCH = 512
-_SEQ = 0  # the one sequence id this wrapper uses
+_SEQ = 0  # the model's own sequence id; its slots (n_seq > 1) are 1 .. n_seq - 1
 # ggml_type of the K cache: q8_0, for batch invariance (module docstring). Pass type_k=1 (f16) for
 # llama.cpp's default.
 DEFAULT_TYPE_K = 8  # GGML_TYPE_Q8_0
@@ -274,116 +286,6 @@ def kernels() -> dict[str, Any]:
     }
 
 
-class OpCapture:
-    """A copy of every float32 op output llama.cpp computes while `recording` is True, through its
-    eval callback (ggml_backend_sched_eval_callback, what the llama-eval-callback example uses).
-
-    `tensors[name]` lists one array per evaluation, `name` being the graph node's name and op,
-    e.g. "Qcur-3|MUL_MAT" (layer 3). A 2-D node (the usual [n_tokens, n] activation) comes back
-    as [n_tokens, n]. `weight_types[name]` is the ggml type of a MUL_MAT's weight (its src[0]).
-    Diagnostics only: asking for every node makes the scheduler compute the graph node by node,
-    which is slow (the outputs are the same: the probe compares the logits too).
-    """
-
-    def __init__(self) -> None:
-        llama = _llama()
-        self.recording = False
-        self.tensors: dict[str, list[np.ndarray]] = {}
-        self.weight_types: dict[str, str] = {}
-        self._ggml = _ggml_base(llama)
-        self.callback = llama.ggml_backend_sched_eval_callback(self._on_eval)
-
-    def _on_eval(self, t: int, ask: bool, _user: Any) -> bool:
-        head = _TensorHead.from_address(t)
-        if ask:  # True: "give me this tensor once it is computed"
-            return self.recording and head.type == _GGML_TYPE_F32
-        g = self._ggml
-        if head.type != _GGML_TYPE_F32 or not g.ggml_is_contiguous(t):
-            return True
-        n = g.ggml_nbytes(t)
-        data = np.empty(n // 4, dtype=np.float32)
-        g.ggml_backend_tensor_get(t, data.ctypes.data, 0, n)
-        ne = [int(x) for x in head.ne]
-        shape = (ne[1], ne[0]) if ne[2] == ne[3] == 1 else tuple(reversed(ne))
-        key = f"{g.ggml_get_name(t).decode()}|{g.ggml_op_desc(t).decode()}"
-        self.tensors.setdefault(key, []).append(data.reshape(shape))
-        if key.endswith("|MUL_MAT") and head.src[0]:
-            weight = _TensorHead.from_address(head.src[0])
-            self.weight_types[key] = g.ggml_type_name(weight.type).decode()
-        return True  # go on computing
-
-
-class OpTimer:
-    """Wall time of every node llama.cpp computes while `recording` is True, through the same
-    eval callback as OpCapture: asking for every node makes the scheduler compute the graph one
-    node per call, so the time from one node's callback to the next is that node's compute plus
-    a fixed launch cost (measured on the graph's no-op nodes, views and reshapes: see
-    study.run.profile). Call `begin()` just before the pass; `nodes` then lists, in graph order,
-    (node name, op, weight name, weight type, seconds); the first node's time includes the
-    graph's build and input upload. Diagnostics only.
-    """
-
-    def __init__(self) -> None:
-        llama = _llama()
-        self.recording = False
-        self.nodes: list[tuple[str, str, str | None, str | None, float]] = []
-        self._ggml = _ggml_base(llama)
-        self._t = 0.0
-        self.callback = llama.ggml_backend_sched_eval_callback(self._on_eval)
-
-    def begin(self) -> None:
-        self.nodes, self._t = [], time.perf_counter()
-
-    def _on_eval(self, t: int, ask: bool, _user: Any) -> bool:
-        if ask:
-            return self.recording
-        now = time.perf_counter()
-        g, head = self._ggml, _TensorHead.from_address(t)
-        weight = weight_type = None
-        if g.ggml_op_desc(t) == b"MUL_MAT" and head.src[0]:
-            weight = g.ggml_get_name(head.src[0]).decode()
-            weight_type = g.ggml_type_name(_TensorHead.from_address(head.src[0]).type).decode()
-        name, op = g.ggml_get_name(t).decode(), g.ggml_op_desc(t).decode()
-        self.nodes.append((name, op, weight, weight_type, now - self._t))
-        self._t = time.perf_counter()  # the bookkeeping above is not the next node's time
-        return True
-
-
-_GGML_TYPE_F32 = 0
-
-
-class _TensorHead(ctypes.Structure):
-    """The leading fields of `struct ggml_tensor` (ggml.h, GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS
-    64, GGML_MAX_SRC 10) up to its sources."""
-
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * 4),
-        ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * 16),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10),
-    ]
-
-
-def _ggml_base(llama: Any) -> Any:
-    """ggml's tensor accessors from the libggml-base shipped beside libllama."""
-    lib = ctypes.CDLL(str(Path(llama._lib._name).with_name("libggml-base.so")))
-    for fn, res, args in (
-        ("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
-        ("ggml_op_desc", ctypes.c_char_p, [ctypes.c_void_p]),
-        ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
-        ("ggml_is_contiguous", ctypes.c_bool, [ctypes.c_void_p]),
-        ("ggml_type_name", ctypes.c_char_p, [ctypes.c_int]),
-        ("ggml_backend_tensor_get", None, [ctypes.c_void_p] * 2 + [ctypes.c_size_t] * 2),
-    ):
-        getattr(lib, fn).restype = res
-        getattr(lib, fn).argtypes = args
-    return lib
-
-
 def cost_key(model: LlamaCppModel) -> str:
     """What this model's verify-cost curve v(b) depends on, as a name (backends.costs keeps
     k="auto"'s curves under it): the GGUF content, build, thread count and numerics setting.
@@ -466,7 +368,7 @@ def _check_deterministic_switches(
 
 
 class LlamaCppModel(SpecModel):
-    """A GGUF model in llama.cpp with one KV sequence (batch size 1)."""
+    """A GGUF model in llama.cpp with one KV sequence, or `n_seq` of them (`slots`)."""
 
     def __init__(
         self,
@@ -481,10 +383,13 @@ class LlamaCppModel(SpecModel):
         flash_attn: bool = True,
         type_k: int = DEFAULT_TYPE_K,
         deterministic: bool = False,
+        n_seq: int = 1,
         repack: bool | None = None,
         op_capture: OpCapture | OpTimer | None = None,
     ) -> None:
         super().__init__()
+        check_int("n_seq", n_seq, 1, error=SpecModelError)
+        self.n_seq = n_seq
         llama = self._llama = _llama()
         path = Path(path)
         self.name = name or f"llamacpp:{path.name}"
@@ -492,6 +397,7 @@ class LlamaCppModel(SpecModel):
         self.tokenizer = tokenizer
         self.deterministic = deterministic
         self._model = self._ctx = self._scratch = self._batch = None
+        self._slots: list[SpecModel] = [self]
         _check_sdmm_env()
         self.weight_types = matmul_weight_types(path)
         self.sdmm = sdmm_isa() if repack is not False else None
@@ -585,9 +491,11 @@ class LlamaCppModel(SpecModel):
     ) -> Any:
         llama = self._llama
         cparams = llama.llama_context_default_params()
-        cparams.n_ctx = self.n_ctx
+        # n_ctx cells for each sequence, in a KV stream of its own (module docstring, slots)
+        cparams.n_ctx = self.n_ctx * self.n_seq
         cparams.n_batch = cparams.n_ubatch = self.n_batch  # one physical pass per decode call
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = self.n_seq
+        cparams.kv_unified = False
         cparams.n_threads = cparams.n_threads_batch = n_threads or usable_cores()
         cparams.flash_attn_type = (
             llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -621,7 +529,8 @@ class LlamaCppModel(SpecModel):
 
         kwargs: n_ctx, n_batch, n_threads, n_gpu_layers, flash_attn, type_k, deterministic (see
         the module docstring for why flash attention and a q8_0 K cache are the defaults, and
-        what deterministic mode changes); for diagnostics, repack (None: off exactly when
+        what deterministic mode changes), n_seq (sequences the context holds, n_ctx each: the
+        `slots` a server runs at once); for diagnostics, repack (None: off exactly when
         deterministic) and op_capture (an OpCapture or OpTimer).
         """
         from specdec.backends.registry import check_gguf_file
@@ -653,8 +562,14 @@ class LlamaCppModel(SpecModel):
                     "not belong to this GGUF file"
                 )
 
-    def _new_context(self) -> Any:
-        ctx = self._llama.llama_init_from_model(self._model, self._cparams)
+    def _new_context(self, n_seq: int | None = None) -> Any:
+        """A context on the weights with the model's settings, for `n_seq` sequences (None: the
+        model's n_seq)."""
+        cparams = self._cparams
+        if n_seq is not None and n_seq != self.n_seq:
+            cparams = type(cparams).from_buffer_copy(cparams)
+            cparams.n_ctx, cparams.n_seq_max = self.n_ctx * n_seq, n_seq
+        ctx = self._llama.llama_init_from_model(self._model, cparams)
         if not ctx:
             raise SpecModelError(
                 f"llama.cpp could not create a context of {self.n_ctx} tokens for {self.name} "
@@ -663,62 +578,99 @@ class LlamaCppModel(SpecModel):
         return ctx
 
     # ---------------------------------------------------------------------------- contract
-    def _decode(self, ctx: Any, ids: list[int], start: int, logits: bool = True) -> torch.Tensor:
-        """Run `ids` at positions start.. in `ctx`; [n, V] float32 CPU logits, every row (or an
-        empty [0, V] tensor when `logits` is False: no output layer, no copy).
+    def _decode(
+        self, ctx: Any, segments: list[tuple[int, int, list[int]]], logits: bool = True
+    ) -> list[torch.Tensor]:
+        """Run each (seq, start, ids) segment at positions start.. of sequence seq in `ctx`, in
+        one batch (n_batch tokens per llama_decode call); per segment [n, V] float32 CPU logits,
+        every row (or an empty [0, V] tensor when `logits` is False: no output layer, no copy).
 
-        On failure the positions >= start are removed again, so the cache is as it was.
+        On failure every segment's positions >= its start are removed again, so the caches are
+        as they were.
         """
         llama, batch, V = self._llama, self._batch, self.vocab_size
-        out = np.empty((len(ids) if logits else 0, V), dtype=np.float32)  # [n, V] float32
+        tokens = [(j, seq, start + i, t) for j, (seq, start, ids) in enumerate(segments)
+                  for i, t in enumerate(ids)]  # fmt: skip
+        outs = [np.empty((len(ids) if logits else 0, V), dtype=np.float32) for *_, ids in segments]
+        rows = [0] * len(segments)
         try:
-            for lo in range(0, len(ids), self.n_batch):
-                chunk = ids[lo : lo + self.n_batch]
+            for lo in range(0, len(tokens), self.n_batch):
+                chunk = tokens[lo : lo + self.n_batch]
                 batch.n_tokens = len(chunk)
-                for i, tok in enumerate(chunk):
+                for i, (_, seq, pos, tok) in enumerate(chunk):
                     batch.token[i] = tok
-                    batch.pos[i] = start + lo + i
+                    batch.pos[i] = pos
                     batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = _SEQ
+                    batch.seq_id[i][0] = seq
                     batch.logits[i] = logits  # full-vocabulary logits at every position
                 rc = llama.llama_decode(ctx, batch)
                 if rc != 0:
                     raise SpecModelError(
                         f"{self.name}: llama_decode failed with code {rc} at cache position "
-                        f"{start + lo} (1 = no room in the KV cache; a larger n_ctx may help)"
+                        f"{chunk[0][2]} (1 = no room in the KV cache; a larger n_ctx may help)"
                     )
-                for i in range(len(chunk) if logits else 0):
+                for i, (j, *_) in enumerate(chunk if logits else ()):
                     row = llama.llama_get_logits_ith(ctx, i)  # float* into llama's [n_batch, V]
-                    out[lo + i] = np.ctypeslib.as_array(row, shape=(V,))
+                    outs[j][rows[j]] = np.ctypeslib.as_array(row, shape=(V,))
+                    rows[j] += 1
         except BaseException:
             # Includes KeyboardInterrupt: drop whatever earlier chunks appended, then re-raise.
-            llama.llama_memory_seq_rm(llama.llama_get_memory(ctx), _SEQ, start, -1)
+            for seq, start, _ in segments:
+                llama.llama_memory_seq_rm(llama.llama_get_memory(ctx), seq, start, -1)
             raise
-        return torch.from_numpy(out)  # [n, V] float32, CPU
+        return [torch.from_numpy(o) for o in outs]  # each [n, V] float32, CPU
 
     def _extend(self, ids: list[int]) -> torch.Tensor:
-        return self._decode(self._ctx, ids, self.n_cached)
+        return self._decode(self._ctx, [(_SEQ, self.n_cached, ids)])[0]
 
     def _prefill(self, ids: list[int]) -> None:
-        self._decode(self._ctx, ids, self.n_cached, logits=False)
+        self._decode(self._ctx, [(_SEQ, self.n_cached, ids)], logits=False)
 
     def _truncate(self, n: int) -> None:
+        self._seq_rm(_SEQ, n)
+
+    def _seq_rm(self, seq: int, n: int) -> None:
         mem = self._llama.llama_get_memory(self._ctx)
-        if not self._llama.llama_memory_seq_rm(mem, _SEQ, n, -1):
+        if not self._llama.llama_memory_seq_rm(mem, seq, n, -1):
             # Only recurrent/hybrid memories refuse a partial removal; attention KV never does.
             raise SpecModelError(
                 f"{self.name}: llama.cpp cannot roll this model's memory back to {n} tokens "
                 "(recurrent state); speculative decoding needs a rollback-capable model"
             )
 
+    # ------------------------------------------------------------------------------- slots
+    def _make_slots(self, n: int) -> list[SpecModel]:
+        if n > self.n_seq:
+            raise SpecModelError(
+                f"{self.name}: {n} slots asked of a context made for {self.n_seq} sequences; "
+                f"load the model with n_seq={n} (specdec serve --parallel {n})"
+            )
+        while len(self._slots) < n:
+            self._slots.append(_Slot(self, len(self._slots)))
+        return self._slots[:n]
+
+    @property
+    def pass_owner(self) -> LlamaCppModel:
+        return self
+
+    def _extend_slots(self, calls: list[tuple[SpecModel, list[int]]]) -> list[torch.Tensor]:
+        # In sequence-id order, as llama.cpp's stream split wants them (module docstring).
+        order = sorted(range(len(calls)), key=lambda i: _seq_of(calls[i][0]))
+        segments = [(_seq_of(calls[i][0]), calls[i][0].n_cached, calls[i][1]) for i in order]
+        logits = self._decode(self._ctx, segments)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(calls)
+        for i, x in zip(order, logits, strict=True):
+            out[i] = x
+        return out
+
     def _forward(self, ids: list[int]) -> torch.Tensor:
         # A second context on the same weights, made on first use: evaluating in the main context
         # and re-prefilling the old tokens afterwards would leave the cache holding the same
         # tokens under other batch shapes. Costs one more KV cache and logits buffer.
         if self._scratch is None:
-            self._scratch = self._new_context()
+            self._scratch = self._new_context(n_seq=1)
         try:
-            return self._decode(self._scratch, ids, 0)
+            return self._decode(self._scratch, [(_SEQ, 0, ids)])[0]
         finally:
             self._llama.llama_memory_clear(self._llama.llama_get_memory(self._scratch), True)
 
@@ -739,3 +691,35 @@ class LlamaCppModel(SpecModel):
         # Interpreter shutdown may have torn the bindings down already; nothing to free then.
         if getattr(self, "_llama", None) is not None:
             self.close()
+
+
+def _seq_of(m: SpecModel) -> int:
+    return m.seq if isinstance(m, _Slot) else _SEQ
+
+
+class _Slot(SpecModel):
+    """Sequence `seq` of its owner's context (LlamaCppModel.slots): a cache of its own on the
+    owner's weights; its extends can share the owner's passes (core.model.extend_together)."""
+
+    def __init__(self, owner: LlamaCppModel, seq: int) -> None:
+        super().__init__()
+        self.owner, self.seq = owner, seq  # type: ignore[assignment]
+        self.name = f"{owner.name}#{seq}"
+        self.vocab_size, self.n_ctx, self.device = owner.vocab_size, owner.n_ctx, owner.device
+        self.tokenizer, self.batch_invariant = owner.tokenizer, owner.batch_invariant
+
+    @property
+    def pass_owner(self) -> LlamaCppModel:
+        return self.owner
+
+    def _extend(self, ids: list[int]) -> torch.Tensor:
+        return self.owner._decode(self.owner._ctx, [(self.seq, self.n_cached, ids)])[0]
+
+    def _prefill(self, ids: list[int]) -> None:
+        self.owner._decode(self.owner._ctx, [(self.seq, self.n_cached, ids)], logits=False)
+
+    def _truncate(self, n: int) -> None:
+        self.owner._seq_rm(self.seq, n)
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        return self.owner.forward(ids)

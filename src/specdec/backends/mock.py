@@ -9,6 +9,8 @@ distributions. `MockModel.near(other, noise)` builds a draft that resembles a ta
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specdec.core.model import SpecModel
@@ -59,6 +61,14 @@ class MockModel(SpecModel):
     def _extend(self, ids: list[int]) -> torch.Tensor:
         prev = self.cached_tokens[-1] if self.cached_tokens else None
         return self._logits(ids, prev)
+
+    def _make_slots(self, n: int) -> list[SpecModel]:
+        out: list[SpecModel] = [self]
+        for i in range(1, n):  # the same tables, a cache of its own
+            slot = copy.copy(self)
+            slot.cached_tokens, slot.name = [], f"{self.name}#{i}"
+            out.append(slot)
+        return out
 
     def _truncate(self, n: int) -> None:
         pass  # the base class drops cached_tokens[n:]; there is no other state

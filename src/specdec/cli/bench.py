@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from specdec.cli import args as cli_args
-from specdec.core.config import SpecConfig, Warp
+from specdec.core.config import SpecConfig, Warp, check_int
 from specdec.study.engines import anchors, endpoint
 from specdec.study.present.tables import format_table
 from specdec.study.run import prompts as prompt_set
@@ -181,6 +181,23 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "the bench starts on loopback (target-only, and the run's drafter and K; prompt cache "
         "off), warm like the --compare llama-server servers beside them (flag; default off)",
     )
+    e.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        metavar="C",
+        help="with --serve: send the prompts C at a time, each method on a fresh server that "
+        "serves them at once (specdec serve --parallel C, llama-server -np C) and, for specdec, "
+        "one that serves them in turn (--parallel 1); --prompts a multiple of C "
+        "(study/run/together.py; int >= 2; default 1: the per-prompt protocol)",
+    )
+    e.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --concurrency: runs of every method, the order reversed on every other "
+        "(int >= 1; default 1)",
+    )
     p.set_defaults(func=_cmd_bench)
 
     s = subparsers.add_parser(
@@ -204,7 +221,7 @@ def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) ->
     n_prompts = args.prompts
     if n_prompts is None:  # the default, capped at what the categories hold
         n_prompts = min(args.default_prompts, len(select_prompts(categories)))
-    spec, variants, peers = SpecConfig("model", k), (), Peers(compare)
+    spec, variants, peers = SpecConfig("model", k), (), Peers()  # the sweep's
     if hasattr(args, "drafter"):  # bench only; the sweep is the draft model at fixed K
         spec = SpecConfig(**{**cli_args.spec_options(args), "k": k})
         variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
@@ -240,6 +257,16 @@ def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) ->
 def _cmd_bench(args: argparse.Namespace) -> int:
     cfg = _config_from(args, args.k, args.compare)
     tag_suffix(args.tag)  # validate before loading models
+    if args.concurrency != 1:
+        from specdec.study.run import together
+
+        check_int("--repeats", args.repeats, 1)
+        record = together.run_together(
+            cfg, args.concurrency, args.out, args.repeats, args.tag, not args.no_progress
+        )
+        print(together.format_table(record))
+        print(f"wrote {record['path']}")
+        return 0
     art = run_bench(cfg, args.out, progress=not args.no_progress, tag=args.tag)
     print(format_table(art))
     print(f"wrote {art.path}")

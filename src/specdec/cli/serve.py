@@ -134,6 +134,24 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help=f"requests waiting for the engine before 429 (int >= 1; default {DEFAULT_MAX_QUEUE})",
     )
     p.add_argument(
+        "--parallel",
+        "-np",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests generated at once, each in a slot with a KV cache of its own, one target "
+        "pass a round for all of them (llama-server's -np; int >= 1; default 1; llamacpp: and "
+        "mock: models)",
+    )
+    p.add_argument(
+        "--max-running-per-key",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests of one API key generated at once, of the --parallel slots (int >= 1; "
+        "default: every slot with one key, half of them with several)",
+    )
+    p.add_argument(
         "--max-queue-per-key",
         type=int,
         default=None,
@@ -220,8 +238,8 @@ def _add_pool_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    lows = (("max_queue", 1), ("max_body_bytes", 1), ("threads", 1), ("port", 0))
-    per = (("max_queue_per_key", 1), ("max_connections_per_client", 1))
+    lows = (("max_queue", 1), ("parallel", 1), ("max_body_bytes", 1), ("threads", 1), ("port", 0))
+    per = (("max_queue_per_key", 1), ("max_running_per_key", 1), ("max_connections_per_client", 1))
     for name, low in (*lows, ("max_connections", 1), *per):
         v = getattr(args, name)
         if v is not None and v < low:
@@ -244,6 +262,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             metrics_key=_metrics_key(args.metrics_key_file),
             allowed_hosts=tuple(args.allowed_host or ()),
             max_queue=args.max_queue,
+            parallel=args.parallel,
+            max_running_per_key=args.max_running_per_key,
             max_queue_per_key=args.max_queue_per_key,
             max_body_bytes=args.max_body_bytes,
             request_timeout=args.request_timeout,

@@ -41,9 +41,9 @@ from specdec.core.drafters import (
     common_prefix,
 )
 from specdec.core.metrics import GenerationResult, GenerationStats, Round
-from specdec.core.model import SpecModel, TokenIds, as_token_list
+from specdec.core.model import SpecModel, TokenIds, as_token_list, extend_together
 from specdec.core.pair import check_pair
-from specdec.core.policy import AutoPolicies, CostModelK, KPolicy, make_policy
+from specdec.core.policy import AutoPolicies, CostModelK, KPolicy, choose_together, make_policy
 from specdec.core.pool import DraftPool, PoolDrafter
 from specdec.core.sampling import greedy_verify, probs_from_logits, rejection_sample
 
@@ -82,8 +82,13 @@ class Clock:
 
 
 @dataclass(kw_only=True)
-class _Run:
-    """Everything one generation needs, resolved and validated before any model work."""
+class Generation:
+    """One generation: everything it needs, resolved and validated before any model work
+    (`stream` builds it), and its state between rounds. Its steps, in Algorithm 1's order:
+    `prefill` (a chunk at a time), then rounds of `want` (what the K policy is asked), `propose`
+    (draft K), one target pass over the proposed tokens (its own, `_rounds`; or shared with
+    other generations' on slots of one model, `rounds_together`) and `settle` (accept, commit,
+    roll both caches back)."""
 
     target: SpecModel
     drafter: Drafter | None
@@ -103,15 +108,134 @@ class _Run:
     policies: AutoPolicies | None = None  # told when the generation ends, if `policy` is theirs
     tokens: list[int] = field(default_factory=list)  # generated ids
     stop_reason: str = "length"
+    seq: list[int] = field(default_factory=list)  # the committed sequence: prompt + tokens
+    _prefilled: int = -1  # prompt tokens in the target's cache; -1: the prefill has not begun
+    _t_start: float = 0.0  # clock.now() when the prefill began
+    _draft: tuple[str | None, int, torch.Tensor, torch.Tensor | None, float] | None = None
+
+    def __post_init__(self) -> None:
+        model = self.drafter.model if _has_model(self.drafter) else None  # type: ignore[union-attr]
+        devices = [self.target.device] + ([model.device] if model is not None else [])
+        self.clock = self.clock if self.clock is not None else Clock(devices)
+        self.clock.stats = self.stats
+        self.seq = list(self.prompt)
+
+    @property
+    def prefilled(self) -> bool:
+        """The prompt is in the target's cache: the rounds may begin."""
+        return self._prefilled == len(self.prompt) - 1
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason != "length" or len(self.tokens) >= self.max_new_tokens
+
+    def prefill(self, chunk: int = PREFILL_CHUNK) -> bool:
+        """Put one chunk (at most `chunk` tokens) of the prompt in the target's cache, which
+        holds seq[:-1] between rounds; True once all of it is there, or once `cancelled` said
+        so before a chunk (then stop_reason is "cancelled"). The first call keeps the prefix
+        the cache shares with the prompt (reuse_prefix), or empties it."""
+        ids = self.prompt[:-1]
+        with self.clock.phase("prefill_s"):
+            if self._prefilled < 0:
+                self._t_start = self.clock.now()
+                self._prefilled = _keep_prefix(self.target, ids, self.reuse_prefix)
+                self.stats.cached_prompt_tokens = self._prefilled
+            if self._prefilled < len(ids):
+                if self.cancelled is not None and self.cancelled():
+                    self.stop_reason = "cancelled"
+                    return True
+                end = min(len(ids), self._prefilled + chunk)
+                self.target.prefill(ids[self._prefilled : end])
+                self._prefilled = end
+        if self.prefilled and _has_model(self.drafter):
+            # Fresh caches per call, so a seeded run never depends on what ran before it
+            # (reusing a shared prefix would change draft numerics slightly, and with them the
+            # sampled drafts).
+            self.drafter.model.reset()  # type: ignore[union-attr]
+        return self.prefilled
+
+    def want(self) -> tuple[KPolicy | None, str | None, int]:
+        """What the next round's K is chosen from: the K policy, the draft source it judges
+        (None: nothing to draft) and the room left (a round emits at most K + 1 tokens)."""
+        room = self.max_new_tokens - len(self.tokens) - 1
+        drafter = self.drafter
+        source = drafter.source(self.seq) if drafter is not None and room > 0 else None
+        return self.policy, source, room
+
+    def propose(self, k: int, source: str | None) -> list[int]:
+        """Draft up to k tokens x_1..x_k (1. draft); the tokens of the round's target pass:
+        [last committed, x_1..x_k] (the drafter may propose fewer than k)."""
+        x, q, catchup_s = torch.empty(0, dtype=torch.long), None, 0.0  # [k], [k, V] | None
+        self.clock.last["draft_s"] = 0.0
+        if k > 0 and self.drafter is not None:
+            with self.clock.phase("draft_s"):
+                x, q, catchup_s = self.drafter.propose(self.seq, k)
+        self._draft = (source, x.numel(), x, q, catchup_s)
+        return [self.seq[-1], *x.tolist()]
+
+    def settle(self, logits: torch.Tensor, rows: int = 0) -> list[int]:
+        """3. The accept walk over the target's rows p_1..p_{k+1} for the proposed tokens
+        (`logits`, [k + 1, V]; clock.last["verify_s"] is the pass's time and `rows` its rows,
+        0: k + 1); 4. commit, then roll both caches back to the accepted length. Returns the
+        committed tokens."""
+        assert self._draft is not None, "settle() follows propose()"
+        source, k, x, q, catchup_s = self._draft
+        self._draft = None
+        clock, stats, warp = self.clock, self.stats, self.warp
+        logits = logits[:, : self.width]  # [k+1, V]
+        with clock.phase("sampling_s"):
+            if warp.greedy:
+                emitted, n_acc = greedy_verify(x, logits)
+            else:
+                p = probs_from_logits(logits, warp.temperature, warp.top_k, warp.top_p)
+                emitted, n_acc = rejection_sample(x, q, p, self.generator)
+        new = self._commit(emitted.tolist())
+        self.seq += new
+        self.target.truncate(len(self.seq) - 1)
+        if k > 0:
+            self.drafter.observe(n_acc)  # type: ignore[union-attr]
+        draft_s = max(0.0, clock.last["draft_s"] - catchup_s)  # per-token cost, no catch-up
+        name = (source or "none") if k > 0 or source is None else source
+        r = Round(name if k > 0 else "none", k, n_acc, len(new), draft_s,
+                  clock.last["verify_s"], rows)  # fmt: skip
+        stats.catchup_s += catchup_s
+        stats.record(r)
+        if self.policy is not None:
+            self.policy.observe(r)
+        if self.on_round is not None:
+            self.on_round(r)
+        if self.debug:
+            _check_caches(self.target, self.drafter, self.seq)
+        now = clock.now()
+        if stats.rounds == 1:
+            stats.ttft_s = now - self._t_start
+        stats.wall_s = now - self._t_start
+        return new
+
+    def finish(self) -> None:
+        """The generation ended (or its consumer let go of it): what k="auto" learned of the
+        verify costs goes to the kept policies' store."""
+        if self.policies is not None and isinstance(self.policy, CostModelK):
+            self.policies.finished(self.target, self.policy)
+
+    def _commit(self, emitted: list[int]) -> list[int]:
+        """The emitted tokens that are committed: cut at the budget and after a stop id."""
+        new = emitted[: self.max_new_tokens - len(self.tokens)]
+        stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
+        if stop_at is not None:
+            new = new[: stop_at + 1]
+            self.stop_reason = "stop"
+        self.tokens += new
+        return new
 
 
 class SpecStream:
     """Iterator of committed token chunks; `.result` is set once it is exhausted."""
 
-    def __init__(self, run: _Run) -> None:
-        self._run = run
-        self._chunks = _loop(run)
-        self.stats: GenerationStats = run.stats
+    def __init__(self, gen: Generation) -> None:
+        self.generation = gen
+        self._chunks = _loop(gen)
+        self.stats: GenerationStats = gen.stats
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> SpecStream:
@@ -121,8 +245,8 @@ class SpecStream:
         try:
             return next(self._chunks)
         except StopIteration:
-            r = self._run
-            self.result = GenerationResult(r.tokens, r.stop_reason, r.stats)
+            g = self.generation
+            self.result = GenerationResult(g.tokens, g.stop_reason, g.stats)
             raise
 
     def close(self) -> None:
@@ -227,7 +351,9 @@ def stream(
     clock: Clock | None = None,
     debug: bool = False,
 ) -> SpecStream:
-    """`generate`, one round's committed tokens at a time (its arguments are generate's)."""
+    """`generate`, one round's committed tokens at a time (its arguments are generate's). A
+    caller that steps several generations at once takes its `generation` instead of iterating
+    it (serve.engine: `rounds_together`)."""
     spec = config_from(
         spec, SpecConfig, "spec", dict(drafter=drafter, k=k, k_max=k_max, p_min=p_min)
     )
@@ -240,7 +366,7 @@ def stream(
     model = ModelDrafter(used, warp, generator, width, spec.p_min) if used is not None else None
     made, key = make_drafter(kind, model, _prediction(prediction, width), len(prompt), pool)
     policy = _policy(spec, target, made, key, policies) if made is not None else None
-    run = _Run(
+    gen = Generation(
         target=target,
         drafter=made,
         policy=policy,
@@ -258,108 +384,65 @@ def stream(
         clock=clock,
         policies=policies,
     )
-    return SpecStream(run)
+    return SpecStream(gen)
 
 
-def _loop(run: _Run) -> Iterator[list[int]]:
-    target, drafter, policy, stats = run.target, run.drafter, run.policy, run.stats
-    devices = [target.device] + ([drafter.model.device] if _has_model(drafter) else [])
-    clock = run.clock if run.clock is not None else Clock(devices)
-    clock.stats = stats
-    t_start = clock.now()
-    seq = list(run.prompt)
-    with clock.phase("prefill_s"):  # the target holds seq[:-1] between rounds
-        reused = _prefill(target, seq[:-1], run.cancelled, run.reuse_prefix)
-    if reused is None:
-        run.stop_reason = "cancelled"
+def _loop(gen: Generation) -> Iterator[list[int]]:
+    while not gen.prefill():
+        pass
+    if gen.stop_reason == "cancelled":
         return
-    stats.cached_prompt_tokens = reused
-    if _has_model(drafter):
-        # Fresh caches per call, so a seeded run never depends on what ran before it (reusing a
-        # shared prefix would change draft numerics slightly, and with them the sampled drafts).
-        drafter.model.reset()
     try:
-        yield from _rounds(run, clock, seq, t_start)
+        while not gen.done:
+            yield _round(gen)
     finally:  # also when the consumer closes the stream early
-        if run.policies is not None and isinstance(policy, CostModelK):
-            run.policies.finished(target, policy)
+        gen.finish()
 
 
-def _rounds(run: _Run, clock: Clock, seq: list[int], t_start: float) -> Iterator[list[int]]:
-    """Algorithm 1's rounds, in the paper's order; `seq` is the committed sequence."""
-    target, drafter, policy, warp, stats = run.target, run.drafter, run.policy, run.warp, run.stats
-    while len(run.tokens) < run.max_new_tokens:
-        room = run.max_new_tokens - len(run.tokens) - 1  # a round emits <= k+1 tokens
-        source = drafter.source(seq) if drafter is not None and room > 0 else None
-        k = policy.choose(source, room) if policy is not None and source is not None else 0
-        # 1. draft
-        x, q, catchup_s = torch.empty(0, dtype=torch.long), None, 0.0  # [k], [k, V] | None
-        clock.last["draft_s"] = 0.0
-        if k > 0:
-            with clock.phase("draft_s"):
-                x, q, catchup_s = drafter.propose(seq, k)
-            k = x.numel()  # a drafter may propose fewer than asked
-        # 2. verify: one target pass over [last committed, x_1..x_k] -> p_1..p_{k+1}
-        with clock.phase("verify_s"):
-            logits = target.extend([seq[-1], *x.tolist()])[:, : run.width]  # [k+1, V]
-        # 3. accept walk
-        with clock.phase("sampling_s"):
-            if warp.greedy:
-                emitted, n_acc = greedy_verify(x, logits)
-            else:
-                p = probs_from_logits(logits, warp.temperature, warp.top_k, warp.top_p)
-                emitted, n_acc = rejection_sample(x, q, p, run.generator)
-        # 4. commit, then roll both caches back to the accepted length
-        new = _commit(run, emitted.tolist())
-        seq += new
-        target.truncate(len(seq) - 1)
-        if k > 0:
-            drafter.observe(n_acc)
-        draft_s = max(0.0, clock.last["draft_s"] - catchup_s)  # per-token cost, no catch-up
-        r = Round(source or "none", k, n_acc, len(new), draft_s, clock.last["verify_s"])
-        stats.catchup_s += catchup_s
-        stats.record(r)
-        if policy is not None:
-            policy.observe(r)
-        if run.on_round is not None:
-            run.on_round(r)
-        if run.debug:
-            _check_caches(target, drafter, seq)
-        now = clock.now()
-        if stats.rounds == 1:
-            stats.ttft_s = now - t_start
-        stats.wall_s = now - t_start
-        yield new
-        if run.stop_reason == "stop":
-            return
+def _round(gen: Generation) -> list[int]:
+    """One round of Algorithm 1 with a target pass of its own."""
+    policy, source, room = gen.want()
+    k = policy.choose(source, room) if policy is not None and source is not None else 0
+    ids = gen.propose(k, source)  # 1. draft
+    with gen.clock.phase("verify_s"):  # 2. verify: [last committed, x_1..x_k] -> p_1..p_{k+1}
+        logits = gen.target.extend(ids)
+    return gen.settle(logits)  # 3. accept walk, 4. commit and roll back
 
 
-def _commit(run: _Run, emitted: list[int]) -> list[int]:
-    """The emitted tokens that are committed: cut at the budget and after a stop id."""
-    new = emitted[: run.max_new_tokens - len(run.tokens)]
-    stop_at = next((i for i, t in enumerate(new) if t in run.stop_ids), None)
-    if stop_at is not None:
-        new = new[: stop_at + 1]
-        run.stop_reason = "stop"
-    run.tokens += new
-    return new
+def rounds_together(gens: Sequence[Generation]) -> list[list[int]]:
+    """One round of each generation (prefilled, not done), their targets being slots of one
+    model (SpecModel.slots), in one target pass: every one drafts the K that
+    core.policy.choose_together picks for all of them and pads what its drafter does not
+    propose, so that the pass is one over the weights (backends.llamacpp); each keeps only its
+    own rows and settles with its own rule and generator. On a batch-invariant backend a row
+    has the same bits as in a pass of its own: a greedy answer is the same alone or in company.
+    Returns each one's committed tokens."""
+    if len(gens) == 1:
+        return [_round(gens[0])]
+    wants = [g.want() for g in gens]
+    space = min(g.target.n_ctx - g.target.n_cached for g in gens)  # room for padded rows
+    k = min(choose_together(wants), space - 1)
+    ids = [g.propose(min(k, room), src) for g, (_, src, room) in zip(gens, wants, strict=True)]
+    width = max(map(len, ids))  # k + 1, or less where every drafter proposed fewer
+    padded = [[*x, *[x[-1]] * (width - len(x))] for x in ids]  # padding: rows thrown away
+    t0 = gens[0].clock.now()
+    logits = extend_together([(g.target, x) for g, x in zip(gens, padded, strict=True)])
+    seconds = gens[0].clock.now() - t0
+    out = []
+    for g, x, lg in zip(gens, ids, logits, strict=True):
+        g.clock.add("verify_s", seconds)
+        out.append(g.settle(lg[: len(x)], rows=width * len(gens)))
+    return out
 
 
-def _prefill(
-    target: SpecModel, ids: list[int], cancelled: Callable[[], bool] | None, block: int
-) -> int | None:
-    """Make the target cache hold `ids`: reset it (or, block > 0, keep its longest common prefix
-    with `ids` in whole blocks of `block` tokens) and prefill the rest in PREFILL_CHUNK pieces.
-    Returns the tokens reused from the cache, or None if cancelled midway."""
+def _keep_prefix(target: SpecModel, ids: list[int], block: int) -> int:
+    """Keep the target's cached prefix shared with `ids` in whole blocks of `block` tokens (0:
+    none; empty the cache); returns its length."""
     keep = common_prefix(target.cached_tokens, ids) // block * block if block > 0 else 0
     if keep:
         target.truncate(keep)
     else:
         target.reset()
-    for i in range(keep, len(ids), PREFILL_CHUNK):
-        if cancelled is not None and cancelled():
-            return None
-        target.prefill(ids[i : i + PREFILL_CHUNK])
     return keep
 
 

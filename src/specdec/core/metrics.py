@@ -23,6 +23,8 @@ class Round:
                 a stop token)
     draft_s     seconds drafting, the draft model's catch-up prefill left out
     verify_s    seconds of the target pass over k + 1 tokens
+    rows        rows of that pass: k + 1 alone (0 says so), more when it verified other
+                sequences' rounds too (decode.rounds_together): what v(rows) was measured at
     """
 
     source: str
@@ -31,6 +33,11 @@ class Round:
     n_emitted: int
     draft_s: float = 0.0
     verify_s: float = 0.0
+    rows: int = 0
+
+    @property
+    def pass_rows(self) -> int:
+        return self.rows or self.k + 1
 
 
 @dataclass

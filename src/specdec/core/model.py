@@ -8,6 +8,11 @@ needs four operations:
     n_cached                    how many tokens the cache holds
     forward(tokens) -> logits   stateless evaluation of a whole sequence (the cache is untouched)
 
+A server's concurrent sequences are `slots(n)`: n models on the same weights with a cache each
+(slot 0 is the model itself), and `extend_together` extends several of them in one pass where
+the backend can (llama.cpp: one context, a KV stream per sequence); elsewhere one after another.
+Either way each slot's logits are what its own `extend` would return.
+
 Contract at the boundary, for every backend:
     * logits are float32, on the CPU, shape [len(tokens), vocab_size]; row i is the next-token
       distribution after tokens[: i + 1] (given whatever the cache held before);
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -119,6 +124,8 @@ class SpecModel(ABC):
 
     def __init__(self) -> None:
         self.cached_tokens: list[int] = []
+        #: the model whose slot this is (`slots`): itself, unless made by another's slots()
+        self.owner: SpecModel = self
 
     # ----------------------------------------------------------------------------- public API
     @property
@@ -171,6 +178,15 @@ class SpecModel(ABC):
             )
         return self._forward(ids)
 
+    def slots(self, n: int) -> list[SpecModel]:
+        """`n` models on these weights with a cache each, slot 0 being this model: a server's
+        concurrent sequences (their extends may share a pass: `extend_together`)."""
+        check_int("slots", n, 1, error=SpecModelError)
+        return [self] if n == 1 else self._make_slots(n)
+
+    #: what several slots' extends share a pass on (extend_together): None, one at a time
+    pass_owner: object | None = None
+
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless a backend holds resources
         """Release backend resources (optional)."""
 
@@ -185,6 +201,12 @@ class SpecModel(ABC):
 
     def _prefill(self, ids: list[int]) -> None:
         self._extend(ids)  # backends that can skip the output layer override this
+
+    def _make_slots(self, n: int) -> list[SpecModel]:
+        raise SpecModelError(
+            f"{self.name}: this backend holds one sequence, so it serves one request at a time; "
+            "run several requests at once (--parallel) with a llamacpp: or mock: model"
+        )
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         # Generic fallback: evaluate from an empty cache, then rebuild the old cache. Backends
@@ -222,3 +244,24 @@ class SpecModel(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} V={self.vocab_size} cached={self.n_cached}>"
+
+
+def extend_together(calls: Sequence[tuple[SpecModel, TokenIds]]) -> list[torch.Tensor]:
+    """`[m.extend(tokens) for m, tokens in calls]`, as one pass where the models are slots of one
+    backend (SpecModel.slots, one `pass_owner`): the same logits, each slot's own, bit for bit
+    on a batch-invariant backend. Every call is checked before any model work."""
+    checked = []
+    for m, tokens in calls:
+        ids = m._validate(tokens)
+        m._check_room(len(ids))
+        checked.append((m, ids))
+    owners = {id(m.pass_owner) for m, _ in checked}
+    shared = len(checked) > 1 and len(owners) == 1 and checked[0][0].pass_owner is not None
+    if len({id(m) for m, _ in checked}) != len(checked):
+        raise SpecModelError("extend_together: a model appears twice; one call per slot")
+    if not shared:
+        return [m.extend(ids) for m, ids in checked]
+    out = checked[0][0].pass_owner._extend_slots(checked)  # type: ignore[union-attr]
+    for m, ids in checked:  # after the pass: a failed pass leaves every cache as it was
+        m.cached_tokens.extend(ids)
+    return out

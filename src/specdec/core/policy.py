@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -93,6 +93,9 @@ class _SourceStats:
 #: tried at K = 1 (break-even at 50% acceptance) and the real cost replaces the guess after one
 #: round. Measured points are interpolated linearly.
 PRIOR_SLOPE = 0.5
+#: The least a token may add to a pass, in steps, where v(b) is extrapolated from measurements:
+#: a verify row at a CPU's int8 peak is a small fraction of a memory-bound step (docs/kernels.md).
+MIN_SLOPE = 0.05
 #: Sources whose drafts are strong evidence from the start: (prior acceptance, depth cap before
 #: any evidence). A prediction aligned with the output is the file being re-emitted: its drafts
 #: usually run to the next edit, accepted whole.
@@ -150,7 +153,10 @@ class CostModelK:
 
     def v(self, b: int) -> float:
         """Seconds for a target pass over b tokens: measured, else interpolated linearly
-        between measurements, else the prior's slope from the nearest measurement."""
+        between measurements; past the last, the slope of the last two (a CPU's curve is close
+        to linear past a few rows; a joint pass over several requests' rows asks for b beyond
+        what one request verifies), kept within [MIN_SLOPE, PRIOR_SLOPE] steps a token; before
+        the first, or with one, the prior's slope."""
         if b in self.verify_s:
             return self._measured(b)
         known = self._known
@@ -165,7 +171,12 @@ class CostModelK:
             return (1 - w) * self._measured(lo) + w * self._measured(hi)
         ref = known[0] if i == 0 else known[-1]
         step = self.verify_s.get(1, self.verify_s[ref] / (1 + PRIOR_SLOPE * (ref - 1)))
-        return max(step, self._measured(ref) + PRIOR_SLOPE * step * (b - ref))
+        slope = PRIOR_SLOPE * step
+        if i > 0 and len(known) > 1:
+            lo = known[-2]
+            last = (self._measured(ref) - self._measured(lo)) / (ref - lo)
+            slope = min(max(last, MIN_SLOPE * step), slope)
+        return max(step, self._measured(ref) + slope * (b - ref))
 
     def alphas(self, source: str) -> list[float]:
         """Conditional acceptance per position; position i's prior is position i-1's estimate.
@@ -186,17 +197,22 @@ class CostModelK:
             out.append(prior)
         return out
 
+    def expected_tokens(self, source: str, k_top: int) -> list[float]:
+        """E[tokens per round] for k = 0..k_top drafted from `source` (core.cost's E(k))."""
+        p = p_at_least(self.alphas(source)[:k_top])
+        return [expected_tokens_per_round(p, k) for k in range(k_top + 1)]
+
+    def draft_cost(self, source: str) -> float:
+        """Seconds per drafted token from `source` (0 until measured)."""
+        st = self.sources.get(source)
+        return st.draft_s_per_token if st and st.draft_s_per_token is not None else 0.0
+
     def _rates(self, source: str, k_top: int) -> list[float]:
         """Expected tokens per second for k = 0..k_top (core.cost's E(k) / cost(k))."""
-        alphas = self.alphas(source)
-        st = self.sources.get(source)
-        t_d = st.draft_s_per_token if st and st.draft_s_per_token is not None else 0.0
-        p = p_at_least(alphas[:k_top])
+        t_d = self.draft_cost(source)
         vs = [self.v(b) for b in range(1, k_top + 2)]  # [k_top + 1]: v(1) .. v(k_top + 1)
-        rates = []
-        for k in range(k_top + 1):
-            rates.append(expected_tokens_per_round(p, k) / round_cost(vs, t_d, k))  # per second
-        return rates
+        tokens = self.expected_tokens(source, k_top)
+        return [tokens[k] / round_cost(vs, t_d, k) for k in range(k_top + 1)]  # per second
 
     def expected_rate(self, source: str, k: int) -> float:
         """Expected tokens per second of a round drafting k tokens from `source`."""
@@ -253,7 +269,7 @@ class CostModelK:
 
     def observe(self, r: Round) -> None:
         source, k, n_accepted = r.source, r.k, r.n_accepted
-        b = k + 1
+        b = r.pass_rows  # the pass may have verified other sequences' rows too
         old = self.verify_s.get(b)
         self.verify_s[b] = r.verify_s if old is None else DECAY * old + (1 - DECAY) * r.verify_s
         for x in self.verify_n:  # measurements go stale like acceptance estimates do
@@ -283,6 +299,44 @@ class CostModelK:
             if st.draft_s_per_token is None
             else DECAY * st.draft_s_per_token + (1 - DECAY) * per_tok
         )
+
+
+def choose_together(wants: Sequence[tuple[KPolicy | None, str | None, int]]) -> int:
+    """The K every sequence of a joint pass drafts (decode.rounds_together), from each one's
+    (policy, source, room): llama.cpp passes its sequences' rows in one go only when each brings
+    the same number (backends.llamacpp), so a pass over n sequences at K costs v(n (K + 1)) and
+    a sequence that drafts fewer pads its rows. K maximizes the expected tokens of all of them
+    per second of that pass,
+
+        sum_i E_i(min(K, room_i)) / (v(n (K + 1)) + sum_i t_i min(K, room_i)),
+
+    over K up to the deepest a k="auto" policy would explore alone (CostModelK.depth_cap), with
+    the first k="auto" policy's curve (they all measure the one machine); a sequence without
+    one counts one token. Few sequences: long drafts; many: short ones, down to K = 0, plain
+    batched decoding, where drafting cannot pay. A fixed or schedule policy drafts what it
+    chooses: K is at least that."""
+    autos = [(p, src, room) for p, src, room in wants if isinstance(p, CostModelK) and src]
+    floor = max(
+        (p.choose(src, room) for p, src, room in wants if p is not None and src and
+         not isinstance(p, CostModelK)),
+        default=0,
+    )  # fmt: skip
+    if not autos:
+        return floor
+    curve = autos[0][0]
+    k_top = max(min(p.k_max, room, p.depth_cap(src)) for p, src, room in autos)
+    tokens = [p.expected_tokens(src, min(k_top, room)) for p, src, room in autos]
+    costs = [p.draft_cost(src) for p, src, _ in autos]
+    rest = len(wants) - len(autos)  # sequences without a k="auto" policy: one token each
+    n = len(wants)
+
+    def rate(k: int) -> float:
+        got = sum(e[min(k, len(e) - 1)] for e in tokens) + rest
+        drafting = sum(t * min(k, len(e) - 1) for t, e in zip(costs, tokens, strict=True))
+        return got / (curve.v(n * (k + 1)) + drafting)
+
+    best = max(range(k_top + 1), key=lambda k: (rate(k), -k))
+    return max(best, floor)
 
 
 class CurveStore(Protocol):
@@ -320,12 +374,12 @@ class AutoPolicies:
     def get(self, target: SpecModel, drafter: Hashable, k_max: int) -> CostModelK:
         """The policy for `target` with `drafter` (whatever tells drafters apart: a name, with
         the draft model it runs) and `k_max`; on first use a new one, from the store's curve."""
-        per_target = self._kept.setdefault(target, {})
+        per_target = self._kept.setdefault(target.owner, {})  # one for all of a model's slots
         kept = per_target.get((drafter, k_max))
         if kept is None:
             policy = CostModelK(k_max)
             if self.curves is not None:
-                policy.load_curve(self.curves.load(target))
+                policy.load_curve(self.curves.load(target.owner))
             kept = per_target[(drafter, k_max)] = _Kept(policy, policy.curve)
         return kept.policy
 
@@ -333,10 +387,10 @@ class AutoPolicies:
         """A generation with `policy` ended: what it learned of v(b) goes to the store."""
         if self.curves is None:
             return
-        for kept in self._kept.get(target, {}).values():
+        for kept in self._kept.get(target.owner, {}).values():
             if kept.policy is policy and policy.curve != kept.stored:
                 kept.stored = policy.curve
-                self.curves.save(target, kept.stored)
+                self.curves.save(target.owner, kept.stored)
 
 
 #: Named K policies beside make_policy's, for replays and comparisons (study.run.replay, `specdec

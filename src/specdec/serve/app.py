@@ -112,6 +112,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdec.core.config import MODEL_DRAFTERS, SpecConfig
+from specdec.core.model import SpecModel
 from specdec.serve import playground
 from specdec.serve.connections import (
     DEFAULT_WRITE_TIMEOUT_S,
@@ -173,6 +174,9 @@ class ServeConfig:
     metrics_key: str | None = None  # the operator's key for /metrics (_check_operator)
     allowed_hosts: tuple[str, ...] = ()  # empty: loopback names when bound to loopback, else any
     max_queue: int = DEFAULT_MAX_QUEUE
+    parallel: int = 1  # requests generated at once, a slot (KV cache) each: serve.engine
+    # one key's requests generated at once; None: all slots with one key, half with several
+    max_running_per_key: int | None = None
     # one key's waiting requests, at most; None: half of max_queue with several keys (queue_per_key)
     max_queue_per_key: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -209,6 +213,13 @@ class ServeConfig:
         if self.max_queue_per_key is not None:
             return min(self.max_queue_per_key, self.max_queue)
         return self.max_queue if len(self.keys()) <= 1 else max(1, self.max_queue // 2)
+
+    def running_per_key(self) -> int:
+        """Requests of one key generated at once: --max-running-per-key, else every slot on a
+        server with one tenant and half of them (at least 1) with several, as queue_per_key."""
+        if self.max_running_per_key is not None:
+            return min(self.max_running_per_key, self.parallel)
+        return self.parallel if len(self.keys()) <= 1 else max(1, self.parallel // 2)
 
     def connections_per_client(self) -> int:
         """Connections one address may hold open: --max-connections-per-client, else half of
@@ -544,6 +555,7 @@ async def health(request: Request) -> Response:
         "status": "ok" if alive else "engine_stopped",
         "model": _ctx(request).public_id,  # unauthenticated: no directories
         "busy": ctx.engine.busy,
+        "running": ctx.engine.running,
         "queue_depth": ctx.engine.queue_depth,
     }
     return JSONResponse(body, status_code=200 if alive else 503)
@@ -581,6 +593,8 @@ async def prometheus(request: Request) -> Response:
     gauges = {
         "specdec_queue_depth": engine.queue_depth,
         "specdec_busy": int(engine.busy),
+        "specdec_running": engine.running,
+        "specdec_slots": engine.parallel,
         "specdec_queue_capacity": engine.max_queue,
         **engine.pools.gauges(),
     }
@@ -630,12 +644,19 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
 # ------------------------------------------------------------------------------ entry points
 def build_engine(cfg: ServeConfig) -> Engine:
     """Load the models named by `cfg`, check them with a warm-up generation, return the engine."""
-    from specdec.backends import load_model
+    from specdec.backends import load_model, parse_spec
 
     load_kw: dict[str, Any] = {"n_threads": cfg.threads} if cfg.threads else {}
     load_kw["deterministic"] = cfg.deterministic
-    target = load_model(cfg.target, device=cfg.device, **load_kw)
-    draft = load_model(cfg.draft, device=cfg.device, **load_kw) if cfg.draft else None
+
+    def load(spec: str) -> SpecModel:
+        # a llama.cpp context holds the slots' sequences: made for them at load
+        llamacpp = parse_spec(spec)[0] == "llamacpp"
+        slots = {"n_seq": cfg.parallel} if cfg.parallel > 1 and llamacpp else {}
+        return load_model(spec, device=cfg.device, **load_kw, **slots)
+
+    target = load(cfg.target)
+    draft = load(cfg.draft) if cfg.draft else None
     engine = Engine(
         target,
         draft,
@@ -645,6 +666,8 @@ def build_engine(cfg: ServeConfig) -> Engine:
         max_queue_per_key=cfg.queue_per_key(),
         prompt_cache=cfg.prompt_cache,
         draft_pool=cfg.pool_config(),
+        parallel=cfg.parallel,
+        max_running_per_key=cfg.running_per_key(),
     )
     engine.warm_up()
     return engine

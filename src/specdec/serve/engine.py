@@ -1,7 +1,14 @@
 """One target (and draft), one worker that owns them, a bounded FIFO of jobs.
 
-The models are not thread-safe and their caches hold one sequence, so one worker generates one
-request at a time. `specdec serve` runs the worker in the main thread (`run`) and the HTTP
+The models are not thread-safe, so one worker runs them. It generates up to `parallel`
+requests at once (`specdec serve --parallel N`), each in a slot of its own (SpecModel.slots: a
+KV cache per request on the shared weights): every round it prefills a chunk of each newly
+admitted prompt (PREFILL_CHUNK_SHARED tokens while others decode, so a long prompt never
+stalls the running streams for long), then runs one round of every prefilled request with one
+target pass for all of them (decode.rounds_together: each drafts with its own drafter, K is
+chosen for the pass as a whole, each accepts with its own rule and generator). Rows of a
+batch-invariant model have the same bits in company as alone, so a greedy answer does not
+depend on its neighbours. `specdec serve` runs the worker in the main thread (`run`) and the HTTP
 server beside it: llama.cpp's OpenMP build synchronizes its threads with OpenMP barriers, and
 libgomp lets barriers spin only while the threads it manages fit the CPUs; a decode started from
 any other thread brings one more, so every barrier sleeps and wakes through the kernel instead
@@ -9,9 +16,11 @@ any other thread brings one more, so every barrier sleeps and wakes through the 
 `start` runs it in a thread of its own instead (tests, embedding).
 
 Requests wait in a bounded queue, one FIFO per tenant served in turn (serve.job_queue:
-`max_queue` waiting in all, not counting the one being generated, and `max_queue_per_key` for one
-API key; 429 with Retry-After beyond either). The worker hands each job typed events through the
-job's asyncio.Queue (`loop.call_soon_threadsafe`), in order:
+`max_queue` waiting in all, not counting those being generated, and `max_queue_per_key` for one
+API key; 429 with Retry-After beyond either); a free slot takes the next request of a tenant
+running fewer than `max_running_per_key`, so one key cannot hold every slot either. The worker
+hands each job typed events through the job's asyncio.Queue (`loop.call_soon_threadsafe`), in
+order:
 
     Start                   generation began (the request left the queue)
     Delta(text, token_ids, origins)  one round's committed tokens and the text now safe to
@@ -21,19 +30,21 @@ job's asyncio.Queue (`loop.call_soon_threadsafe`), in order:
     Failed(error)           at any point instead of the rest; an ApiError for the client
 
 A job is abandoned (`Engine.withdraw`) when its client goes away, its deadline passes or the
-server shuts down. A waiting job leaves the queue at once, freeing its slot; the running one
-stops within one round, or within one prefill chunk (decode.PREFILL_CHUNK tokens) while its
-prompt is being prefilled, so an abandoned request never holds the engine for long.
+server shuts down. A waiting job leaves the queue at once, freeing its place; a running one
+stops within one round, or within one prefill chunk while its prompt is being prefilled, so an
+abandoned request never holds its slot for long.
 
-Cache safety: `decode.stream` resets the draft's cache at the start of every call, and the
-target's unless the prompt cache keeps the KV of a prefix the request shares with the previous
-request of its scope (`prompt_cache`, in whole blocks); after an engine exception both models are
-reset again. What does reach the next request on purpose: that prefix; its scope's draft pool
-(serve.draft_pools: prompt lookup drafts from the earlier requests of the same API key, or of
-every key with --draft-pool shared, and each request's prompt and output are added once it
-ends); and the k="auto" policies (`policies`: acceptance and costs learned, never tokens), kept
-per tenant (serve.tenant_policies) but for the verify-cost curve, which measures the machine and
-is kept for the next process too (backends.costs).
+Cache safety: a generation resets its slot's draft cache when it starts, and its slot's target
+cache unless the prompt cache keeps the KV of a prefix the request shares with the previous
+request of its scope in that slot (`prompt_cache`, in whole blocks); after an engine exception
+the slots of the requests it failed are reset again. What does reach the next request on
+purpose: that prefix; its scope's draft pool (serve.draft_pools: prompt lookup drafts from the
+earlier requests of the same API key, or of every key with --draft-pool shared, and each
+request's prompt and output are added once it ends; with --parallel, a neighbour's that ends
+while a request runs is there for its next rounds); and the k="auto" policies (`policies`:
+acceptance and costs learned, never tokens), kept per tenant (serve.tenant_policies) but for
+the verify-cost curve, which measures the machine and is kept for the next process too
+(backends.costs).
 
 A request's prediction is drafted from through its n-gram index (core.drafters.PredictionIndex,
 ~1.5 KiB a token). It is built while the request waits, off the engine, as long as the indexes
@@ -44,6 +55,7 @@ starts, so that waiting requests hold only their token ids.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -52,17 +64,18 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.backends import chat as prompting
 from specdec.backends.costs import CurveFiles
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import SpecStream, stream
-from specdec.core.drafters import PredictionDrafter, PredictionIndex
+from specdec.core.decode import PREFILL_CHUNK, Generation, rounds_together, stream
+from specdec.core.drafters import PredictionDrafter, PredictionIndex, common_prefix
 from specdec.core.metrics import GenerationStats
 from specdec.core.model import SpecModel
 from specdec.core.pool import DraftPool
-from specdec.serve.draft_pools import PoolConfig, ServedPools
+from specdec.serve.draft_pools import PoolConfig, PoolUse, ServedPools
 from specdec.serve.errors import (
     ApiError,
     bad,
@@ -82,6 +95,10 @@ from specdec.serve.text import TextAssembler
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64
+#: Prompt tokens a newly admitted request prefills per round while others decode: each chunk
+#: stalls the running streams for as long as its prefill takes; a prompt alone prefills in
+#: decode.PREFILL_CHUNK pieces.
+PREFILL_CHUNK_SHARED = 128
 #: The prompt cache reuses, and reports, whole blocks of this many tokens: a client that guesses
 #: another's prompt learns at most whether a 256-token block matched, not the matching length
 #: (and only within a scope: the previous request's KV is kept for a request of its scope alone).
@@ -198,8 +215,8 @@ def _copy_tokenizer(tokenizer: object) -> object | None:
 class Engine:
     """The models, the worker thread, the queue; see the module docstring for the events.
 
-    `lock` is held for the whole of each generation: code outside the worker (tests, a warm-up)
-    takes it to use the models directly.
+    `lock` is held while any generation runs: code outside the worker (tests, a warm-up) takes
+    it to use the models directly.
     """
 
     def __init__(
@@ -220,6 +237,10 @@ class Engine:
         # None: k="auto" policies kept per tenant for the engine's life, their curves in
         # backends.costs
         policies: TenantPolicies | None = None,
+        # requests generated at once, each in a slot of its own (SpecModel.slots)
+        parallel: int = 1,
+        # one tenant's requests generated at once, at most (None: all `parallel` slots)
+        max_running_per_key: int | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -227,6 +248,11 @@ class Engine:
             raise ValueError(f"max_queue_per_key must be >= 1, got {max_queue_per_key}")
         self.target = target
         self.draft = draft
+        self.parallel = parallel
+        self.running_per_key = min(parallel, max_running_per_key or parallel)
+        # Slot i's target and draft: a KV cache each on the shared weights (slot 0: the models)
+        self._targets = target.slots(parallel)
+        self._drafts = draft.slots(parallel) if draft is not None else [None] * parallel
         self.model_id = model_id or target.name
         self.spec = spec
         # What one request's k="auto" learned carries to the next of its tenant
@@ -239,9 +265,10 @@ class Engine:
         # On by default only where it cannot change the output: kept rows were computed in
         # another batch shape than a fresh prefill would use.
         self.prompt_cache = target.batch_invariant if prompt_cache is None else prompt_cache
-        # The scope (serve.draft_pools) of the request whose KV the target holds: another
-        # tenant's request prefills afresh, or its cached_tokens would say what the last wrote.
-        self._cache_scope: str | None = None
+        # Per slot, the scope (serve.draft_pools) of the request whose KV its target holds:
+        # another tenant's request prefills afresh, or its cached_tokens would say what the last
+        # wrote.
+        self._cache_scope: list[str | None] = [None] * parallel
         self.tokenizer = target.tokenizer or getattr(draft, "tokenizer", None)
         # The worker detokenizes every round; request threads tokenize prompts. A copy for the
         # worker, so that a long prompt being tokenized never stalls the running stream (HF
@@ -255,13 +282,13 @@ class Engine:
         # Earlier requests' text to draft from, per scope (serve.draft_pools)
         self.pools = ServedPools(draft_pool or PoolConfig("off"), self.metrics)
         self.lock = threading.Lock()
+        self._held = False  # the worker holds `lock` (_hold)
         # HF fast tokenizers are not safe to call from two threads at once ("Already borrowed"):
         # request threads encode prompts while the worker decodes outputs.
         self.tokenizer_lock = threading.Lock()
-        self.busy = False
         self._jobs: JobQueue[Job] = JobQueue(max_queue, max_queue_per_key)
         self._index_budget = _IndexBudget(PREBUILT_INDEX_TOKENS)
-        self._running: Job | None = None
+        self._active: list[_Active] = []  # the generations running, in their slots
         self._service_s = 1.0  # EMA of generation wall time, for Retry-After
         self._stopping = False
         self._thread = threading.Thread(target=self.run, name="specdec-engine", daemon=True)
@@ -299,13 +326,14 @@ class Engine:
         prediction: object,
         pool: DraftPool | None = None,
         tenant: str = ANONYMOUS,
+        slot: int = 0,
     ) -> dict[str, object]:
         """`decode.stream`'s draft, spec, prediction, pool and policies for a request's
-        speculation: the draft model only for the drafters that run it, no prediction for "none"
-        (it drafts nothing), the draft pool only for the drafters that run prompt lookup, the
-        k="auto" policies of the request's tenant."""
+        speculation: the draft model (`slot`'s) only for the drafters that run it, no prediction
+        for "none" (it drafts nothing), the draft pool only for the drafters that run prompt
+        lookup, the k="auto" policies of the request's tenant."""
         return {
-            "draft": self.draft if sp.uses_draft else None,
+            "draft": self._drafts[slot] if sp.uses_draft else None,
             "spec": sp.spec_config(),
             "prediction": None if sp.drafter == "none" else prediction,
             "pool": pool if sp.uses_lookup else None,
@@ -318,13 +346,12 @@ class Engine:
 
     def drain(self) -> None:
         """Begin shutting down, without blocking: refuse new jobs, fail the waiting ones with
-        503, and abandon the running one (it ends within a round or a prefill chunk)."""
+        503, and abandon the running ones (they end within a round or a prefill chunk)."""
         self._stopping = True
         for job in self._jobs.take_all():
             self._end_unstarted(job, "shutdown")
-        running = self._running
-        if running is not None:
-            running.abandon("shutdown")
+        for a in list(self._active):
+            a.job.abandon("shutdown")
 
     def stop(self, timeout: float = 10.0) -> None:
         """`drain`, then wait up to `timeout` seconds for the worker to exit."""
@@ -340,6 +367,16 @@ class Engine:
     @property
     def queue_depth(self) -> int:
         return len(self._jobs)
+
+    @property
+    def busy(self) -> bool:
+        """A generation is running."""
+        return bool(self._active)
+
+    @property
+    def running(self) -> int:
+        """Generations running, one per busy slot."""
+        return len(self._active)
 
     # -------------------------------------------------------------------------- admission
     def reserve(self, tenant: str = ANONYMOUS) -> Slot:
@@ -454,29 +491,65 @@ class Engine:
     # -------------------------------------------------------------------------- the worker
     def run(self) -> None:
         """The worker: serve the queue in the calling thread until `stop` closes it."""
-        job = None
         try:
-            while (job := self._jobs.get()) is not None:
-                try:
-                    self._serve(job)
-                except Exception:  # _serve reports its own errors; this is a last resort
-                    log.exception("engine worker: unexpected error")
+            while self._cycle():
+                pass
         finally:
-            # Stopped (job is None), or killed by a BaseException inside `job`: nobody will
-            # serve the queue any more, and submit() now refuses with 503.
+            # Stopped (the queue closed), or killed by a BaseException inside a job: nobody
+            # will serve the queue any more, and submit() now refuses with 503.
             self._stopping = True
             self.runs_in_caller = False
-            if job is not None:
+            for a in self._active:
                 err = ApiError(500, "the engine stopped", type="server_error", code="engine_error")
-                job.emit(Failed(err))
+                a.job.emit(Failed(err))
+            self._active.clear()
+            self._hold(False)
             for waiting in self._jobs.take_all():
                 self._end_unstarted(waiting, "shutdown")
+
+    def _cycle(self) -> bool:
+        """Admit what the free slots take, a prefill chunk for each request not yet prefilled,
+        one round for every prefilled one; False once the queue is closed and nothing runs."""
+        while len(self._active) < self.parallel:
+            running = collections.Counter(a.job.tenant for a in self._active)
+            busy = frozenset(t for t, n in running.items() if n >= self.running_per_key)
+            job = self._jobs.get(block=not self._active, busy=busy)
+            if job is None:
+                if not self._active:
+                    return False  # closed, and nothing left to finish
+                break
+            try:
+                self._admit(job)
+            except Exception:  # _admit reports its own errors; this is a last resort
+                log.exception("engine worker: unexpected error")
+        decoding = [a for a in self._active if a.gen.prefilled]
+        chunk = PREFILL_CHUNK_SHARED if decoding else PREFILL_CHUNK
+        for a in [a for a in self._active if not a.gen.prefilled]:
+            self._guarded([a], lambda a=a: a.gen.prefill(chunk) and self._prefill_ended(a))
+        ready = [a for a in self._active if a.gen.prefilled and not a.ended]
+        if ready:
+            self._guarded(ready, lambda: self._round(ready))
+        for a in [a for a in self._active if a.ended]:
+            self._active.remove(a)
+        self._hold(bool(self._active))
+        return True
+
+    def _hold(self, held: bool) -> None:
+        """Hold `lock` while any generation runs, and only then (code outside the worker takes
+        it to use the models)."""
+        if held and not self._held:
+            self.lock.acquire()
+        elif self._held and not held:
+            self.lock.release()
+        self._held = held
 
     def _end_unstarted(self, job: Job, reason: str) -> None:
         self.metrics.inc("specdec_generations_total", outcome=reason)
         job.emit(Failed(error_for(reason)))
 
-    def _serve(self, job: Job) -> None:
+    def _admit(self, job: Job) -> None:
+        """Start `job` in a free slot (the one whose cached prompt it shares most of, else the
+        lowest), or end it if it was abandoned while waiting or its arguments are bad."""
         reason = job.stopped()
         if reason is not None:  # abandoned while waiting, and not withdrawn in time
             self._end_unstarted(job, reason)
@@ -484,57 +557,119 @@ class Engine:
         p = job.params
         origins = OriginTracker(self.decode) if p.origins else None
         prediction = self._prediction(p)  # outside the lock, as it was built ahead
-        with self.lock:
-            started = time.perf_counter()
-            use = self.pools.begin(job.tenant)
-            try:  # stream() checks every argument before any model work
-                s = stream(
-                    self.target,
-                    p.prompt_ids,
-                    **self.stream_args(
-                        p.speculation,
-                        prediction,
-                        use.pool if use is not None else None,
-                        tenant=job.tenant,
-                    ),
-                    warp=p.warp,
-                    max_new_tokens=p.max_tokens,
-                    seed=p.seed,
-                    stop_ids=self.stop_ids,
-                    cancelled=lambda: job.stopped() is not None,  # polled between prefill chunks
-                    on_round=origins.observe if origins is not None else None,
-                    reuse_prefix=self._reuse_prefix(job.tenant),
-                )
-            except ValueError as e:
-                self.metrics.inc("specdec_generations_total", outcome="error")
-                job.emit(Failed(bad(str(e))))
-                self.pools.end(use, ())  # nothing ran: nothing to add
-                return
-            self._cache_scope = self.pools.scope(job.tenant)  # what the target will hold
-            job.emit(Start())
-            rounds: list[RoundMark] = []
-            output: list[int] = []  # the tokens committed, for the draft pool
-            self._running, self.busy = job, True
-            done = None
-            try:
-                outcome, done = self._rounds(job, s, rounds, origins, output)
-            except Exception as e:
-                outcome = "error"
-                log.exception("generation failed")
-                err = f"generation failed: {type(e).__name__} (the server's log has the details)"
-                job.emit(Failed(ApiError(500, err, type="server_error", code="engine_error")))
-                self._reset_models()
-            finally:
-                s.close()  # a no-op once exhausted; else stops the loop at its yield
-                self._running, self.busy = None, False
-                # After the stream, never during it: a request drafts from earlier ones only.
-                self.pools.end(use, [*p.prompt_ids, *output])
-            wall = time.perf_counter() - started
-            self._service_s = _SERVICE_EMA * self._service_s + (1 - _SERVICE_EMA) * wall
-            self.metrics.record_generation(s.stats, outcome, job.arrived, started, rounds)
-            self.metrics.inc("specdec_generations_by_drafter_total", drafter=p.speculation.drafter)
-            if done is not None:  # last: a client that has its answer finds it in /metrics
-                job.emit(done)
+        self._hold(True)
+        slot = self._free_slot(job)
+        started = time.perf_counter()
+        use = self.pools.begin(job.tenant)
+        try:  # stream() checks every argument before any model work
+            s = stream(
+                self._targets[slot],
+                p.prompt_ids,
+                **self.stream_args(
+                    p.speculation,
+                    prediction,
+                    use.pool if use is not None else None,
+                    tenant=job.tenant,
+                    slot=slot,
+                ),
+                warp=p.warp,
+                max_new_tokens=p.max_tokens,
+                seed=p.seed,
+                stop_ids=self.stop_ids,
+                cancelled=lambda: job.stopped() is not None,  # polled between prefill chunks
+                on_round=origins.observe if origins is not None else None,
+                reuse_prefix=self._reuse_prefix(job.tenant, slot),
+            )
+        except ValueError as e:
+            self.metrics.inc("specdec_generations_total", outcome="error")
+            job.emit(Failed(bad(str(e))))
+            self.pools.end(use, ())  # nothing ran: nothing to add
+            self._hold(bool(self._active))
+            return
+        self._cache_scope[slot] = self.pools.scope(job.tenant)  # what the target will hold
+        job.emit(Start())
+        text = TextAssembler(self.decode, p.stop)
+        self._active.append(_Active(job, slot, s.generation, use, started, text, origins))
+
+    def _free_slot(self, job: Job) -> int:
+        """The free slot for `job`: the one of its scope whose cache holds the longest prefix of
+        its prompt (at least a block), else the lowest."""
+        free = sorted(set(range(self.parallel)) - {a.slot for a in self._active})
+        if self.prompt_cache:
+            scope, ids = self.pools.scope(job.tenant), job.params.prompt_ids
+            kept = {
+                i: common_prefix(self._targets[i].cached_tokens, ids)
+                for i in free
+                if self._cache_scope[i] == scope
+            }
+            best = max(kept, key=lambda i: (kept[i], -i), default=None)
+            if best is not None and kept[best] >= PROMPT_CACHE_BLOCK:
+                return best
+        return free[0]
+
+    def _guarded(self, group: list[_Active], step: Callable[[], object]) -> None:
+        """Run `step` for `group`; on an exception, fail every request of the group with 500
+        and reset their slots (a pass that raised may have left them half-written)."""
+        try:
+            step()
+        except Exception as e:
+            log.exception("generation failed")
+            err = f"generation failed: {type(e).__name__} (the server's log has the details)"
+            for a in group:
+                if not a.ended:
+                    a.job.emit(Failed(ApiError(500, err, type="server_error", code="engine_error")))
+                    self._reset_slot(a.slot)
+                    self._end(a, "error", None)
+
+    def _prefill_ended(self, a: _Active) -> None:
+        """The prompt is in: end a request cancelled during its prefill (its stop_reason)."""
+        if a.gen.stop_reason == "cancelled":
+            reason = a.job.stopped() or "cancelled"
+            a.job.emit(Failed(error_for(reason)))
+            self._end(a, reason, None)
+
+    def _round(self, ready: list[_Active]) -> None:
+        """One round for every prefilled request, one target pass; hand each its text."""
+        gens = [a.gen for a in ready]
+        for a, ids in zip(ready, rounds_together(gens), strict=True):
+            self._deliver(a, ids)
+
+    def _deliver(self, a: _Active, ids: list[int]) -> None:
+        """Hand a round's tokens to the job (and its origins, if asked); end it when it is done,
+        stopped by a stop string, or abandoned."""
+        job, g = a.job, a.gen
+        a.output += ids
+        a.rounds.append(RoundMark(time.perf_counter(), len(ids), g.stats.drafted - a.drafted))
+        a.drafted = g.stats.drafted
+        record = a.origins.record(ids) if a.origins is not None else None
+        job.emit(Delta(a.text.push(ids), tuple(ids), record))
+        if not a.text.stopped and not g.done:
+            reason = job.stopped()
+            if reason is not None:
+                job.emit(Failed(error_for(reason)))
+                self._end(a, reason, None)
+            return
+        rest = a.text.flush()
+        if rest:
+            job.emit(Delta(rest, ()))
+        # A stop string, else the generation's reason: "stop" (a stop id) or "length".
+        finish = "stop" if a.text.stopped else g.stop_reason
+        self._end(a, "finished", Done(finish, g.stats))
+
+    def _end(self, a: _Active, outcome: str, done: Done | None) -> None:
+        """A request ended: its text goes to its draft pool, its numbers to /metrics, then its
+        Done (a client that has its answer finds it in /metrics); its slot is free."""
+        a.ended = True
+        a.gen.finish()
+        p = a.job.params
+        # After the generation, never during it: a request drafts from earlier ones only.
+        self.pools.end(a.use, [*p.prompt_ids, *a.output])
+        wall = time.perf_counter() - a.started
+        self._service_s = _SERVICE_EMA * self._service_s + (1 - _SERVICE_EMA) * wall
+        self.metrics.record_generation(a.gen.stats, outcome, a.job.arrived, a.started, a.rounds)
+        self.metrics.inc("specdec_generations_by_drafter_total", drafter=p.speculation.drafter)
+        if done is not None:
+            a.job.emit(done)
 
     @staticmethod
     def _prediction(p: GenParams) -> list[int] | PredictionIndex | None:
@@ -544,51 +679,32 @@ class Engine:
             return p.prediction_index or p.prediction
         return PredictionIndex(p.prediction, PredictionDrafter.N_MAX, p.prediction_hints)
 
-    def _reuse_prefix(self, tenant: str) -> int:
-        """decode.stream's reuse_prefix for a request: blocks of the KV the target holds, if the
-        request that left it was of the same scope."""
-        same = self.pools.scope(tenant) == self._cache_scope
+    def _reuse_prefix(self, tenant: str, slot: int) -> int:
+        """decode.stream's reuse_prefix for a request in `slot`: blocks of the KV its target
+        holds, if the request that left it was of the same scope."""
+        same = self.pools.scope(tenant) == self._cache_scope[slot]
         return PROMPT_CACHE_BLOCK if self.prompt_cache and same else 0
 
-    def _rounds(
-        self,
-        job: Job,
-        s: SpecStream,
-        rounds: list[RoundMark],
-        origins: OriginTracker | None,
-        output: list[int],
-    ) -> tuple[str, Done | None]:
-        """Hand each round's text (and origins, if asked) to the job until the end, collecting
-        the committed tokens in `output`; return the outcome for metrics and, for a finished
-        generation, its Done (sent after the metrics are recorded)."""
-        text = TextAssembler(self.decode, job.params.stop)
-        drafted = 0
-        for ids in s:
-            output += ids
-            rounds.append(RoundMark(time.perf_counter(), len(ids), s.stats.drafted - drafted))
-            drafted = s.stats.drafted
-            record = origins.record(ids) if origins is not None else None
-            job.emit(Delta(text.push(ids), tuple(ids), record))
-            if text.stopped:
-                break
-            reason = job.stopped()
-            if reason is not None:
-                job.emit(Failed(error_for(reason)))
-                return reason, None
-        if s.result is not None and s.result.stop_reason == "cancelled":  # during the prefill
-            reason = job.stopped() or "cancelled"
-            job.emit(Failed(error_for(reason)))
-            return reason, None
-        rest = text.flush()
-        if rest:
-            job.emit(Delta(rest, ()))
-        # A stop string, else decode.stream's reason: "stop" (a stop id) or "length".
-        finish = "stop" if text.stopped or s.result is None else s.result.stop_reason
-        return "finished", Done(finish, s.stats)
-
-    def _reset_models(self) -> None:
-        # Leave nothing half-written for the next request (stream() resets them too).
-        for m in (self.target, self.draft):
+    def _reset_slot(self, slot: int) -> None:
+        # Leave nothing half-written for the slot's next request (a generation resets it too).
+        for m in (self._targets[slot], self._drafts[slot]):
             if m is not None:
                 with contextlib.suppress(Exception):
                     m.reset()
+
+
+@dataclass(eq=False)
+class _Active:
+    """A request being generated, in its slot."""
+
+    job: Job
+    slot: int
+    gen: Generation
+    use: PoolUse | None  # its draft pool (serve.draft_pools), None when pools are off
+    started: float  # time.perf_counter() when it left the queue
+    text: TextAssembler
+    origins: OriginTracker | None
+    rounds: list[RoundMark] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)  # the tokens committed, for the draft pool
+    drafted: int = 0  # draft tokens sent to verification so far
+    ended: bool = False

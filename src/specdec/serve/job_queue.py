@@ -86,15 +86,18 @@ class JobQueue(Generic[J]):
             self._size += 1
             self._cond.notify()
 
-    def get(self) -> J | None:
+    def get(self, block: bool = True, busy: frozenset[str] = frozenset()) -> J | None:
         """The next job: the oldest of the tenant served least recently (of two never served,
-        the one that queued first); None once closed and empty."""
+        the one that queued first), passing over the `busy` tenants (those running all the
+        requests they may at once); None once closed and empty, or at once when not `block` and
+        no tenant but the busy ones has a job waiting."""
         with self._cond:
-            while not self._size and not self._closed:
+            while block and not self._size and not self._closed:
                 self._cond.wait()
-            if not self._size:
+            ready = [t for t in self._waiting if t not in busy]
+            if not ready:
                 return None
-            tenant = min(self._waiting, key=lambda t: self._served.get(t, -1))
+            tenant = min(ready, key=lambda t: self._served.get(t, -1))
             self._served[tenant] = next(self._turns)
             return self._pop(tenant)
 

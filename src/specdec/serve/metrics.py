@@ -71,6 +71,8 @@ _METRICS: dict[str, tuple[str, str]] = {
     ),
     "specdec_queue_capacity": ("gauge", "--max-queue: waiting requests beyond it get HTTP 429"),
     "specdec_busy": ("gauge", "1 while the engine is generating, else 0"),
+    "specdec_running": ("gauge", "Requests being generated, one per busy slot"),
+    "specdec_slots": ("gauge", "--parallel: requests the engine generates at once"),
     "specdec_generations_by_drafter_total": (
         "counter",
         "Generations run, by the drafter they ran with: the request's speculation.drafter, "

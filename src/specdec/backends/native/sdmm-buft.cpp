@@ -216,8 +216,8 @@ static bool sdfa_takes(const ggml_tensor * dst) {
     return q->type == GGML_TYPE_F32 && k->type == GGML_TYPE_Q8_0 && v->type == GGML_TYPE_F16 &&
            (mask == nullptr || (mask->type == GGML_TYPE_F16 && mask->nb[0] == sizeof(uint16_t))) &&
            dst->src[4] == nullptr && max_bias == 0.0f && softcap == 0.0f && v->ne[0] == d &&
-           q->ne[0] == d && d % 32 == 0 && d <= SDFA_MAX_D && q->ne[3] == 1 && k->ne[3] == 1 &&
-           v->ne[3] == 1 && k->ne[2] == v->ne[2] && q->ne[2] % k->ne[2] == 0 &&
+           q->ne[0] == d && d % 32 == 0 && d <= SDFA_MAX_D && k->ne[3] == q->ne[3] &&
+           v->ne[3] == q->ne[3] && k->ne[2] == v->ne[2] && q->ne[2] % k->ne[2] == 0 &&
            q->nb[0] == sizeof(float) && v->nb[0] == sizeof(uint16_t) &&
            dst->type == GGML_TYPE_F32 && dst->nb[0] == sizeof(float);
 }
@@ -235,32 +235,37 @@ bool ggml_sdfa_forward(const ggml_compute_params * params, ggml_tensor * dst) {
     memcpy(&scale, (const float *) dst->op_params + 0, sizeof(float));
     const sdfa_kernel_fn kernel = sdfa_kernel(isa);
     GGML_ASSERT(kernel != nullptr);
-    // Rows sharing a KV head (its query heads, for every token of the pass), `w` to a tile;
-    // tiles go to the threads in contiguous ranges. A row's output never depends on its tile.
+    // Rows sharing a KV head of one stream (its query heads, for every token of the pass in
+    // that stream: llama.cpp's sequences with a KV cache each, --parallel), `w` to a tile; tiles
+    // go to the threads in contiguous ranges. A row's output never depends on its tile, nor on
+    // the other streams: each stream's cells start at 0, as they would alone.
     const int64_t n_tokens = q->ne[1], n_kv_head = k->ne[2], group = q->ne[2] / k->ne[2];
     const int64_t rows = n_tokens * group, w = sdfa_tile_width(isa);
-    const int64_t tiles = (rows + w - 1) / w, units = n_kv_head * tiles;
+    const int64_t tiles = (rows + w - 1) / w, units = q->ne[3] * n_kv_head * tiles;
     const int64_t u0 = units * params->ith / params->nth, u1 = units * (params->ith + 1) / params->nth;
     for (int64_t u = u0; u < u1; u++) {
-        const int64_t g = u / tiles, r0 = (u % tiles) * w;
+        const int64_t s = u / (n_kv_head * tiles), g = u / tiles % n_kv_head, r0 = (u % tiles) * w;
         sdfa_tile t = {};
         t.d = (int) k->ne[0];
         t.n_kv = (int) k->ne[1];
         t.scale = scale;
-        t.k = (const char *) k->data + g * k->nb[2];
+        t.k = (const char *) k->data + g * k->nb[2] + s * k->nb[3];
         t.k_stride = k->nb[1];
-        t.v = (const uint16_t *) ((const char *) v->data + g * v->nb[2]);
+        t.v = (const uint16_t *) ((const char *) v->data + g * v->nb[2] + s * v->nb[3]);
         t.v_stride = v->nb[1];
         t.rows = (int) (rows - r0 < w ? rows - r0 : w);
         for (int r = 0; r < t.rows; r++) {
             const int64_t tok = (r0 + r) / group, head = g * group + (r0 + r) % group;
-            t.q[r] = (const float *) ((const char *) q->data + tok * q->nb[1] + head * q->nb[2]);
+            t.q[r] = (const float *) ((const char *) q->data + tok * q->nb[1] + head * q->nb[2] +
+                                      s * q->nb[3]);
             t.mask[r] = mask == nullptr
                             ? nullptr
                             : (const uint16_t *) ((const char *) mask->data + tok * mask->nb[1] +
-                                                  (head % mask->ne[2]) * mask->nb[2]);
-            // dst is [d, heads, tokens]: the permuted layout ggml's kernel writes
-            t.out[r] = (float *) ((char *) dst->data + (head + tok * dst->ne[1]) * dst->nb[1]);
+                                                  (head % mask->ne[2]) * mask->nb[2] +
+                                                  (s % mask->ne[3]) * mask->nb[3]);
+            // dst is [d, heads, tokens, streams]: the permuted layout ggml's kernel writes
+            t.out[r] = (float *) ((char *) dst->data + (head + tok * dst->ne[1]) * dst->nb[1] +
+                                  s * dst->nb[3]);
         }
         kernel(&t);
     }

@@ -463,6 +463,7 @@ class LlamaServer:
     mode: str = "none"  # the SERVER_MODES entry `args` came from, for labels
     threads: int | None = None
     ctx: int = 4096
+    parallel: int = 1  # -np: requests served at once (study.run.together)
     startup_s: float = 180.0
     exe: Path | None = None
     peer: str = "stock"  # the build it runs (PEERS): stock, the "same kernels" twin, or ik
@@ -501,7 +502,8 @@ class LlamaServer:
         return [
             str(self.exe or binary("llama-server", self.peer)),
             *("-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)),
-            *("-t", str(threads), "-tb", str(threads), "-c", str(self.ctx), "-np", "1"),
+            *("-t", str(threads), "-tb", str(threads), "-c", str(self.ctx)),
+            *("-np", str(self.parallel)),
             "--jinja",  # the GGUF's own chat template, rendered as transformers renders it
             *self._peer_flags(),
             *self.args,

@@ -3,7 +3,7 @@
 Speculative decoding verifies K drafted tokens in one target pass of b = K + 1 tokens; greedy
 output equals target-only output only if every logit of that pass equals the logits of decoding
 the same tokens one at a time. When it does not, this finds where the two first part: every
-float32 node of llama.cpp's graph is captured (backends.llamacpp.OpCapture) in both runs, and
+float32 node of llama.cpp's graph is captured (backends.llamacpp_ops.OpCapture) in both runs, and
 node outputs are compared row by row (row i of the batched node vs the single step of token i).
 
 The settings, each run in a process of its own because llama.cpp reads its tiled-matmul switch
@@ -139,7 +139,7 @@ def run_setting(
     """Every context for one model under one setting, in this process. The process's
     GGML_CPU_TILED_MM and SPECDEC_MM must already be the setting's (see `SETTINGS`)."""
     from specdec.backends import load_model
-    from specdec.backends.llamacpp import OpCapture
+    from specdec.backends.llamacpp_ops import OpCapture
 
     if setting not in SETTINGS:
         raise ValueError(f"unknown setting {setting!r}; choose from {', '.join(SETTINGS)}")

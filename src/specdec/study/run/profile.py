@@ -2,7 +2,7 @@
 
 A speculative round on a CPU pays v(b) for a pass over b = K + 1 tokens, and b / v(b) bounds
 what any lossless method can gain. This splits v(b) into llama.cpp's graph nodes: every node is
-timed through the eval callback (backends.llamacpp.OpTimer), which makes the scheduler compute
+timed through the eval callback (backends.llamacpp_ops.OpTimer), which makes the scheduler compute
 the graph one node per call. That adds a fixed launch cost per node, measured on the graph's
 no-op nodes (views, reshapes, permutes: they compute nothing) and subtracted; the time outside
 the nodes (graph build, input upload, the logits copy-out) is what the profiled pass took beyond
@@ -123,7 +123,7 @@ def run_profile(
 ) -> list[dict[str, Any]]:
     """Profile a pass over each b in `batches` after each context length, in this process."""
     from specdec.backends import load_model
-    from specdec.backends.llamacpp import OpTimer
+    from specdec.backends.llamacpp_ops import OpTimer
     from specdec.study.run.invariance import probe_ids
 
     if not spec.startswith("llamacpp:"):

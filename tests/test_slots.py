@@ -1,0 +1,302 @@
+"""Slots: several generations on one model, one target pass a round for all of them
+(SpecModel.slots, core.model.extend_together, decode.rounds_together, serve --parallel).
+
+The property under test is exact: on a batch-invariant target a row has the same bits in a pass
+shared with other sequences as in a pass of its own, so each greedy answer is token-identical
+alone and in company, whatever its neighbours' lengths, drafters and start times. The mock runs
+it with 1, 2, 4 and 8 neighbours; llama.cpp (smollm2, four sequences in one context, a KV stream
+each) with the real kernels, rollback of one slot included. The sampled counterpart (level 2,
+statistical) is in tests/test_decode.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from serverkit import MOCK_SPEC, V, metric, mock_server, wait_for
+
+from specdec.backends import chat as prompting
+from specdec.backends.mock import MockModel
+from specdec.core.config import SpecConfig, Warp
+from specdec.core.decode import Generation, generate, rounds_together, stream
+from specdec.core.model import SpecModel, SpecModelError, extend_together
+from specdec.core.policy import CostModelK, FixedK, choose_together
+
+GREEDY = Warp(temperature=0)
+#: (drafter, K) of the i-th generation, cycled: every kind of neighbour
+MIX = [("none", 4), ("lookup", "auto"), ("model", 3), ("prediction", "auto"), ("composite", 5)]
+
+
+def _spec(i: int) -> dict:
+    drafter, k = MIX[i % len(MIX)]
+    return {"spec": SpecConfig(drafter=None if drafter == "none" else drafter, k=k)}
+
+
+def _prompt(i: int, width: int) -> list[int]:
+    """Prompts of different lengths, repetitive enough for prompt lookup to draft from."""
+    g = torch.Generator().manual_seed(100 + i)
+    motif = torch.randint(0, width, (3 + i % 4,), generator=g).tolist()
+    return (motif * (2 + 3 * i))[: 5 + 11 * i]
+
+
+def _alone(target: SpecModel, draft: SpecModel | None, i: int, n_tok: int, **kw) -> list[int]:
+    spec = _spec(i)
+    draft = draft if spec["spec"].drafter in ("model", "composite") else None
+    return generate(target, _prompt(i, target.vocab_size), draft=draft, warp=GREEDY,
+                    max_new_tokens=n_tok, **spec, **kw).tokens  # fmt: skip
+
+
+def _in_company(
+    targets: list[SpecModel], drafts: list[SpecModel | None], n_tok: int, prediction=None, **kw
+) -> list[list[int]]:
+    """Generation i on slot i, run staggered (`_staggered`) until all are done."""
+    gens: list[Generation] = []
+    for i, (t, d) in enumerate(zip(targets, drafts, strict=True)):
+        spec = _spec(i)
+        d = d if spec["spec"].drafter in ("model", "composite") else None
+        pred = (
+            prediction(i)
+            if prediction is not None and MIX[i % len(MIX)][0] == "prediction"
+            else None
+        )
+        s = stream(t, _prompt(i, t.vocab_size), draft=d, warp=GREEDY, max_new_tokens=n_tok,
+                   prediction=pred, **spec, **kw)  # fmt: skip
+        gens.append(s.generation)
+    return _staggered(gens, chunk=7)
+
+
+def _staggered(gens: list[Generation], chunk: int) -> list[list[int]]:
+    """Generation i started at round i, its prompt prefilled `chunk` tokens a round while the
+    others decode (as the server does), every started one stepped with rounds_together."""
+    started: list[Generation] = []
+    while any(not g.done for g in gens):
+        if len(started) < len(gens):
+            started.append(gens[len(started)])
+        for g in started:
+            if not g.prefilled:
+                g.prefill(chunk)
+        ready = [g for g in started if g.prefilled and not g.done]
+        if ready:
+            rounds_together(ready)
+    return [g.tokens for g in gens]
+
+
+# ------------------------------------------------------------------------------ mock
+@pytest.mark.parametrize("neighbours", [1, 2, 4, 8])
+def test_greedy_answers_are_the_same_alone_and_in_company(neighbours) -> None:
+    target = MockModel(V, seed=3)
+    draft = MockModel.near(target, noise=0.7, seed=4)
+    n = neighbours + 1
+    targets, drafts = target.slots(n), draft.slots(n)
+
+    def prediction(i: int) -> list[int]:  # the answer itself, with an edit in the middle
+        ref = generate(target, _prompt(i, V), warp=GREEDY, max_new_tokens=30).tokens
+        return [*ref[:10], (ref[10] + 1) % V, *ref[11:]]
+
+    got = _in_company(targets, drafts, 30, prediction=prediction, debug=True)
+    for i in range(n):
+        pred = prediction(i) if MIX[i % len(MIX)][0] == "prediction" else None
+        want = _alone(target, draft, i, 30, prediction=pred)
+        assert got[i] == want, f"generation {i} of {n}"
+
+
+def test_a_joint_round_is_one_pass_at_one_k_with_the_rows_it_paid_for() -> None:
+    target = MockModel(V, seed=3)
+    targets = target.slots(3)
+    rounds: list = []
+    gens = [
+        stream(
+            t,
+            _prompt(i, V),
+            spec=SpecConfig(drafter="lookup", k=4),
+            warp=GREEDY,
+            max_new_tokens=20,
+            on_round=rounds.append,
+        ).generation
+        for i, t in enumerate(targets)
+    ]
+    for g in gens:
+        while not g.prefill():
+            pass
+    rounds_together(gens)
+    assert len(rounds) == 3
+    # each drafted at most 4 and the pass had 3 x (the longest draft + 1) rows
+    width = max(r.k for r in rounds) + 1
+    assert all(r.k <= 4 and r.rows == 3 * width for r in rounds)
+    assert len({r.verify_s for r in rounds}) == 1  # one pass, timed once
+    for g in gens:  # padding rolled back with the rejected drafts
+        assert g.target.cached_tokens == g.seq[:-1]
+
+
+def test_extend_together_checks_every_call_before_any_work() -> None:
+    a, b = MockModel(V, seed=0).slots(2)
+    with pytest.raises(SpecModelError, match="appears twice"):
+        extend_together([(a, [1]), (a, [2])])
+    with pytest.raises(SpecModelError, match="outside the vocabulary"):
+        extend_together([(a, [1]), (b, [V])])
+    assert a.n_cached == b.n_cached == 0
+
+
+def test_a_backend_with_one_sequence_says_how_to_serve_several() -> None:
+    class OneSeq(MockModel):
+        def _make_slots(self, n: int) -> list[SpecModel]:
+            return SpecModel._make_slots(self, n)
+
+    with pytest.raises(SpecModelError, match="--parallel"):
+        OneSeq(V).slots(2)
+    m = OneSeq(V)
+    assert m.slots(1) == [m]
+
+
+# ------------------------------------------------------------------------------ K for the pass
+def _learned(curve: dict[int, float], alpha: float) -> CostModelK:
+    """A k="auto" policy with `curve` that saw 60 rounds at K = 32 of a copy source accepted at
+    `alpha` a position (each pass timed as the curve says)."""
+    from specdec.core.metrics import Round
+
+    rng = random.Random(0)
+    p = CostModelK(32)
+    p.load_curve(curve)
+    for _ in range(60):
+        n = 0
+        while n < 32 and rng.random() < alpha:
+            n += 1
+        p.observe(Round("prediction", 32, n, n + 1, 0.0, curve[33]))
+    return p
+
+
+def test_k_for_the_pass_shortens_as_sequences_are_added() -> None:
+    """A memory-bound curve (a pass over b rows: 1 + 0.05 (b - 1) steps) and a source that
+    copies (95% a position): long drafts for one sequence, shorter for eight; none where a row
+    costs a whole step and drafts are coin flips (no batching gain to spend)."""
+    flat = {b: 1 + 0.05 * (b - 1) for b in range(1, 300)}
+    policy = _learned(flat, 0.95)
+    ks = [choose_together([(policy, "prediction", 500)] * n) for n in (1, 2, 4, 8)]
+    assert ks == sorted(ks, reverse=True) and ks[0] >= 8 and ks[-1] < ks[0], ks
+    steep = {b: float(b) for b in range(1, 300)}
+    assert choose_together([(_learned(steep, 0.5), "prediction", 500)] * 4) == 0
+    # a fixed K is a floor; no drafter, no K
+    assert choose_together([(FixedK(6), "lookup3", 500), (None, None, 500)]) == 6
+    assert choose_together([(None, None, 500)] * 3) == 0
+
+
+# ------------------------------------------------------------------------------ llama.cpp
+@pytest.mark.model
+def test_llamacpp_slots_give_each_sequence_its_own_bits(smol_path, smol_llamacpp) -> None:
+    """Four sequences in one context (a KV stream each): every answer, greedy, with every kind
+    of neighbour started at a different round, equals the one-sequence model's; a rollback of
+    one slot leaves the others' logits as they were."""
+    from conftest import TEST_THREADS
+
+    from specdec.backends.llamacpp import LlamaCppModel
+
+    tok = smol_llamacpp.tokenizer
+    texts = ["Explain why the sky is blue.", "def fib(n):\n    " * 3, "Name three colours.",
+             "Rewrite in the passive voice: the cat chased the dog. " * 2]  # fmt: skip
+    prompts = [prompting.encode(tok, t) for t in texts]
+    alone = [generate(smol_llamacpp, p, warp=GREEDY, max_new_tokens=24).tokens for p in prompts]
+    edited = [*alone[3][:8], alone[0][0], *alone[3][9:]]  # the answer with an edit
+    specs = [  # every kind of neighbour: none, prompt lookup at k=auto and K = 6, a prediction
+        {},
+        {"spec": SpecConfig(drafter="lookup", k="auto")},
+        {"spec": SpecConfig(drafter="lookup", k=6)},
+        {"spec": SpecConfig(drafter="prediction", k="auto"), "prediction": edited},
+    ]
+    multi = LlamaCppModel(smol_path, tokenizer=tok, n_seq=4, n_threads=TEST_THREADS)
+    try:
+        slots = multi.slots(4)
+        assert [s.owner for s in slots] == [multi] * 4 and multi.batch_invariant
+        gens = [
+            stream(s, p, warp=GREEDY, max_new_tokens=24, **kw).generation
+            for s, p, kw in zip(slots, prompts, specs, strict=True)
+        ]
+        assert _staggered(gens, chunk=5) == alone
+        assert gens[3].stats.accepted > 0 and gens[2].stats.drafted > 0
+        # rollback of slot 1 only: slot 0's next logits are what the one-sequence model gives
+        slots[1].truncate(3)
+        a, b = extend_together([(slots[0], [7, 8]), (slots[1], [9])])
+        smol_llamacpp.reset()
+        smol_llamacpp.prefill(slots[0].cached_tokens[:-2])
+        assert torch.equal(a, smol_llamacpp.extend([7, 8]))
+        smol_llamacpp.reset()
+        smol_llamacpp.prefill(prompts[1][:3])
+        assert torch.equal(b, smol_llamacpp.extend([9]))
+    finally:
+        multi.close()
+
+
+@pytest.mark.model
+def test_llamacpp_refuses_more_slots_than_its_context_holds(smol_llamacpp) -> None:
+    with pytest.raises(SpecModelError, match="n_seq=2"):
+        smol_llamacpp.slots(2)
+
+
+# ------------------------------------------------------------------------------ the server
+def test_a_parallel_server_answers_each_request_as_if_alone() -> None:
+    """--parallel 4, eight greedy requests of different lengths and drafters at once: each
+    answer is generate()'s alone, the engine ran several at a time, and /metrics says so."""
+    srv = mock_server(parallel=4, delay=0.002)
+    kinds = [None, {"drafter": "none"}, {"drafter": "lookup", "k": "auto"},
+             {"drafter": "model", "k": 3}, {"drafter": "lookup", "k": 5}]  # fmt: skip
+    bodies = []
+    for i in range(8):
+        body = {"model": MOCK_SPEC, "prompt": _prompt(i, V), "max_tokens": 12 + 3 * i,
+                "temperature": 0, "return_token_ids": True}  # fmt: skip
+        if kinds[i % len(kinds)] is not None:
+            body["speculation"] = kinds[i % len(kinds)]
+        bodies.append(body)
+    most = [0]
+    try:
+        e = srv.engine
+        with ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(srv.request, "POST", "/v1/completions", b) for b in bodies]
+            while not all(f.done() for f in futs):
+                most[0] = max(most[0], e.running)
+                time.sleep(0.002)
+            outs = [f.result(60) for f in futs]
+        assert most[0] > 1  # they ran together, not one after another
+        for b, (status, _, out) in zip(bodies, outs, strict=True):
+            assert status == 200, out
+            sp = b.get("speculation", {"drafter": "composite"})  # the server's default
+            drafter = None if sp["drafter"] == "none" else sp["drafter"]
+            draft = e.draft if drafter in ("model", "composite") else None
+            with e.lock:
+                want = generate(e.target, b["prompt"], draft=draft, warp=GREEDY,
+                                spec=SpecConfig(drafter=drafter, k=sp.get("k", "auto")),
+                                max_new_tokens=b["max_tokens"], stop_ids=e.stop_ids)  # fmt: skip
+            assert out["choices"][0]["token_ids"] == want.tokens
+        text = srv.metrics()
+        assert metric(text, "specdec_slots") == 4 and metric(text, "specdec_running") == 0
+    finally:
+        srv.close()
+
+
+def test_an_abandoned_request_frees_its_slot() -> None:
+    """A streaming client that goes away mid-answer: its slot is freed and its cache reset by
+    the next request's start; the requests after it are all answered."""
+    import http.client
+
+    srv = mock_server(parallel=2, delay=0.01)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        body = {"model": MOCK_SPEC, "prompt": [1, 2, 3], "max_tokens": 400, "stream": True,
+                "temperature": 0}  # fmt: skip
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline()
+        wait_for(lambda: srv.engine.running == 1, 10, "the request never started")
+        conn.close()  # the client goes away
+        wait_for(lambda: srv.engine.running == 0, 20, "the abandoned request kept its slot")
+        with ThreadPoolExecutor(4) as pool:
+            small = {"model": MOCK_SPEC, "prompt": [4, 5], "max_tokens": 5, "temperature": 0}
+            outs = list(pool.map(lambda _: srv.request("POST", "/v1/completions", small), range(4)))
+        assert [o[0] for o in outs] == [200] * 4
+        assert len({json.dumps(o[2]["choices"][0]["text"]) for o in outs}) == 1
+    finally:
+        srv.close()
