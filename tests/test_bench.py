@@ -579,10 +579,18 @@ def test_cli_compare_llama_server_reads_its_modes_and_concurrency_plans_its_serv
     cfg = _config_from(args, args.k, args.compare)
     assert cfg.peers.llama_server == ("none", "ngram-mod") and cfg.peers.served
     plan = together.servers(cfg, 4)
-    names = [n for n, _ in plan]
+    names = [n for n, *_ in plan]
     assert names == ["served-p1", "served-p4", "served-lookup-p1", "served-lookup-p4",
                      "llama-server-np4", "llama-server-ngram-mod-np4"]  # fmt: skip
     assert plan[1][1].args[-2:] == ("--parallel", "4") and "-np" not in plan[1][1].command()
+    assert [pred for *_, pred in plan] == [False] * 6  # --drafter lookup: no prediction sent
+    args = build_parser().parse_args([*argv, "--serve", "--drafter", "prediction", "-k", "auto"])
+    sent = {
+        n: pred for n, _, pred in together.servers(_config_from(args, args.k, args.compare), 2)
+    }  # the speculative method's requests alone
+    assert sent == {"served-p1": False, "served-p2": False, "served-prediction-p1": True,
+                    "served-prediction-p2": True, "llama-server-np2": False,
+                    "llama-server-ngram-mod-np2": False}  # fmt: skip
     llama = plan[-1][1].command()
     assert llama[llama.index("-np") + 1] == "4" and llama[llama.index("-c") + 1] == "16384"
     with pytest.raises(ValueError, match="multiple of it"):

@@ -310,3 +310,25 @@ def test_incompatible_pair_is_rejected(pair) -> None:
     target, _ = pair
     with pytest.raises(ValueError, match=r"(?i)vocab|tokenizer"):
         generate(target, PROMPT, draft=MockModel(V + 1, seed=2))
+
+
+def test_a_round_the_policy_kept_at_k0_names_the_source_it_judged(pair) -> None:
+    """The Round of a K = 0 round carries the draft source the policy was asked about (the
+    record a replay and the policy's idle decay read), "none" only where there was none."""
+    target, _ = pair
+
+    class NeverDraft:
+        k_max = 4
+
+        def choose(self, source: str, remaining: int) -> int:
+            return 0
+
+        def observe(self, r) -> None:
+            pass
+
+    rounds = []
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]  # a repeat prompt lookup matches
+    generate(target, prompt, spec=SpecConfig(drafter="lookup", k=NeverDraft()),
+             warp=Warp(0.0), max_new_tokens=6, on_round=rounds.append)  # fmt: skip
+    assert rounds and all(r.k == 0 for r in rounds)
+    assert rounds[0].source.startswith("lookup"), rounds[0]

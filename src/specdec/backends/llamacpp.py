@@ -370,6 +370,8 @@ def _check_deterministic_switches(
 class LlamaCppModel(SpecModel):
     """A GGUF model in llama.cpp with one KV sequence, or `n_seq` of them (`slots`)."""
 
+    joint_passes = True  # its slots are sequences of one context: one llama_decode for all
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -649,10 +651,6 @@ class LlamaCppModel(SpecModel):
             self._slots.append(_Slot(self, len(self._slots)))
         return self._slots[:n]
 
-    @property
-    def pass_owner(self) -> LlamaCppModel:
-        return self
-
     def _extend_slots(self, calls: list[tuple[SpecModel, list[int]]]) -> list[torch.Tensor]:
         # In sequence-id order, as llama.cpp's stream split wants them (module docstring).
         order = sorted(range(len(calls)), key=lambda i: _seq_of(calls[i][0]))
@@ -707,10 +705,6 @@ class _Slot(SpecModel):
         self.name = f"{owner.name}#{seq}"
         self.vocab_size, self.n_ctx, self.device = owner.vocab_size, owner.n_ctx, owner.device
         self.tokenizer, self.batch_invariant = owner.tokenizer, owner.batch_invariant
-
-    @property
-    def pass_owner(self) -> LlamaCppModel:
-        return self.owner
 
     def _extend(self, ids: list[int]) -> torch.Tensor:
         return self.owner._decode(self.owner._ctx, [(self.seq, self.n_cached, ids)])[0]

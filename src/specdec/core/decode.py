@@ -86,7 +86,7 @@ class Generation:
     """One generation: everything it needs, resolved and validated before any model work
     (`stream` builds it), and its state between rounds. Its steps, in Algorithm 1's order:
     `prefill` (a chunk at a time), then rounds of `want` (what the K policy is asked), `propose`
-    (draft K), one target pass over the proposed tokens (its own, `_rounds`; or shared with
+    (draft K), one target pass over the proposed tokens (its own, `_round`; or shared with
     other generations' on slots of one model, `rounds_together`) and `settle` (accept, commit,
     roll both caches back)."""
 
@@ -195,9 +195,7 @@ class Generation:
         if k > 0:
             self.drafter.observe(n_acc)  # type: ignore[union-attr]
         draft_s = max(0.0, clock.last["draft_s"] - catchup_s)  # per-token cost, no catch-up
-        name = (source or "none") if k > 0 or source is None else source
-        r = Round(name if k > 0 else "none", k, n_acc, len(new), draft_s,
-                  clock.last["verify_s"], rows)  # fmt: skip
+        r = Round(source or "none", k, n_acc, len(new), draft_s, clock.last["verify_s"], rows)
         stats.catchup_s += catchup_s
         stats.record(r)
         if self.policy is not None:
@@ -422,7 +420,10 @@ def rounds_together(gens: Sequence[Generation]) -> list[list[int]]:
     wants = [g.want() for g in gens]
     space = min(g.target.n_ctx - g.target.n_cached for g in gens)  # room for padded rows
     k = min(choose_together(wants), space - 1)
-    ids = [g.propose(min(k, room), src) for g, (_, src, room) in zip(gens, wants, strict=True)]
+    ids = [  # as `_round`: nothing drafted where the drafter has no source
+        g.propose(min(k, room) if src is not None else 0, src)
+        for g, (_, src, room) in zip(gens, wants, strict=True)
+    ]
     width = max(map(len, ids))  # k + 1, or less where every drafter proposed fewer
     padded = [[*x, *[x[-1]] * (width - len(x))] for x in ids]  # padding: rows thrown away
     t0 = gens[0].clock.now()

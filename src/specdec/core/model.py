@@ -184,8 +184,8 @@ class SpecModel(ABC):
         check_int("slots", n, 1, error=SpecModelError)
         return [self] if n == 1 else self._make_slots(n)
 
-    #: what several slots' extends share a pass on (extend_together): None, one at a time
-    pass_owner: object | None = None
+    #: its slots' extends share one pass (extend_together); False: one after another
+    joint_passes: bool = False
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless a backend holds resources
         """Release backend resources (optional)."""
@@ -248,20 +248,20 @@ class SpecModel(ABC):
 
 def extend_together(calls: Sequence[tuple[SpecModel, TokenIds]]) -> list[torch.Tensor]:
     """`[m.extend(tokens) for m, tokens in calls]`, as one pass where the models are slots of one
-    backend (SpecModel.slots, one `pass_owner`): the same logits, each slot's own, bit for bit
-    on a batch-invariant backend. Every call is checked before any model work."""
+    model whose backend runs `joint_passes` (SpecModel.slots, one `owner`): the same logits,
+    each slot's own, bit for bit on a batch-invariant backend. Every call is checked before any
+    model work."""
     checked = []
     for m, tokens in calls:
         ids = m._validate(tokens)
         m._check_room(len(ids))
         checked.append((m, ids))
-    owners = {id(m.pass_owner) for m, _ in checked}
-    shared = len(checked) > 1 and len(owners) == 1 and checked[0][0].pass_owner is not None
     if len({id(m) for m, _ in checked}) != len(checked):
         raise SpecModelError("extend_together: a model appears twice; one call per slot")
-    if not shared:
+    owner = checked[0][0].owner if len(checked) > 1 else None
+    if owner is None or not owner.joint_passes or any(m.owner is not owner for m, _ in checked):
         return [m.extend(ids) for m, ids in checked]
-    out = checked[0][0].pass_owner._extend_slots(checked)  # type: ignore[union-attr]
+    out = owner._extend_slots(checked)  # type: ignore[attr-defined]
     for m, ids in checked:  # after the pass: a failed pass leaves every cache as it was
         m.cached_tokens.extend(ids)
     return out

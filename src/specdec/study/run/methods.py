@@ -103,14 +103,8 @@ class Engines:
 def engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
     """Endpoint clients for cfg.peers.endpoint / endpoint_baseline and the llama-server anchors
     (started one at a time before the first prompt, stopped after the last)."""
-    key = endpoint.api_key_from_env()
     peers = cfg.peers
-    given = {"speculative": peers.endpoint, "baseline": peers.endpoint_baseline}
-    eps = {
-        m: endpoint.Endpoint(url, peers.endpoint_model, peers.endpoint_api, key, label=url)
-        for m, url in given.items()
-        if url is not None
-    }
+    eps = given_endpoints(cfg)
     settings: dict[str, Any] = {m: ep.describe() for m, ep in eps.items()}
     tools: dict[str, anchors.LlamaLookup] = {}
     with ExitStack() as stack:
@@ -136,6 +130,18 @@ def engines(cfg: BenchConfig, progress: bool) -> Iterator[Engines]:
             settings[ep.name] = {**ep.describe(), **srv.describe()}
         clients = {m: stack.enter_context(endpoint.Client(ep)) for m, ep in eps.items()}
         yield Engines(clients, settings, tools)
+
+
+def given_endpoints(cfg: BenchConfig) -> dict[str, endpoint.Endpoint]:
+    """The running servers of cfg.peers: --endpoint as "speculative", --endpoint-baseline as
+    "baseline", each labelled by its URL, with the key from the environment."""
+    peers, key = cfg.peers, endpoint.api_key_from_env()
+    given = {"speculative": peers.endpoint, "baseline": peers.endpoint_baseline}
+    return {
+        m: endpoint.Endpoint(url, peers.endpoint_model, peers.endpoint_api, key, label=url)
+        for m, url in given.items()
+        if url is not None
+    }
 
 
 def specdec_servers(cfg: BenchConfig) -> dict[str, anchors.SpecdecServer]:

@@ -68,30 +68,34 @@ class Given:
     def describe(self) -> dict[str, Any]:
         return {}
 
-    def command(self) -> list[str]:
-        return ["", "", "", self.ep.url]
 
-
-def servers(cfg: BenchConfig, concurrency: int) -> list[tuple[str, Any]]:
-    """(method name, server) for every method of the protocol, in run order: --endpoint-baseline
-    and --endpoint as they are (their own concurrency), then specdec's and llama.cpp's."""
-    key = endpoint.api_key_from_env()
-    peers = cfg.peers
-    given = (("endpoint-baseline", peers.endpoint_baseline), ("endpoint", peers.endpoint))
-    out: list[tuple[str, Any]] = [
-        (name, Given(endpoint.Endpoint(url, peers.endpoint_model, peers.endpoint_api, key)))
-        for name, url in given
-        if url is not None
+def servers(cfg: BenchConfig, concurrency: int) -> list[tuple[str, Any, bool]]:
+    """(method name, server, whether its requests carry the prediction) for every method of the
+    protocol, in run order: --endpoint-baseline and --endpoint as they are (their own
+    concurrency), then specdec's and llama.cpp's. As in the per-prompt bench, the prediction
+    goes to the speculative method alone, and only with --drafter prediction."""
+    predicts = cfg.spec.drafter == "prediction"
+    given = methods.given_endpoints(cfg)
+    out: list[tuple[str, Any, bool]] = [
+        (name, Given(given[role]), role == "speculative" and predicts)
+        for role, name in (("baseline", "endpoint-baseline"), ("speculative", "endpoint"))
+        if role in given
     ]
-    for srv in methods.specdec_servers(cfg).values():
+    for role, srv in methods.specdec_servers(cfg).items():
         for p in (1, concurrency):
             name = f"{srv.name}-p{p}"
-            out.append((name, replace(srv, args=(*srv.args, "--parallel", str(p)), name=name)))
+            served = replace(srv, args=(*srv.args, "--parallel", str(p)), name=name)
+            out.append((name, served, role == "speculative" and predicts))
     for srv in anchors.servers_for(cfg.peers.llama_server, cfg.target, cfg.draft):
         if isinstance(srv, anchors.LlamaServer):
             srv.parallel, srv.ctx = concurrency, srv.ctx * concurrency
-            out.append((f"{anchors.method_name(srv.mode)}-np{concurrency}", srv))
+            out.append((f"{anchors.method_name(srv.mode)}-np{concurrency}", srv, False))
     return out
+
+
+def _shown(srv: Any) -> str:
+    """How the progress line names a server: its URL, or its command's flags."""
+    return srv.ep.url if isinstance(srv, Given) else " ".join(srv.command()[3:])
 
 
 def run_together(
@@ -113,35 +117,27 @@ def run_together(
     prompts = select_prompts(cfg.categories, cfg.n_prompts)
     groups = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
     plan = servers(cfg, concurrency)
-    drafts_from_prediction = cfg.spec.drafter == "prediction"
-    uses_prediction = {
-        name: drafts_from_prediction and name.startswith(("served-prediction", "endpoint"))
-        and name != "endpoint-baseline"
-        for name, _ in plan
-    }  # fmt: skip
     rows: list[dict[str, Any]] = []
     settings: dict[str, Any] = {}
     for rep in range(repeats):
-        for name, srv in plan if rep % 2 == 0 else plan[::-1]:
+        for name, srv, pred in plan if rep % 2 == 0 else plan[::-1]:
             if progress:
-                flags = " ".join(srv.command()[3:])
-                print(f"[{rep + 1}/{repeats}] {name}: {flags}", file=sys.stderr)
+                print(f"[{rep + 1}/{repeats}] {name}: {_shown(srv)}", file=sys.stderr)
             with srv:
                 ep = replace(srv.endpoint(), label=name, timeout_s=3600.0)
                 settings[name] = {**ep.describe(), **srv.describe()}
                 with endpoint.Client(ep) as client:
                     client.stream(endpoint.Request(prompts[0].text, 8, 0.0, 0))  # warm-up
                     for g, group in enumerate(groups):
-                        pred = uses_prediction[name]
                         replies = _at_once(client, group, g * concurrency, cfg, pred)
-                        rows.append(_row(name, rep, g, group, replies))
+                        rows.append(_row(name, rep, g, replies))
     record = {
         "schema": SCHEMA,
         "meta": meta_block(),
         "config": {**cfg.to_json(), "concurrency": concurrency, "repeats": repeats},
         "engines": settings,
         "rows": rows,
-        "methods": summarize(rows, [name for name, _ in plan]),
+        "methods": summarize(rows, [name for name, *_ in plan]),
     }
     path = Path(out_dir) / artifact_name(cfg, tag).replace("bench_", "together_", 1)
     write_json(path, record)
@@ -190,7 +186,7 @@ def _at_once(
     return out
 
 
-def _row(name: str, rep: int, g: int, group: Sequence[Any], replies: list[dict]) -> dict:
+def _row(name: str, rep: int, g: int, replies: list[dict]) -> dict:
     ok = [r for r in replies if "error" not in r]
     span = max((r["end_s"] for r in ok), default=0.0)
     tokens = sum(r["tokens"] or 0 for r in ok)
