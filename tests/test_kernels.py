@@ -51,6 +51,22 @@ def test_the_installed_build_is_native_for_this_cpu() -> None:
     missing = sorted(f for f, flag in FEATURES.items() if flag in flags and f not in have)
     assert not missing, f"this CPU has {missing}, but the build does not use them"
     assert [p.name for p in llamacpp_build.patch_files()] == k["patches"]
+    # built from these kernels' sources: k="auto"'s stored curves are keyed by the digest
+    assert k["source"] == llamacpp_build.source_digest()
+
+
+def test_the_source_digest_follows_every_kernel_source(tmp_path: Path, monkeypatch) -> None:
+    """A change to any of specdec's kernel sources gives a new digest, and so a new wheel and
+    new keys for k="auto"'s curves (a faster kernel moves the whole verify curve)."""
+    files = []
+    for name in ("sdmm.c", "sdfa.c"):
+        (tmp_path / name).write_text("int x;\n")
+        files.append(tmp_path / name)
+    monkeypatch.setattr(llamacpp_build, "native_files", lambda: files)
+    before = llamacpp_build.source_digest(), llamacpp_build.wheel_key()
+    (tmp_path / "sdfa.c").write_text("int y;\n")
+    after = llamacpp_build.source_digest(), llamacpp_build.wheel_key()
+    assert before[0] != after[0] and before[1] != after[1]
 
 
 def test_a_build_for_another_cpu_is_refused_before_it_loads(tmp_path: Path) -> None:

@@ -278,6 +278,7 @@ def kernels() -> dict[str, Any]:
         "build": info["flavor"] if info else "not built by specdec",
         "built_on": info.get("cpu_model") if info else None,
         "patches": info.get("patches", []) if info else [],
+        "source": info.get("source_digest") if info else None,
         "features": features,
         "sdmm": sdmm_isa(),
         "sdfa": sdfa_isa(),
@@ -289,8 +290,9 @@ def kernels() -> dict[str, Any]:
 def cost_key(model: LlamaCppModel) -> str:
     """What this model's verify-cost curve v(b) depends on, as a name (backends.costs keeps
     k="auto"'s curves under it): the GGUF content, build, thread count and numerics setting.
-    The build is the llama-cpp-python version and the CPU kernels compiled in (a -march=native
-    build of the same version runs batched passes 15-25% faster on an AVX-512 host)."""
+    The build is the llama-cpp-python version, the CPU kernels compiled in (a -march=native
+    build of the same version runs batched passes 15-25% faster on an AVX-512 host) and the
+    sources of specdec's own kernels (a change to sdmm moves the whole curve)."""
     import zlib
 
     import llama_cpp
@@ -310,6 +312,7 @@ def cost_key(model: LlamaCppModel) -> str:
         f"tiled{os.environ.get(TILED_MM_ENV, '1')}",
         f"mm{sdmm_isa() or 'off'}",
         f"fa{sdfa_isa() or 'off'}",
+        f"src{kernels()['source'] or 'none'}",
     ]
     return "-".join(parts)
 

@@ -192,8 +192,15 @@ def wheel_key(flavor: str = "native") -> str:
     parts = [PACKAGE, VERSION, SDIST_SHA256, *cmake_flags(flavor), sys.implementation.cache_tag]
     if flavor == "native":
         parts += cpu_flags()
-    for part in parts:
+    for part in [*parts, source_digest()]:
         h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def source_digest() -> str:
+    """specdec's own part of a build, as a name: the patches and the native kernels' sources. A
+    kernel's speed is part of what k="auto"'s curves depend on (backends.llamacpp.cost_key)."""
+    h = hashlib.sha256()
     for f in [*patch_files(), *native_files()]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
@@ -231,6 +238,7 @@ def build_wheel(flavor: str = "native", jobs: int | None = None, log=print) -> P
             "sdist_sha256": SDIST_SHA256,
             "patches": [p.name for p in patch_files()],
             "native": [f.name for f in native_files()],
+            "source_digest": source_digest(),
             "flavor": flavor,
             "cmake_flags": list(flags),
             # a native build runs only on CPUs with every one of these (check_build)

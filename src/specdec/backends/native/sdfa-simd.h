@@ -28,9 +28,27 @@ SD_INLINE vfloat sdfa_exp_v(vfloat x) {
     return vf_maskz(ok, vf_mul(y, vf_as_bits(e)));
 }
 
+/* Positions before the last one some row of the tile sees (its mask is not -inf there): past it
+ * every block is masked for every row and would add exactly nothing (sdfa.h), so the walk stops
+ * there. llama.cpp pads the cache it attends over to a multiple of 256 cells, masked. */
+SD_INLINE int sdfa_live(const sdfa_tile * t) {
+    int live = 0;
+    for (int r = 0; r < t->rows; r++) {
+        if (t->mask[r] == NULL) {
+            return t->n_kv;
+        }
+        int p = t->n_kv;
+        while (p > live && t->mask[r][p - 1] == SDFA_F16_NEG_INF) {
+            p--;
+        }
+        live = p;
+    }
+    return live;
+}
+
 SD_INLINE void sdfa_kernel_simd(const sdfa_tile * t) {
     enum { W = SD_VL };
-    const int d = t->d, R = t->rows, nblk = (t->n_kv + SDFA_P - 1) / SDFA_P, nv = d / W;
+    const int d = t->d, R = t->rows, nblk = (sdfa_live(t) + SDFA_P - 1) / SDFA_P, nv = d / W;
     _Alignas(64) float qt[SDFA_MAX_D][W];      /* the rows' queries, transposed: lanes = rows */
     _Alignas(64) float kf[SDFA_P][SDFA_MAX_D]; /* this block's keys, dequantized */
     _Alignas(64) float vf[SDFA_P][SDFA_MAX_D]; /* this block's values, in f32 */

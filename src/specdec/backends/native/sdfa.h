@@ -37,6 +37,7 @@ typedef struct {
 } sdfa_block_q8_0;
 
 #define SDFA_P 16       /* positions per softmax block */
+#define SDFA_F16_NEG_INF 0xFC00 /* a mask's -inf, as f16 bits */
 #define SDFA_MAX_D 256  /* largest head dimension (DK = DV) */
 #define SDFA_MAX_W 16   /* rows per tile on the widest path */
 

@@ -8,7 +8,7 @@
 SD_TARGET_PUSH_PATH(SD_FEATURES_AVX2)
 
 #    define SD_VL 8
-#    define SDMM_TILE 4 /* 16 ymm registers: 4 rows' sums and partial sums besides the weights */
+#    define SDMM_TILE 4 /* 16 ymm registers: 4 rows' sums besides a sub-block's 8 weight vectors */
 #    include "sdmm-simd.h"
 
 SDMM_KERNEL(sdmm_kernel_q4k_avx2, SDMM_TYPE_Q4_K)

@@ -9,7 +9,7 @@
 SD_TARGET_PUSH_PATH(SD_FEATURES_AVX512_VNNI)
 
 #    define SD_VL 16
-#    define SDMM_TILE 8 /* activation rows per pass: 8 sum and 8 float accumulators stay in registers */
+#    define SDMM_TILE 16 /* rows per tile: 16 sums and a sub-block's 8 weight vectors in registers */
 #    include "sdmm-simd.h"
 
 SDMM_KERNEL(sdmm_kernel_q4k_avx512, SDMM_TYPE_Q4_K)

@@ -52,13 +52,14 @@ class tensor_traits : public ggml::cpu::tensor_traits {
         GGML_ASSERT(ggml_is_contiguous(op) && op->nb[1] == (size_t) n * sizeof(float));
         sdmm_act * acts = (sdmm_act *) GGML_PAD((uintptr_t) params->wdata, 64);
 
-        // 1. quantize the activation rows, a row per thread in turn (rows are independent)
+        // 1. quantize the activation rows, a row per thread in turn (rows are independent), each
+        // super-block's rows side by side (sdmm.h)
         for (int64_t i = ith; i < b; i += nth) {
             const int64_t i1 = i % src1->ne[1], i2 = (i / src1->ne[1]) % src1->ne[2];
             const int64_t i3 = i / (src1->ne[1] * src1->ne[2]);
             const char * row = (const char *) src1->data + i1 * src1->nb[1] + i2 * src1->nb[2] +
                                i3 * src1->nb[3];
-            sdmm_quantize_row((const float *) row, k, acts + i * nsb);
+            sdmm_quantize_row((const float *) row, k, acts + i, (size_t) b);
         }
         ggml_barrier(params->threadpool);
 

@@ -143,9 +143,9 @@ static int nearest_int(float fval) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
-void sdmm_quantize_row(const float * x, int64_t k, sdmm_act * out) {
+void sdmm_quantize_row(const float * x, int64_t k, sdmm_act * out, size_t stride) {
     for (int64_t s = 0; s < k / SDMM_QK; s++, x += SDMM_QK) {
-        sdmm_act * a = out + s;
+        sdmm_act * a = out + (size_t) s * stride;
         memset(a, 0, sizeof(*a));
         float max = 0, amax = 0;
         for (int j = 0; j < SDMM_QK; j++) {
@@ -222,7 +222,7 @@ static void kernel_ref(int type, const void * w, int nsb, int ngroups, int n_val
                 float acc = 0.0f;
                 for (int s = 0; s < nsb; s++) {
                     const void * blk = groups + ((size_t) g * nsb + s) * group_bytes;
-                    const sdmm_act * A = a + (size_t) i * nsb + s;
+                    const sdmm_act * A = a + (size_t) s * b + i;
                     acc = type == SDMM_TYPE_Q4_K ? q4k_ref_block(blk, r, A, acc)
                                                  : q6k_ref_block(blk, r, A, acc);
                 }
@@ -312,7 +312,7 @@ int sdmm_matmul(int type, int isa, const void * packed, int64_t n, int64_t k, co
         return -1;
     }
     for (int64_t i = 0; i < b; i++) {
-        sdmm_quantize_row(x + i * k, k, acts + i * nsb);
+        sdmm_quantize_row(x + i * k, k, acts + i, (size_t) b);
     }
     kernel(packed, (int) nsb, (int) ((n + SDMM_R - 1) / SDMM_R), (int) n, acts, (int) b, y,
            (size_t) n);

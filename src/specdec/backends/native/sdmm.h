@@ -22,7 +22,7 @@
  * Layout: weights are repacked at load into groups of SDMM_R = 16 rows, one SIMD lane per row:
  * a 64-byte load holds 4 consecutive quants of each of the 16 rows, so one vpdpbusd multiplies
  * 4 columns of 16 weight rows by 4 columns of one activation row (broadcast). Each weight byte
- * is read and unpacked once per tile of activation rows and used for all of them.
+ * is read from memory once for up to 64 activation rows and unpacked once per tile of them.
  *
  * Activations are quantized per row to Q8_K (ggml's quantize_row_q8_K_ref, reproduced exactly)
  * with the sums the kernels need precomputed (sdmm_act).
@@ -43,11 +43,12 @@ extern "C" {
 
 #define SDMM_QK 256 /* values per super-block (ggml's QK_K) */
 #define SDMM_R 16   /* weight rows per repacked group: one 32-bit SIMD lane each in a zmm */
-/* How far ahead of the block being multiplied the kernels prefetch weights. Past a few rows of
- * activations a super-block takes long enough that the hardware prefetchers fall behind and
- * memory latency shows (measured: 8 rows x a 151,936-row Q4_K matrix ran 2.4x slower than the
- * same work from cache without it). */
-#define SDMM_PREFETCH_BYTES 4096
+/* How far ahead of the super-block being multiplied the kernels prefetch weights, into L2. Past
+ * a few rows of activations a super-block takes long enough that the hardware prefetchers fall
+ * behind and memory latency shows (measured: on an Intel Xeon, 8 rows x a 151,936-row Q4_K
+ * matrix ran 2.4x slower than from cache without a prefetch; on an AMD EPYC, 8 rows x the Q6_K
+ * output matrix ran twice as slow with none or with one 4 KiB ahead into L1 as with this one). */
+#define SDMM_PREFETCH_BYTES 16384
 
 /* ggml type ids of the weight types sdmm multiplies (ggml.h's enum ggml_type; sdmm-buft.cpp
  * checks them against it at compile time) */
@@ -103,7 +104,8 @@ typedef struct {
 } sdmm_act;
 
 /* kernel: y[i*ldy + 16*g + r] = dot(weight row 16*g + r, activation row i) for groups g <
- * ngroups, activation rows i < b (a[i*nsb + s] is row i's super-block s) and 16*g + r < n_valid
+ * ngroups, activation rows i < b (a[s*b + i] is row i's super-block s: a super-block's rows side
+ * by side, so a tile reaches them all from one pointer) and 16*g + r < n_valid
  * (the lanes past it, padding rows, are not stored). w points at group 0, groups are nsb
  * super-blocks long. */
 typedef void (*sdmm_kernel_fn)(const void * w, int nsb, int ngroups, int n_valid,
@@ -115,8 +117,8 @@ size_t sdmm_group_bytes(int type); /* one group of 16 rows, one super-block */
 size_t sdmm_packed_size(int type, int64_t n, int64_t k);
 /* src: n rows of k values in ggml's blocks; dst: sdmm_packed_size bytes */
 void sdmm_pack(int type, const void * src, int64_t n, int64_t k, void * dst);
-/* one row of k floats -> k/256 sdmm_act */
-void sdmm_quantize_row(const float * x, int64_t k, sdmm_act * out);
+/* one row of k floats -> k/256 sdmm_act, super-block s at out[s * stride] */
+void sdmm_quantize_row(const float * x, int64_t k, sdmm_act * out, size_t stride);
 
 /* --- kernels --- */
 /* can this CPU run sdmm's path `isa` (enum sd_isa), and was it compiled in: every feature of
