@@ -52,7 +52,7 @@ def test_the_installed_build_is_native_for_this_cpu() -> None:
     assert not missing, f"this CPU has {missing}, but the build does not use them"
     assert [p.name for p in llamacpp_build.patch_files()] == k["patches"]
     # built from these kernels' sources: k="auto"'s stored curves are keyed by the digest
-    assert k["source"] == llamacpp_build.source_digest()
+    assert k["source"] == llamacpp_build.source_digest(), "a stale build: make venv"
 
 
 def test_the_source_digest_follows_every_kernel_source(tmp_path: Path, monkeypatch) -> None:

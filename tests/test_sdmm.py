@@ -92,21 +92,28 @@ def _q8k_exact(b: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return (q * scale).reshape(b, k).astype(np.float32)
 
 
-def _check(lib, qtype: str, blocks: np.ndarray, n: int, k: int, x: np.ndarray) -> None:
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit for bit (np.array_equal takes -0.0 for +0.0)."""
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def _check(lib, qtype: str, blocks: np.ndarray, n: int, k: int, x: np.ndarray, sizes=None) -> None:
+    """Every batch size in `sizes` (default 1..rows: the first b rows) gives the bits of all the
+    rows at once, on every path, and a row alone its own; every path the reference's."""
     packed = _pack(lib, qtype, blocks, n, k)
     w = dequantize(blocks, GGMLQuantizationType[qtype]).astype(np.float64)  # [n, k]
     full = {}
     for isa in _isas(lib):
         y = _matmul(lib, qtype, isa, packed, n, k, x)  # all rows at once
-        for b in range(1, x.shape[0] + 1):  # every batch size: the first b rows, same bits
+        for b in sizes or range(1, x.shape[0] + 1):
             got = _matmul(lib, qtype, isa, packed, n, k, x[:b])
-            assert np.array_equal(got, y[:b]), f"{qtype} {SDMM_ISAS[isa]} b={b}"
+            assert _same_bits(got, y[:b]), f"{qtype} {SDMM_ISAS[isa]} b={b}"
         for i in (0, x.shape[0] // 2, x.shape[0] - 1):  # a row alone
             alone = _matmul(lib, qtype, isa, packed, n, k, x[i : i + 1])
-            assert np.array_equal(alone[0], y[i]), f"{qtype} {SDMM_ISAS[isa]} row {i} alone"
+            assert _same_bits(alone[0], y[i]), f"{qtype} {SDMM_ISAS[isa]} row {i} alone"
         full[isa] = y
     for isa, y in full.items():
-        assert np.array_equal(y, full[0]), f"{qtype}: {SDMM_ISAS[isa]} differs from ref"
+        assert _same_bits(y, full[0]), f"{qtype}: {SDMM_ISAS[isa]} differs from ref"
     terms = np.abs(x.astype(np.float64)) @ np.abs(w).T  # float32 rounding scales with these
     err = np.abs(full[0] - x.astype(np.float64) @ w.T) / np.maximum(terms, 1e-30)
     assert err.max() < 1e-6, f"{qtype}: {err.max():.3g} of sum |terms| from the float64 product"
@@ -118,6 +125,18 @@ def test_random_weights_every_batch_size_every_path(qtype: str, n: int, k: int) 
     lib = _lib()
     rng = np.random.default_rng(n * 1000 + k)
     _check(lib, qtype, _random_blocks(qtype, n, k, rng), n, k, _q8k_exact(64, k, rng))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_more_rows_than_one_pass_over_the_weights(qtype: str) -> None:
+    """Past 64 rows the kernels read a group's weights again for the next 64 (a prefill's
+    batches): the same bits as one row at a time, across the cut."""
+    lib = _lib()
+    rng = np.random.default_rng(130)
+    n, k = 37, 512
+    x = _q8k_exact(130, k, rng)
+    sizes = (1, 16, 17, 63, 64, 65, 100, 128, 129, 130)
+    _check(lib, qtype, _random_blocks(qtype, n, k, rng), n, k, x, sizes)
 
 
 def _path_features() -> dict[str, set[str]]:
@@ -302,13 +321,13 @@ def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int, 
     mask = np.where(seen, np.float16(0), np.float16(-np.inf))
     outs = {isa: _attend(lib, isa, q, k, v, mask, n_kv) for isa in _isas(lib)}
     for isa, out in outs.items():
-        assert np.array_equal(out, outs[0]), f"sdfa {SDMM_ISAS[isa]} differs from ref"
+        assert _same_bits(out, outs[0]), f"sdfa {SDMM_ISAS[isa]} differs from ref"
         for r in range(rows):
             alone = _attend(lib, isa, q[r : r + 1], k, v, mask[r : r + 1], n_kv)
-            assert np.array_equal(alone[0], out[r]), f"{SDMM_ISAS[isa]} row {r} alone"
+            assert _same_bits(alone[0], out[r]), f"{SDMM_ISAS[isa]} row {r} alone"
             if limit[r] >= 1 and r % 5:
                 short = _attend(lib, isa, q[r : r + 1], k, v, mask[r : r + 1], int(limit[r]))
-                assert np.array_equal(short[0], out[r]), f"{SDMM_ISAS[isa]} row {r}, shorter cache"
+                assert _same_bits(short[0], out[r]), f"{SDMM_ISAS[isa]} row {r}, shorter cache"
     kf = dequantize(k, GGMLQuantizationType.Q8_0).astype(np.float64)  # [n_kv, d]
     scores = np.where(seen, q.astype(np.float64) @ kf.T / np.sqrt(d), -np.inf)
     top = np.max(scores, axis=1, keepdims=True)

@@ -55,6 +55,7 @@ a model cannot follow a default one in the same process; the error says so.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from pathlib import Path
@@ -278,13 +279,24 @@ def kernels() -> dict[str, Any]:
         "build": info["flavor"] if info else "not built by specdec",
         "built_on": info.get("cpu_model") if info else None,
         "patches": info.get("patches", []) if info else [],
-        "source": info.get("source_digest") if info else None,
+        "source": _source_digest(),
         "features": features,
         "sdmm": sdmm_isa(),
         "sdfa": sdfa_isa(),
         "cpu_model": llamacpp_build.cpu_model(),
         "llama_cpp_python": llama_cpp.__version__,
     }
+
+
+@functools.cache
+def _source_digest() -> str | None:
+    """The installed build's digest of specdec's kernel sources (its manifest), None where the
+    build is not specdec's or predates the digest."""
+    from specdec.backends import llamacpp_build
+
+    where = _package_dir()
+    info = llamacpp_build.installed_manifest(where) if where is not None else None
+    return info.get("source_digest") if info else None
 
 
 def cost_key(model: LlamaCppModel) -> str:
@@ -312,7 +324,7 @@ def cost_key(model: LlamaCppModel) -> str:
         f"tiled{os.environ.get(TILED_MM_ENV, '1')}",
         f"mm{sdmm_isa() or 'off'}",
         f"fa{sdfa_isa() or 'off'}",
-        f"src{kernels()['source'] or 'none'}",
+        f"src{_source_digest() or 'none'}",
     ]
     return "-".join(parts)
 

@@ -220,6 +220,7 @@ def build_wheel(flavor: str = "native", jobs: int | None = None, log=print) -> P
     wheel = cached_wheel(flavor)
     if wheel is not None:
         return wheel
+    digest = source_digest()  # with the key that names `out`, before the sources are copied
     flags = cmake_flags(flavor)
     out = wheel_dir(flavor)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -238,7 +239,7 @@ def build_wheel(flavor: str = "native", jobs: int | None = None, log=print) -> P
             "sdist_sha256": SDIST_SHA256,
             "patches": [p.name for p in patch_files()],
             "native": [f.name for f in native_files()],
-            "source_digest": source_digest(),
+            "source_digest": digest,
             "flavor": flavor,
             "cmake_flags": list(flags),
             # a native build runs only on CPUs with every one of these (check_build)

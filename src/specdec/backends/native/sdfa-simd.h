@@ -142,7 +142,8 @@ SD_INLINE void sdfa_kernel_simd(const sdfa_tile * t) {
     for (int r = 0; r < R; r++) {
         const vfloat inv = vf_set1(Ss[r] == 0.0f ? 0.0f : 1.0f / Ss[r]);
         for (int c = 0; c < nv; c++) {
-            vf_storeu(t->out[r] + W * c, vf_mul(vf_load(acc[r] + W * c), inv));
+            const vfloat o = vf_mul(vf_load(acc[r] + W * c), inv);
+            vf_storeu(t->out[r] + W * c, vf_add(o, vf_zero())); /* + 0: every zero +0 (sdfa.h) */
         }
     }
 }

@@ -82,8 +82,8 @@ void sdfa_kernel_ref(const sdfa_tile * t) {
             M = Mn;
         }
         const float inv = S == 0.0f ? 0.0f : 1.0f / S;
-        for (int i = 0; i < d; i++) {
-            t->out[r][i] = acc[i] * inv;
+        for (int i = 0; i < d; i++) { /* + 0: every zero leaves as +0 (sdfa.h) */
+            t->out[r][i] = acc[i] * inv + 0.0f;
         }
     }
 }

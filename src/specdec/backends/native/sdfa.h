@@ -13,10 +13,12 @@
  *   blocks of P = 16 positions from position 0: M' = max(M, max_j s_j), alpha = exp(M - M'),
  *          p_j = exp(s_j - M') (0 where s_j or M' is -inf), S = S*alpha + p_0 + p_1 + ...,
  *          acc = acc*alpha, then acc = fma(p_j, v_j, acc) for j in order (v in f32);
- *   output acc * (1 / S).
+ *   output acc * (1 / S) + 0.
  * exp is sdfa's own (Cody-Waite reduction and a degree-5 polynomial, SDFA_EXP_* below, the same
- * operations on every path). Positions past the cache or masked to -inf add exactly nothing, so a single step
- * and a row of a batch, whose caches end in different places, get the same bits.
+ * operations on every path). Positions past the cache or masked to -inf add exactly nothing (but
+ * for a zero's sign, which the final + 0 makes +0 on every path), so a single step and a row of a
+ * batch, whose caches end in different places, get the same bits, and a walk may stop after the
+ * last position a row sees.
  */
 #pragma once
 

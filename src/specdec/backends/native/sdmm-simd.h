@@ -71,7 +71,7 @@ SD_INLINE void q4k_block(const sdmm_q4k_r16 * blk, const sdmm_act * a, const int
     }
 }
 
-/* The same for a Q6_K super-block: facc[t] += its float term. */
+/* The same for a Q6_K super-block: row t's outputs facc[t * SDMM_R ..] += its float term. */
 SD_INLINE void q6k_block(const sdmm_q6k_r16 * blk, const sdmm_act * a, const int NT,
                          int h, float * facc) {
     const vint m4 = vi_set1_8(0x0F), m30 = vi_set1_8(0x30);
@@ -119,10 +119,11 @@ SD_INLINE void sdmm_tile(int type, const void * blk, const sdmm_act * a, const i
 }
 
 /* The group w (its nsb super-blocks; its first `valid` rows are stored) times b <= SDMM_CHUNK
- * activation rows (row i's super-block s at a[s * sb + i]), in tiles of at most SDMM_TILE rows whose sizes differ by at most one:
- * super-block by super-block, each read from memory once and multiplied into every tile while it
- * is in cache. A lane's K loop runs whole, in order, here. The switch turns a tile's size into a
- * constant, so each tile's loops unroll and its integer sums live in registers. */
+ * activation rows (row i's super-block s at a[s * sb + i]), in tiles of at most SDMM_TILE rows
+ * whose sizes differ by at most one: super-block by super-block, each read from memory once and
+ * multiplied into every tile while it is in cache. A lane's K loop runs whole, in order, here.
+ * The switch turns a tile's size into a constant, so each tile's loops unroll and its integer
+ * sums live in registers. */
 SD_INLINE void sdmm_rows(int type, const void * w, int nsb, const sdmm_act * a, size_t sb, int b,
                          float * y, size_t ldy, int valid) {
     _Alignas(64) float facc[SDMM_CHUNK * SDMM_R]; /* row i's 16 outputs at facc[16 i] */
