@@ -124,11 +124,10 @@ SD_INLINE void sdmm_tile(int type, const void * blk, const sdmm_act * a, const i
  * multiplied into every tile while it is in cache. A lane's K loop runs whole, in order, here.
  * The switch turns a tile's size into a constant, so each tile's loops unroll and its integer
  * sums live in registers. */
-SD_INLINE void sdmm_rows(int type, const void * w, int nsb, const sdmm_act * a, size_t sb, int b,
-                         float * y, size_t ldy, int valid) {
+SD_INLINE void sdmm_rows(int type, size_t group_bytes, const void * w, int nsb, const sdmm_act * a,
+                         size_t sb, int b, float * y, size_t ldy, int valid) {
     _Alignas(64) float facc[SDMM_CHUNK * SDMM_R]; /* row i's 16 outputs at facc[16 i] */
     memset(facc, 0, sizeof(float) * (size_t) b * SDMM_R);
-    const size_t group_bytes = type == SDMM_TYPE_Q4_K ? sizeof(sdmm_q4k_r16) : sizeof(sdmm_q6k_r16);
     const int nh = valid >= SDMM_R ? SDMM_R / SD_VL : (valid + SD_VL - 1) / SD_VL;
     const int ntiles = (b + SDMM_TILE - 1) / SDMM_TILE, base = b / ntiles, extra = b % ntiles;
     for (int s = 0; s < nsb; s++) {
@@ -165,13 +164,13 @@ SD_INLINE void sdmm_rows(int type, const void * w, int nsb, const sdmm_act * a, 
  * SDMM_CHUNK of them per pass over the group's weights. */
 SD_INLINE void sdmm_kernel_simd(int type, const void * w, int nsb, int ngroups, int n_valid,
                                 const sdmm_act * a, int b, float * y, size_t ldy) {
-    const size_t group_bytes = type == SDMM_TYPE_Q4_K ? sizeof(sdmm_q4k_r16) : sizeof(sdmm_q6k_r16);
+    const size_t group_bytes = sdmm_group_bytes(type);
     for (int g = 0; g < ngroups; g++) {
         const void * wg = (const char *) w + (size_t) g * (size_t) nsb * group_bytes;
         for (int i = 0; i < b; i += SDMM_CHUNK) {
             const int nb = b - i < SDMM_CHUNK ? b - i : SDMM_CHUNK;
-            sdmm_rows(type, wg, nsb, a + i, (size_t) b, nb, y + (size_t) i * ldy + g * SDMM_R, ldy,
-                      n_valid - g * SDMM_R);
+            sdmm_rows(type, group_bytes, wg, nsb, a + i, (size_t) b, nb,
+                      y + (size_t) i * ldy + g * SDMM_R, ldy, n_valid - g * SDMM_R);
         }
     }
 }
