@@ -15,13 +15,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from stats_util import two_sample_chi2
 
 from specdec.backends.costs import CurveFiles
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
-from specdec.core.drafters import LookupDrafter
+from specdec.core.drafters import CATCHUP_IN_PASS, LookupDrafter, ModelDrafter
 from specdec.core.metrics import Round
 from specdec.core.policy import (
     MIN_SLOPE,
@@ -124,6 +125,44 @@ def test_drafter_greedy_equals_target_only(pair, case) -> None:
         ).tokens
         spec = generate(target, prompt, max_new_tokens=40, warp=Warp(0), debug=True, **kw)
         assert spec.tokens == base, case
+
+
+class _Passes(MockModel):
+    """A mock that records each forward pass: ("extend" | "prefill", rows)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.passes: list[tuple[str, int]] = []
+
+    def _extend(self, ids: list[int]) -> torch.Tensor:
+        self.passes.append(("extend", len(ids)))
+        return super()._extend(ids)
+
+    def _prefill(self, ids: list[int]) -> None:
+        self.passes.append(("prefill", len(ids)))
+        MockModel._extend(self, ids)  # the mock's one pass, not recorded again as an extend
+
+
+def test_a_draft_model_catches_up_in_its_drafting_pass() -> None:
+    """After a fully accepted round the draft model has x_k and the bonus token to feed: one
+    pass over both rows (a step, not two) whose last row drafts; its q rows are those of a
+    drafter that saw the whole context fresh. A prompt (more than CATCHUP_IN_PASS tokens) is
+    prefilled first and counted as catch-up."""
+    draft = _Passes(V, seed=3)
+    ref_model = MockModel(V, seed=3)
+    drafter = ModelDrafter(draft, Warp(1.0), torch.Generator().manual_seed(0), V)
+    prompt = list(range(CATCHUP_IN_PASS + 3))
+    first = drafter.propose(prompt, 3)
+    assert draft.passes == [("prefill", len(prompt) - 1), *[("extend", 1)] * 3]
+    assert first.catchup_s > 0
+    drafter.observe(3)  # every draft accepted; the target adds a bonus token
+    context = [*prompt, *first.x.tolist(), 5]
+    draft.passes.clear()
+    second = drafter.propose(context, 2)
+    assert draft.passes == [("extend", 2), ("extend", 1)] and second.catchup_s == 0.0
+    fresh = ModelDrafter(ref_model, Warp(1.0), torch.Generator().manual_seed(0), V)
+    ref_q = fresh.propose(context, 1).q
+    assert torch.equal(second.q[0], ref_q[0])  # the catch-up rows left the cache right
 
 
 # ------------------------------------------------------------------ prompt lookup

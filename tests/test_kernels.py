@@ -124,9 +124,9 @@ def _greedy(pythonpath: str | None) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-#: sdmm's matmul (Q4_K, Q6_K) and sdfa's attention on fixed random inputs, through the C API of
-#: whichever libggml-cpu the process loads, on the instruction path argv[1] names: a digest of
-#: the outputs. Every path of every build must give the same one (sdmm.h, sdfa.h).
+#: sdmm's matmul (Q4_K, Q6_K, Q5_0, Q8_0) and sdfa's attention on fixed random inputs, through
+#: the C API of whichever libggml-cpu the process loads, on the instruction path argv[1] names: a
+#: digest of the outputs. Every path of every build must give the same one (sdmm.h, sdfa.h).
 _KERNEL_DIGEST = """
 import ctypes, hashlib, sys
 import numpy as np
@@ -135,11 +135,12 @@ lib, isa = _ggml_cpu(_llama()), SDMM_ISAS.index(sys.argv[1])
 P = ctypes.c_void_p
 rng = np.random.default_rng(3)
 h = hashlib.sha256()
-for qtype, size in ((12, 144), (14, 210)):
+for qtype, block, size in ((12, 256, 144), (14, 256, 210), (6, 32, 22), (8, 32, 34)):
     n, k, b = 40, 512, 9
-    w = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
-    halves = rng.uniform(1e-4, 1e-2, (n, k // 256)).astype(np.float16).view(np.uint8)
-    w[:, :, -2:] = halves.reshape(n, -1, 2)
+    w = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    halves = rng.uniform(1e-4, 1e-2, (n, k // block)).astype(np.float16).view(np.uint8)
+    d_at = slice(0, 2) if qtype in (6, 8) else slice(-2, None)  # Q5_0's, Q8_0's d lead the block
+    w[:, :, d_at] = halves.reshape(n, -1, 2)
     nk = (ctypes.c_int64(n), ctypes.c_int64(k))
     packed = np.zeros(lib.sdmm_packed_size(qtype, *nk), np.uint8)
     lib.sdmm_pack(qtype, P(w.ctypes.data), *nk, P(packed.ctypes.data))

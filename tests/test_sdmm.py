@@ -3,12 +3,13 @@ sdfa.h), called in the built libggml-cpu through their C API: exact by construct
 here to be.
 
 Every instruction path this build and CPU can run (the scalar reference, AVX2, AVX-512 VNNI),
-each weight type (Q4_K, Q6_K), random and real weights, odd shapes, and every batch size
-b = 1..64:
+each weight type (Q4_K, Q6_K, Q5_0, Q8_0), random and real weights, odd shapes, and every batch
+size b = 1..64:
   * batch invariance: row i of a b-row product has the bits of row i computed alone;
   * one answer per build: every path gives the reference path's bits;
   * the right answer: within float32 rounding of a float64 product of gguf-py's dequantized
-    weights (the field's own reference) and activations that Q8_K represents exactly.
+    weights (the field's own reference) and activations that the type's activation blocks (Q8_K
+    per 256 values, 32-value blocks for Q5_0 and Q8_0) represent exactly.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from gguf.quants import dequantize
 
 from specdec.backends.llamacpp import SDMM_ISAS, _ggml_cpu, _llama
 
-TYPES = {"Q4_K": 12, "Q6_K": 14}  # ggml type ids
+TYPES = {"Q4_K": 12, "Q6_K": 14, "Q5_0": 6, "Q8_0": 8}  # ggml type ids
+BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q5_0": 32, "Q8_0": 32}  # values per activation block
 
 
 def _lib() -> ctypes.CDLL:
@@ -75,20 +77,23 @@ def _random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.n
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     data = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
     halves = lambda lo, hi: rng.uniform(lo, hi, size=(n, k // block)).astype(np.float16)  # noqa: E731
-    if qtype == "Q4_K":  # d, dmin lead the block
-        data[:, :, 0:2] = halves(1e-3, 2e-2).view(np.uint8).reshape(n, k // block, 2)
-        data[:, :, 2:4] = halves(1e-4, 5e-3).view(np.uint8).reshape(n, k // block, 2)
-    else:  # Q6_K: d ends the block
+    if qtype == "Q6_K":  # d ends the block
         data[:, :, -2:] = halves(1e-4, 2e-3).view(np.uint8).reshape(n, k // block, 2)
+    else:  # d (and Q4_K's dmin) lead it
+        data[:, :, 0:2] = halves(1e-3, 2e-2).view(np.uint8).reshape(n, k // block, 2)
+    if qtype == "Q4_K":
+        data[:, :, 2:4] = halves(1e-4, 5e-3).view(np.uint8).reshape(n, k // block, 2)
     return data.reshape(n, -1)
 
 
-def _q8k_exact(b: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Activations Q8_K represents exactly: integers -127..127 times a power of two per 256,
-    each block holding +-127 (its max), so quantizing them loses nothing."""
-    q = rng.integers(-127, 128, size=(b, k // 256, 256))
-    q[:, :, 0] = 127 * np.where(rng.random((b, k // 256)) < 0.5, -1, 1)
-    scale = 2.0 ** rng.integers(-8, 2, size=(b, k // 256, 1))
+def _exact(qtype: str, b: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Activations the type's activation blocks represent exactly: integers -127..127 times a
+    power of two per block, each block holding +-127 (its max), so quantizing them loses
+    nothing."""
+    blk = BLOCK[qtype]
+    q = rng.integers(-127, 128, size=(b, k // blk, blk))
+    q[:, :, 0] = 127 * np.where(rng.random((b, k // blk)) < 0.5, -1, 1)
+    scale = 2.0 ** rng.integers(-8, 2, size=(b, k // blk, 1))
     return (q * scale).reshape(b, k).astype(np.float32)
 
 
@@ -119,12 +124,21 @@ def _check(lib, qtype: str, blocks: np.ndarray, n: int, k: int, x: np.ndarray, s
     assert err.max() < 1e-6, f"{qtype}: {err.max():.3g} of sum |terms| from the float64 product"
 
 
-@pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("n,k", [(37, 512), (16, 256), (5, 1536)])
+#: (type, n, k): each type at three shapes; k not a multiple of 256 (the Qwen 0.5B's 896, one
+#: block) only where the type's blocks are of 32 values
+_SHAPES = [
+    (qtype, n, k)
+    for qtype in TYPES
+    for n, k in [(37, 512), (16, 256), (5, 1536), (37, 896), (18, 32)]
+    if k % BLOCK[qtype] == 0
+]
+
+
+@pytest.mark.parametrize("qtype,n,k", _SHAPES)
 def test_random_weights_every_batch_size_every_path(qtype: str, n: int, k: int) -> None:
     lib = _lib()
     rng = np.random.default_rng(n * 1000 + k)
-    _check(lib, qtype, _random_blocks(qtype, n, k, rng), n, k, _q8k_exact(64, k, rng))
+    _check(lib, qtype, _random_blocks(qtype, n, k, rng), n, k, _exact(qtype, 64, k, rng))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -134,7 +148,7 @@ def test_more_rows_than_one_pass_over_the_weights(qtype: str) -> None:
     lib = _lib()
     rng = np.random.default_rng(130)
     n, k = 37, 512
-    x = _q8k_exact(130, k, rng)
+    x = _exact(qtype, 130, k, rng)
     sizes = (1, 16, 17, 63, 64, 65, 100, 128, 129, 130)
     _check(lib, qtype, _random_blocks(qtype, n, k, rng), n, k, x, sizes)
 
@@ -193,22 +207,21 @@ def test_this_build_runs_the_best_path_the_cpu_has() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", TYPES)
 def test_real_weights_every_batch_size_every_path(qtype: str) -> None:
-    """Rows of the Qwen 0.5B's own K-quant weights (real scales and mins), real-looking
-    activations: the same three properties."""
+    """Rows of the Qwen 0.5B's own weights of each type (real scales and mins; its ffn_down
+    mixes Q4_K and Q6_K, the rest are Q5_0 and Q8_0), real-looking activations: the same three
+    properties."""
     from specdec.backends.registry import gguf_tensors, resolve
 
     path = resolve("qwen2.5-coder-0.5b", progress=False)
-    # the first ffn_down of this type (the file mixes Q4_K and Q6_K ones)
-    info = next(
-        t for t in gguf_tensors(path) if t.name.endswith("ffn_down.weight") and t.type == qtype
-    )
+    # the first layer weight of this type
+    info = next(t for t in gguf_tensors(path) if t.name.startswith("blk.") and t.type == qtype)
     k, n = info.dims[0], 41  # 41 rows: two whole groups of 16 and a partial one
     with path.open("rb") as f:
         f.seek(info.start)
         row_bytes = info.size // info.dims[1]
         blocks = np.frombuffer(f.read(row_bytes * n), dtype=np.uint8).reshape(n, row_bytes)
     rng = np.random.default_rng(7)
-    _check(_lib(), qtype, blocks.copy(), n, k, _q8k_exact(64, k, rng))
+    _check(_lib(), qtype, blocks.copy(), n, k, _exact(qtype, 64, k, rng))
 
 
 _LOGITS = """
@@ -272,11 +285,14 @@ def test_a_path_this_cpu_cannot_run_is_a_clear_error(monkeypatch) -> None:
 
 
 def test_packed_sizes() -> None:
-    """16-row groups, one 2,368-byte (Q4_K) or 3,360-byte (Q6_K) record per 256 columns; a
+    """16-row groups, one 2,368-byte (Q4_K) or 3,360-byte (Q6_K) record per 256 columns, one
+    352-byte (Q5_0) or 544-byte (Q8_0) record per 32: ggml's bytes, but Q4_K's unpacked scales; a
     partial last group is padded."""
     lib = _lib()
     assert lib.sdmm_packed_size(12, 32, 512) == 2 * 2 * 2368
     assert lib.sdmm_packed_size(14, 33, 256) == 3 * 3360
+    assert lib.sdmm_packed_size(6, 17, 896) == 2 * 28 * 352
+    assert lib.sdmm_packed_size(8, 16, 64) == 2 * 544
 
 
 # ------------------------------------------------------------------------------------- sdfa

@@ -38,6 +38,8 @@ that batch invariance:
     (native/sdmm.h, docs/kernels.md): an extra buffer type ahead of ggml's that takes every 2-D
     Q4_K and Q6_K weight and multiplies it with one kernel for every batch size, b = 1 included,
     whose rows are bit-identical by construction -- and faster than ggml's on verify batches.
+    It takes the per-row types Q5_0 and Q8_0 too (a draft model's weights), for speed: ggml's
+    kernels for them are already invariant but read the weights at a third of sdmm's rate.
 
 So a file whose matmul weights are all SDMM_TYPES or ROW_INVARIANT_TYPES (both Qwen GGUFs,
 smollm2) is batch-invariant in the default mode: `batch_invariant` is True, greedy speculative
@@ -88,7 +90,7 @@ _GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR = 3, 4  # ggml_log_level; 5 continue
 TILED_MM_ENV = "GGML_CPU_TILED_MM"
 _tiled_set_by = ""  # the mode of the model that set TILED_MM_ENV, if specdec set it
 #: Weight types sdmm multiplies (native/sdmm.h): every batch shape gives a row the same bits.
-SDMM_TYPES = frozenset({"Q4_K", "Q6_K"})
+SDMM_TYPES = frozenset({"Q4_K", "Q6_K", "Q5_0", "Q8_0"})
 #: Weight types whose ggml CPU kernels give a row the same bits in any batch (one scale per
 #: 32-value block, one dot product per row): measured by `specdec invariance` on smollm2 (Q4_1,
 #: Q8_0) and the Qwen 0.5B (Q5_0, Q8_0), checked in tests/test_deterministic.py.
@@ -527,8 +529,8 @@ class LlamaCppModel(SpecModel):
         return cparams
 
     def _weights_where_expected(self) -> bool:
-        """sdmm holds the K-quants (if the file has any) and no other kernel repacked anything
-        but AMX, whose kernels are invariant too (docs/kernels.md)."""
+        """sdmm holds the weights of its types (if the file has any) and no other kernel
+        repacked anything but AMX, whose kernels are invariant too (docs/kernels.md)."""
         others = {k: v for k, v in self.extra_mib.items() if k not in ("SDMM", "AMX") and v}
         needs_sdmm = bool(self.weight_types & SDMM_TYPES)
         return not others and (self.extra_mib.get("SDMM", 0.0) > 0) == needs_sdmm

@@ -51,13 +51,23 @@ class Drafter(Protocol):
     def observe(self, n_accepted: int) -> None: ...
 
 
+#: Uncached context tokens a draft model feeds in its first drafting pass, with the last one,
+#: rather than in a prefill of their own: past a few rows a pass costs little more than one
+#: (a memory-bound step), so after a fully accepted round (x_k and the bonus token uncached) the
+#: catch-up is nearly free instead of a second step; longer suffixes, whose logits rows would
+#: only be thrown away, are prefilled.
+CATCHUP_IN_PASS = 8
+
+
 class ModelDrafter:
     """A draft model: x_i ~ q(. | context + x[:i]), keeping every q_i (paper, Algorithm 1 line 1).
 
     Cache choreography: before proposing, the draft cache is cut back to the longest prefix it
     shares with `context` and extended with the uncached suffix; x_k is never fed back (no one
     needs q_{k+1}). `observe(a)` truncates the cache to context + x[:a], so after every round the
-    draft cache holds a prefix of the committed sequence.
+    draft cache holds a prefix of the committed sequence. A short suffix (after a fully accepted
+    round: x_k and the bonus token) goes into the first drafting pass itself, one pass over its
+    rows instead of one per token (CATCHUP_IN_PASS); a long one (the prompt) is prefilled first.
 
     `p_min` (llama.cpp's draft p-min): stop drafting as soon as the draft's most likely token has
     probability below p_min — a draft-side rule, so the output distribution is unchanged.
@@ -87,14 +97,16 @@ class ModelDrafter:
         if n == len(context):  # the model must see at least the last context token
             n -= 1
         m.truncate(n)
-        t0 = time.perf_counter()
-        if len(context) - n > 1:  # e.g. the prompt: only the last position's logits are needed
-            m.prefill(context[n:-1])
+        uncached, catchup_s = context[n:], 0.0
+        # Catching up on the prompt (or on many tokens committed without this drafter) is not a
+        # per-drafted-token cost; the K controller learns the per-token cost without it. A few
+        # tokens fed in the drafting pass are: a fully accepted round leaves two every time.
+        if len(uncached) > CATCHUP_IN_PASS:  # e.g. the prompt: only the last logits are needed
+            t0 = time.perf_counter()
+            m.prefill(uncached[:-1])
             synchronize(m.device)
-        # Catching up on the prompt (or on tokens committed without this drafter) is not a
-        # per-drafted-token cost; the K controller learns the per-token cost without it.
-        catchup_s = time.perf_counter() - t0
-        logits = m.extend(context[-1:])[-1]  # [V_model] next-token logits after the context
+            catchup_s, uncached = time.perf_counter() - t0, uncached[-1:]
+        logits = m.extend(uncached)[-1]  # [V_model] next-token logits after the context
         self._base = len(context)
         xs: list[int] = []
         qs: list[torch.Tensor] = []

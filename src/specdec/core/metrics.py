@@ -75,7 +75,9 @@ class GenerationStats:
                       cost model predicts)
     draft_s           time inside the drafter (draft forward passes and draft-side sampling)
     catchup_s         the part of draft_s a draft model spent prefilling context it had not
-                      seen (the prompt in the first round; tokens committed by lookup rounds)
+                      seen, in a pass of its own (the prompt in the first round; more than
+                      drafters.CATCHUP_IN_PASS tokens committed by other rounds); fewer are fed
+                      in its first drafting pass and count as drafting
     verify_s          time inside the rounds' target passes (the prefill is prefill_s)
     sampling_s        target-side warping plus the accept/reject walk
     cached_prompt_tokens  prompt tokens whose KV was kept from the previous generation

@@ -1,7 +1,7 @@
 // The SDMM extra buffer type: ggml-cpu's hook for sdmm (sdmm.h). Weights of the types sdmm
-// multiplies (Q4_K, Q6_K) that llama.cpp places in this buffer are repacked at load, and every
-// MUL_MAT on them -- one token or a verify batch or a prompt -- runs sdmm's kernel, so a row's
-// logits do not depend on the batch it was computed in. Registered by specdec's patch to
+// multiplies (Q4_K, Q6_K, Q5_0, Q8_0) that llama.cpp places in this buffer are repacked at load,
+// and every MUL_MAT on them -- one token or a verify batch or a prompt -- runs sdmm's kernel, so
+// a row's logits do not depend on the batch it was computed in. Registered by specdec's patch to
 // ggml-cpu.cpp ahead of the other extra buffer types (CPU_REPACK, AMX), so these weights take
 // this path and no other; $SPECDEC_MM=0 leaves it out (stock llama.cpp's kernels).
 #include "sdmm-buft.h"
@@ -23,14 +23,19 @@
 
 static_assert(SDMM_TYPE_Q4_K == GGML_TYPE_Q4_K, "sdmm.h's Q4_K id is ggml's");
 static_assert(SDMM_TYPE_Q6_K == GGML_TYPE_Q6_K, "sdmm.h's Q6_K id is ggml's");
+static_assert(SDMM_TYPE_Q5_0 == GGML_TYPE_Q5_0, "sdmm.h's Q5_0 id is ggml's");
+static_assert(SDMM_TYPE_Q8_0 == GGML_TYPE_Q8_0, "sdmm.h's Q8_0 id is ggml's");
 
 namespace sdmm_ggml {
 
-// Q8_K rows of the activations, written by every thread before any thread multiplies.
+// The quantized rows of the activations (sdmm_act or sdmm_act32 blocks), written by every thread
+// before any thread multiplies.
 static size_t act_bytes(const ggml_tensor * op) {
     const ggml_tensor * src1 = op->src[1];
+    const int type = op->src[0]->type;
     const int64_t rows = src1->ne[1] * src1->ne[2] * src1->ne[3];
-    return (size_t) rows * (size_t) (src1->ne[0] / SDMM_QK) * sizeof(sdmm_act) + 64;
+    return (size_t) rows * (size_t) (src1->ne[0] / sdmm_block_cols(type)) * sdmm_act_bytes(type) +
+           64;
 }
 
 class tensor_traits : public ggml::cpu::tensor_traits {
@@ -45,12 +50,14 @@ class tensor_traits : public ggml::cpu::tensor_traits {
         }
         const ggml_tensor * src0 = op->src[0];
         const ggml_tensor * src1 = op->src[1];
-        const int64_t k = src0->ne[0], n = src0->ne[1], nsb = k / SDMM_QK;
+        const int type = src0->type;
+        const int64_t k = src0->ne[0], n = src0->ne[1], nsb = k / sdmm_block_cols(type);
         const int64_t b = src1->ne[1] * src1->ne[2] * src1->ne[3];
         const int ith = params->ith, nth = params->nth;
         GGML_ASSERT(params->wsize >= act_bytes(op));
         GGML_ASSERT(ggml_is_contiguous(op) && op->nb[1] == (size_t) n * sizeof(float));
-        sdmm_act * acts = (sdmm_act *) GGML_PAD((uintptr_t) params->wdata, 64);
+        char * acts = (char *) GGML_PAD((uintptr_t) params->wdata, 64);
+        const size_t block_bytes = sdmm_act_bytes(type);
 
         // 1. quantize the activation rows, a row per thread in turn (rows are independent), each
         // super-block's rows side by side (sdmm.h)
@@ -59,7 +66,8 @@ class tensor_traits : public ggml::cpu::tensor_traits {
             const int64_t i3 = i / (src1->ne[1] * src1->ne[2]);
             const char * row = (const char *) src1->data + i1 * src1->nb[1] + i2 * src1->nb[2] +
                                i3 * src1->nb[3];
-            sdmm_quantize_row((const float *) row, k, acts + i, (size_t) b);
+            sdmm_quantize_row(type, (const float *) row, k, acts + (size_t) i * block_bytes,
+                              (size_t) b);
         }
         ggml_barrier(params->threadpool);
 
@@ -68,9 +76,9 @@ class tensor_traits : public ggml::cpu::tensor_traits {
         const int64_t ngroups = (n + SDMM_R - 1) / SDMM_R;
         const int64_t g0 = ngroups * ith / nth, g1 = ngroups * (ith + 1) / nth;
         if (g0 < g1) {
-            const sdmm_kernel_fn kernel = sdmm_kernel(src0->type, sdmm_isa_selected());
+            const sdmm_kernel_fn kernel = sdmm_kernel(type, sdmm_isa_selected());
             GGML_ASSERT(kernel != nullptr);
-            const char * w = (const char *) src0->data + g0 * nsb * sdmm_group_bytes(src0->type);
+            const char * w = (const char *) src0->data + g0 * nsb * sdmm_group_bytes(type);
             kernel(w, (int) nsb, (int) (g1 - g0), (int) (n - g0 * SDMM_R), acts, (int) b,
                    (float *) op->data + g0 * SDMM_R, (size_t) n);
         }
@@ -81,8 +89,8 @@ class tensor_traits : public ggml::cpu::tensor_traits {
 static tensor_traits traits;
 
 static bool weight_ok(const ggml_tensor * t) {
-    return sdmm_supported_type(t->type) && t->ne[0] % SDMM_QK == 0 && t->ne[2] == 1 &&
-           t->ne[3] == 1 && ggml_is_contiguous(t);
+    return sdmm_supported_type(t->type) && t->ne[0] % sdmm_block_cols(t->type) == 0 &&
+           t->ne[2] == 1 && t->ne[3] == 1 && ggml_is_contiguous(t);
 }
 
 class extra_buffer_type : ggml::cpu::extra_buffer_type {

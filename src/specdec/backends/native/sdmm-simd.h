@@ -108,24 +108,109 @@ SD_INLINE void q6k_block(const sdmm_q6k_r16 * blk, const sdmm_act * a, const int
     }
 }
 
-/* One super-block of rows h of a group times a tile of NT activation rows. */
-SD_INLINE void sdmm_tile(int type, const void * blk, const sdmm_act * a, const int NT, int h,
-                         float * facc) {
-    if (type == SDMM_TYPE_Q4_K) {
-        q4k_block((const sdmm_q4k_r16 *) blk, a, NT, h, facc);
-    } else {
-        q6k_block((const sdmm_q6k_r16 *) blk, a, NT, h, facc);
+/* The float term of a 32-value block (Q5_0, Q8_0): row t's outputs facc[t * SDMM_R ..] +=
+ * sumi[t] * (d * da). */
+SD_INLINE void block32_float(const sdmm_half * d16, const sdmm_act32 * a, const int NT,
+                             const vint * sumi, float * facc) {
+    const vfloat d = vf_from_f16(d16);
+    for (int t = 0; t < NT; t++) {
+        const vfloat da = vf_set1(a[t].d);
+        vf_store(facc + t * SDMM_R,
+                 vf_fmadd(vf_from_i32(sumi[t]), vf_mul(d, da), vf_load(facc + t * SDMM_R)));
     }
 }
 
-/* The group w (its nsb super-blocks; its first `valid` rows are stored) times b <= SDMM_CHUNK
- * activation rows (row i's super-block s at a[s * sb + i]), in tiles of at most SDMM_TILE rows
- * whose sizes differ by at most one: super-block by super-block, each read from memory once and
+/* A Q5_0 block of rows h of a group times the tile's NT activation rows. The quants are 0..31:
+ * vpdpbusd multiplies them unsigned and the -16 comes out of the sum exactly (-16 * sum). */
+SD_INLINE void q5_0_block(const sdmm_q5_0_r16 * blk, const sdmm_act32 * a, const int NT, int h,
+                          float * facc) {
+    const vint m4 = vi_set1_8(0x0F), m10 = vi_set1_8(0x10);
+    const vint H = vi_load(blk->qh + 4 * SD_VL * h);
+    /* the fifth bit of value 4c+t is bit c of its qh byte, of 16+4c+t bit 4+c: each shifted to
+     * bit 4 within its byte (a 16-bit shift by at most 4 moves no set bit of the mask across) */
+    const vint hb[8] = {vi_slli16(H, 4), vi_slli16(H, 3), vi_slli16(H, 2), vi_slli16(H, 1),
+                        H,               vi_srli16(H, 1), vi_srli16(H, 2), vi_srli16(H, 3)};
+    vint w[8]; /* values 4c.. (c = 0..3), then 16+4c.. */
+    for (int c = 0; c < 4; c++) {
+        const vint L = vi_load(blk->qs[c] + 4 * SD_VL * h);
+        w[c] = vi_or(vi_and(L, m4), vi_and(hb[c], m10));
+        w[4 + c] = vi_or(vi_and(vi_srli16(L, 4), m4), vi_and(hb[4 + c], m10));
+    }
+    vint sumi[SDMM_TILE];
+    for (int t = 0; t < NT; t++) {
+        vint acc = vi_set1_32(-16 * a[t].sum);
+        for (int c = 0; c < 8; c++) {
+            acc = vi_dpbusd(acc, w[c], vi_bcast32(a[t].qs + 4 * c));
+        }
+        sumi[t] = acc;
+    }
+    block32_float(blk->d + SD_VL * h, a, NT, sumi, facc);
+}
+
+/* A Q8_0 block of rows h of a group times the tile's NT activation rows. */
+SD_INLINE void q8_0_block(const sdmm_q8_0_r16 * blk, const sdmm_act32 * a, const int NT, int h,
+                          float * facc) {
+    vint w[8];
+    for (int c = 0; c < 8; c++) {
+        w[c] = vi_load(blk->qs[c] + 4 * SD_VL * h); /* q + 128 */
+    }
+    vint sumi[SDMM_TILE];
+#if SD_VL == 16
+    /* vpdpbusd on q + 128 and the activation; the offset comes out exactly: -128 * sum */
+    for (int t = 0; t < NT; t++) {
+        vint acc = vi_set1_32(-128 * a[t].sum);
+        for (int c = 0; c < 8; c++) {
+            acc = vi_dpbusd(acc, w[c], vi_bcast32(a[t].qs + 4 * c));
+        }
+        sumi[t] = acc;
+    }
+#else
+    /* maddubs would saturate on q + 128 (2 * 255 * 127 > 2^15): |q| times the activation with
+     * q's sign, as ggml does (2 * 128 * 127 < 2^15); the same exact sums */
+    vint aw[8];
+    for (int c = 0; c < 8; c++) {
+        w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8((char) 0x80)); /* q */
+        aw[c] = _mm256_abs_epi8(w[c]);                                 /* |q|, 128 for -128 */
+    }
+    for (int t = 0; t < NT; t++) {
+        vint acc = vi_zero();
+        for (int c = 0; c < 8; c++) {
+            acc = vi_dpbusd(acc, aw[c], _mm256_sign_epi8(vi_bcast32(a[t].qs + 4 * c), w[c]));
+        }
+        sumi[t] = acc;
+    }
+#endif
+    block32_float(blk->d + SD_VL * h, a, NT, sumi, facc);
+}
+
+/* One block of rows h of a group times a tile of NT activation rows (at, of the type's kind). */
+SD_INLINE void sdmm_tile(int type, const void * blk, const void * at, const int NT, int h,
+                         float * facc) {
+    switch (type) {
+        case SDMM_TYPE_Q4_K:
+            q4k_block((const sdmm_q4k_r16 *) blk, (const sdmm_act *) at, NT, h, facc);
+            break;
+        case SDMM_TYPE_Q6_K:
+            q6k_block((const sdmm_q6k_r16 *) blk, (const sdmm_act *) at, NT, h, facc);
+            break;
+        case SDMM_TYPE_Q5_0:
+            q5_0_block((const sdmm_q5_0_r16 *) blk, (const sdmm_act32 *) at, NT, h, facc);
+            break;
+        default:
+            q8_0_block((const sdmm_q8_0_r16 *) blk, (const sdmm_act32 *) at, NT, h, facc);
+            break;
+    }
+}
+
+/* The group w (its nsb blocks; its first `valid` rows are stored) times b <= SDMM_CHUNK
+ * activation rows (row i's block s at a[s * sb + i]), in tiles of at most SDMM_TILE rows
+ * whose sizes differ by at most one: block by block, each read from memory once and
  * multiplied into every tile while it is in cache. A lane's K loop runs whole, in order, here.
  * The switch turns a tile's size into a constant, so each tile's loops unroll and its integer
  * sums live in registers. */
-SD_INLINE void sdmm_rows(int type, size_t group_bytes, const void * w, int nsb, const sdmm_act * a,
+SD_INLINE void sdmm_rows(int type, size_t group_bytes, const void * w, int nsb, const char * a,
                          size_t sb, int b, float * y, size_t ldy, int valid) {
+    const size_t act_bytes = sdmm_act_bytes(type);
     _Alignas(64) float facc[SDMM_CHUNK * SDMM_R]; /* row i's 16 outputs at facc[16 i] */
     memset(facc, 0, sizeof(float) * (size_t) b * SDMM_R);
     const int nh = valid >= SDMM_R ? SDMM_R / SD_VL : (valid + SD_VL - 1) / SD_VL;
@@ -136,7 +221,7 @@ SD_INLINE void sdmm_rows(int type, size_t group_bytes, const void * w, int nsb, 
         for (int h = 0; h < nh; h++) {
             for (int t = 0, i = 0, nt; t < ntiles; t++, i += nt) {
                 nt = base + (t < extra);
-                const sdmm_act * at = a + (size_t) s * sb + i;
+                const char * at = a + ((size_t) s * sb + i) * act_bytes;
                 float * ft = facc + i * SDMM_R + h * SD_VL;
                 switch (nt) {
 #define SDMM_CASE_(n) case n: sdmm_tile(type, blk, at, n, h, ft); break;
@@ -163,13 +248,14 @@ SD_INLINE void sdmm_rows(int type, size_t group_bytes, const void * w, int nsb, 
 /* sdmm.h's sdmm_kernel_fn for `type`: each group's rows against the activation rows, up to
  * SDMM_CHUNK of them per pass over the group's weights. */
 SD_INLINE void sdmm_kernel_simd(int type, const void * w, int nsb, int ngroups, int n_valid,
-                                const sdmm_act * a, int b, float * y, size_t ldy) {
-    const size_t group_bytes = sdmm_group_bytes(type);
+                                const void * a, int b, float * y, size_t ldy) {
+    const size_t group_bytes = sdmm_group_bytes(type), act_bytes = sdmm_act_bytes(type);
     for (int g = 0; g < ngroups; g++) {
         const void * wg = (const char *) w + (size_t) g * (size_t) nsb * group_bytes;
         for (int i = 0; i < b; i += SDMM_CHUNK) {
             const int nb = b - i < SDMM_CHUNK ? b - i : SDMM_CHUNK;
-            sdmm_rows(type, group_bytes, wg, nsb, a + i, (size_t) b, nb,
+            sdmm_rows(type, group_bytes, wg, nsb, (const char *) a + (size_t) i * act_bytes,
+                      (size_t) b, nb,
                       y + (size_t) i * ldy + g * SDMM_R, ldy, n_valid - g * SDMM_R);
         }
     }
@@ -178,7 +264,7 @@ SD_INLINE void sdmm_kernel_simd(int type, const void * w, int nsb, int ngroups, 
 /* SDMM_KERNEL(sdmm_kernel_q4k_avx2, SDMM_TYPE_Q4_K): defines that sdmm.h kernel as this file's
  * instance of sdmm_kernel_simd. */
 #define SDMM_KERNEL(name, type)                                                                  \
-    void name(const void * w, int nsb, int ngroups, int n_valid, const sdmm_act * a, int b,      \
+    void name(const void * w, int nsb, int ngroups, int n_valid, const void * a, int b,          \
               float * y, size_t ldy) {                                                           \
         sdmm_kernel_simd(type, w, nsb, ngroups, n_valid, a, b, y, ldy);                          \
     }

@@ -12,7 +12,12 @@ _Static_assert(sizeof(sdmm_block_q4_K) == 144, "ggml's block_q4_K is 144 bytes")
 _Static_assert(sizeof(sdmm_block_q6_K) == 210, "ggml's block_q6_K is 210 bytes");
 _Static_assert(sizeof(sdmm_q4k_r16) == 2368, "sdmm_q4k_r16 layout");
 _Static_assert(sizeof(sdmm_q6k_r16) == 3360, "sdmm_q6k_r16 layout");
+_Static_assert(sizeof(sdmm_block_q5_0) == 22, "ggml's block_q5_0 is 22 bytes");
+_Static_assert(sizeof(sdmm_block_q8_0) == 34, "ggml's block_q8_0 is 34 bytes");
+_Static_assert(sizeof(sdmm_q5_0_r16) == 352, "sdmm_q5_0_r16 layout");
+_Static_assert(sizeof(sdmm_q8_0_r16) == 544, "sdmm_q8_0_r16 layout");
 _Static_assert(sizeof(sdmm_act) == 384, "sdmm_act layout");
+_Static_assert(sizeof(sdmm_act32) == 64, "sdmm_act32 layout");
 
 /* ------------------------------------------------------------------------------------------ */
 /* quants of ggml's blocks, by value index v in 0..255                                        */
@@ -42,6 +47,14 @@ static int q6k_src(const sdmm_block_q6_K * b, int v) {
     return lo | hi << 4;
 }
 
+/* 0..31, the stored quant before ggml's -16 (dequantize_row_q5_0) */
+static int q5_0_src(const sdmm_block_q5_0 * b, int v) {
+    uint32_t qh;
+    memcpy(&qh, b->qh, sizeof(qh));
+    const int lo = v < 16 ? b->qs[v] & 0xF : b->qs[v - 16] >> 4;
+    return lo | (int) ((qh >> v) & 1) << 4;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* quants of the repacked groups, by row r and value index                                    */
 
@@ -58,21 +71,50 @@ static int q6k_packed(const sdmm_q6k_r16 * g, int r, int j, int v) { /* v in sub
     return lo4 | hi2 << 4;
 }
 
+static int q5_0_packed(const sdmm_q5_0_r16 * g, int r, int v) { /* the signed value, q - 16 */
+    const int c = (v % 16) / 4, t = v % 4, hi_bit = v < 16 ? c : 4 + c;
+    const uint8_t byte = g->qs[c][4 * r + t];
+    const int lo4 = v < 16 ? byte & 0xF : byte >> 4;
+    return (lo4 | ((g->qh[4 * r + t] >> hi_bit) & 1) << 4) - 16;
+}
+
+static int q8_0_packed(const sdmm_q8_0_r16 * g, int r, int v) { /* the signed value */
+    return (int) g->qs[v / 4][4 * r + v % 4] - 128;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* packing                                                                                    */
 
 int sdmm_supported_type(int type) {
-    return type == SDMM_TYPE_Q4_K || type == SDMM_TYPE_Q6_K;
+    return sdmm_group_bytes(type) != 0;
+}
+
+int sdmm_block_cols(int type) {
+    return type == SDMM_TYPE_Q5_0 || type == SDMM_TYPE_Q8_0 ? 32 : SDMM_QK;
 }
 
 size_t sdmm_group_bytes(int type) {
-    return type == SDMM_TYPE_Q4_K ? sizeof(sdmm_q4k_r16)
-           : type == SDMM_TYPE_Q6_K ? sizeof(sdmm_q6k_r16)
-                                    : 0;
+    switch (type) {
+        case SDMM_TYPE_Q4_K:
+            return sizeof(sdmm_q4k_r16);
+        case SDMM_TYPE_Q6_K:
+            return sizeof(sdmm_q6k_r16);
+        case SDMM_TYPE_Q5_0:
+            return sizeof(sdmm_q5_0_r16);
+        case SDMM_TYPE_Q8_0:
+            return sizeof(sdmm_q8_0_r16);
+        default:
+            return 0;
+    }
+}
+
+size_t sdmm_act_bytes(int type) {
+    return sdmm_block_cols(type) == SDMM_QK ? sizeof(sdmm_act) : sizeof(sdmm_act32);
 }
 
 size_t sdmm_packed_size(int type, int64_t n, int64_t k) {
-    return (size_t) ((n + SDMM_R - 1) / SDMM_R) * (size_t) (k / SDMM_QK) * sdmm_group_bytes(type);
+    return (size_t) ((n + SDMM_R - 1) / SDMM_R) * (size_t) (k / sdmm_block_cols(type)) *
+           sdmm_group_bytes(type);
 }
 
 static void pack_q4k(const sdmm_block_q4_K * src, int64_t n, int64_t nsb, sdmm_q4k_r16 * dst) {
@@ -125,16 +167,65 @@ static void pack_q6k(const sdmm_block_q6_K * src, int64_t n, int64_t nsb, sdmm_q
     }
 }
 
+static void pack_q5_0(const sdmm_block_q5_0 * src, int64_t n, int64_t nb, sdmm_q5_0_r16 * dst) {
+    for (int64_t g = 0; g < (n + SDMM_R - 1) / SDMM_R; g++) {
+        for (int64_t s = 0; s < nb; s++) {
+            sdmm_q5_0_r16 * out = dst + g * nb + s;
+            memset(out, 0, sizeof(*out));
+            for (int r = 0; r < SDMM_R && g * SDMM_R + r < n; r++) {
+                const sdmm_block_q5_0 * b = src + (g * SDMM_R + r) * nb + s;
+                out->d[r] = b->d;
+                for (int c = 0; c < 4; c++) {
+                    for (int t = 0; t < 4; t++) {
+                        const int lo = q5_0_src(b, 4 * c + t), hi = q5_0_src(b, 16 + 4 * c + t);
+                        out->qs[c][4 * r + t] = (uint8_t) ((lo & 0xF) | (hi & 0xF) << 4);
+                        out->qh[4 * r + t] |= (uint8_t) ((lo >> 4) << c | (hi >> 4) << (4 + c));
+                    }
+                }
+            }
+        }
+    }
+}
+
+static void pack_q8_0(const sdmm_block_q8_0 * src, int64_t n, int64_t nb, sdmm_q8_0_r16 * dst) {
+    for (int64_t g = 0; g < (n + SDMM_R - 1) / SDMM_R; g++) {
+        for (int64_t s = 0; s < nb; s++) {
+            sdmm_q8_0_r16 * out = dst + g * nb + s;
+            memset(out, 0, sizeof(*out)); /* padding rows: d = 0 */
+            for (int r = 0; r < SDMM_R && g * SDMM_R + r < n; r++) {
+                const sdmm_block_q8_0 * b = src + (g * SDMM_R + r) * nb + s;
+                out->d[r] = b->d;
+                for (int v = 0; v < 32; v++) {
+                    out->qs[v / 4][4 * r + v % 4] = (uint8_t) (b->qs[v] + 128);
+                }
+            }
+        }
+    }
+}
+
 void sdmm_pack(int type, const void * src, int64_t n, int64_t k, void * dst) {
-    if (type == SDMM_TYPE_Q4_K) {
-        pack_q4k((const sdmm_block_q4_K *) src, n, k / SDMM_QK, (sdmm_q4k_r16 *) dst);
-    } else if (type == SDMM_TYPE_Q6_K) {
-        pack_q6k((const sdmm_block_q6_K *) src, n, k / SDMM_QK, (sdmm_q6k_r16 *) dst);
+    const int64_t nb = k / sdmm_block_cols(type);
+    switch (type) {
+        case SDMM_TYPE_Q4_K:
+            pack_q4k((const sdmm_block_q4_K *) src, n, nb, (sdmm_q4k_r16 *) dst);
+            break;
+        case SDMM_TYPE_Q6_K:
+            pack_q6k((const sdmm_block_q6_K *) src, n, nb, (sdmm_q6k_r16 *) dst);
+            break;
+        case SDMM_TYPE_Q5_0:
+            pack_q5_0((const sdmm_block_q5_0 *) src, n, nb, (sdmm_q5_0_r16 *) dst);
+            break;
+        case SDMM_TYPE_Q8_0:
+            pack_q8_0((const sdmm_block_q8_0 *) src, n, nb, (sdmm_q8_0_r16 *) dst);
+            break;
+        default:
+            break;
     }
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* activations: ggml's quantize_row_q8_K_ref, operation for operation, plus the sums          */
+/* activations: ggml's quantize_row_q8_K_ref (K-quants) or quantize_row_q8_0_ref's rule with a
+ * float scale (Q5_0, Q8_0), operation for operation, plus the sums                           */
 
 static int nearest_int(float fval) {
     const float val = fval + 12582912.f;
@@ -143,7 +234,25 @@ static int nearest_int(float fval) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
-void sdmm_quantize_row(const float * x, int64_t k, sdmm_act * out, size_t stride) {
+static void quantize_row_q8_0(const float * x, int64_t k, sdmm_act32 * out, size_t stride) {
+    for (int64_t s = 0; s < k / 32; s++, x += 32) {
+        sdmm_act32 * a = out + (size_t) s * stride;
+        memset(a, 0, sizeof(*a));
+        float amax = 0;
+        for (int j = 0; j < 32; j++) {
+            amax = fmaxf(amax, fabsf(x[j]));
+        }
+        const float d = amax / 127;
+        const float id = d != 0 ? 1.0f / d : 0.0f;
+        for (int j = 0; j < 32; j++) {
+            a->qs[j] = (int8_t) roundf(x[j] * id);
+            a->sum += a->qs[j];
+        }
+        a->d = d;
+    }
+}
+
+static void quantize_row_q8_K(const float * x, int64_t k, sdmm_act * out, size_t stride) {
     for (int64_t s = 0; s < k / SDMM_QK; s++, x += SDMM_QK) {
         sdmm_act * a = out + (size_t) s * stride;
         memset(a, 0, sizeof(*a));
@@ -173,6 +282,14 @@ void sdmm_quantize_row(const float * x, int64_t k, sdmm_act * out, size_t stride
             a->b32[j / 2] = (int16_t) (a->b32[j / 2] + sum);
         }
         a->d = 1 / iscale;
+    }
+}
+
+void sdmm_quantize_row(int type, const float * x, int64_t k, void * out, size_t stride) {
+    if (sdmm_block_cols(type) == SDMM_QK) {
+        quantize_row_q8_K(x, k, (sdmm_act *) out, stride);
+    } else {
+        quantize_row_q8_0(x, k, (sdmm_act32 *) out, stride);
     }
 }
 
@@ -211,20 +328,49 @@ static float q6k_ref_block(const sdmm_q6k_r16 * blk, int r, const sdmm_act * A, 
     return fmaf((float) sumi, f1, acc);
 }
 
-/* sdmm_kernel_fn for `type`, one output at a time: the super-blocks in order into one float */
+/* Q5_0 and Q8_0: the integer dot product of a 32-value block, then its float term */
+static float q5_0_ref_block(const sdmm_q5_0_r16 * blk, int r, const sdmm_act32 * A, float acc) {
+    int32_t sumi = 0;
+    for (int v = 0; v < 32; v++) {
+        sumi += q5_0_packed(blk, r, v) * A->qs[v];
+    }
+    return fmaf((float) sumi, sd_h2f(blk->d[r]) * A->d, acc);
+}
+
+static float q8_0_ref_block(const sdmm_q8_0_r16 * blk, int r, const sdmm_act32 * A, float acc) {
+    int32_t sumi = 0;
+    for (int v = 0; v < 32; v++) {
+        sumi += q8_0_packed(blk, r, v) * A->qs[v];
+    }
+    return fmaf((float) sumi, sd_h2f(blk->d[r]) * A->d, acc);
+}
+
+static float ref_block(int type, const void * blk, int r, const void * A, float acc) {
+    switch (type) {
+        case SDMM_TYPE_Q4_K:
+            return q4k_ref_block(blk, r, A, acc);
+        case SDMM_TYPE_Q6_K:
+            return q6k_ref_block(blk, r, A, acc);
+        case SDMM_TYPE_Q5_0:
+            return q5_0_ref_block(blk, r, A, acc);
+        default:
+            return q8_0_ref_block(blk, r, A, acc);
+    }
+}
+
+/* sdmm_kernel_fn for `type`, one output at a time: the blocks in order into one float */
 static void kernel_ref(int type, const void * w, int nsb, int ngroups, int n_valid,
-                       const sdmm_act * a, int b, float * y, size_t ldy) {
+                       const void * a, int b, float * y, size_t ldy) {
     const char * groups = (const char *) w;
-    const size_t group_bytes = sdmm_group_bytes(type);
+    const size_t group_bytes = sdmm_group_bytes(type), act_bytes = sdmm_act_bytes(type);
     for (int g = 0; g < ngroups; g++) {
         for (int i = 0; i < b; i++) {
             for (int r = 0; r < SDMM_R && g * SDMM_R + r < n_valid; r++) {
                 float acc = 0.0f;
                 for (int s = 0; s < nsb; s++) {
                     const void * blk = groups + ((size_t) g * nsb + s) * group_bytes;
-                    const sdmm_act * A = a + (size_t) s * b + i;
-                    acc = type == SDMM_TYPE_Q4_K ? q4k_ref_block(blk, r, A, acc)
-                                                 : q6k_ref_block(blk, r, A, acc);
+                    const void * A = (const char *) a + ((size_t) s * b + i) * act_bytes;
+                    acc = ref_block(type, blk, r, A, acc);
                 }
                 y[(size_t) i * ldy + g * SDMM_R + r] = acc;
             }
@@ -232,15 +378,16 @@ static void kernel_ref(int type, const void * w, int nsb, int ngroups, int n_val
     }
 }
 
-void sdmm_kernel_q4k_ref(const void * w, int nsb, int ngroups, int n_valid, const sdmm_act * a,
-                         int b, float * y, size_t ldy) {
-    kernel_ref(SDMM_TYPE_Q4_K, w, nsb, ngroups, n_valid, a, b, y, ldy);
-}
-
-void sdmm_kernel_q6k_ref(const void * w, int nsb, int ngroups, int n_valid, const sdmm_act * a,
-                         int b, float * y, size_t ldy) {
-    kernel_ref(SDMM_TYPE_Q6_K, w, nsb, ngroups, n_valid, a, b, y, ldy);
-}
+#define SDMM_REF_(name, type)                                                                \
+    void name(const void * w, int nsb, int ngroups, int n_valid, const void * a, int b,      \
+              float * y, size_t ldy) {                                                       \
+        kernel_ref(type, w, nsb, ngroups, n_valid, a, b, y, ldy);                            \
+    }
+SDMM_REF_(sdmm_kernel_q4k_ref, SDMM_TYPE_Q4_K)
+SDMM_REF_(sdmm_kernel_q6k_ref, SDMM_TYPE_Q6_K)
+SDMM_REF_(sdmm_kernel_q5_0_ref, SDMM_TYPE_Q5_0)
+SDMM_REF_(sdmm_kernel_q8_0_ref, SDMM_TYPE_Q8_0)
+#undef SDMM_REF_
 
 /* ------------------------------------------------------------------------------------------ */
 /* dispatch                                                                                   */
@@ -266,29 +413,29 @@ int sdmm_isa_selected(void) {
     return selected;
 }
 
+/* the kernels by path and type: {Q4_K, Q6_K, Q5_0, Q8_0} */
+#define SDMM_BY_TYPE_(isa) \
+    { sdmm_kernel_q4k_##isa, sdmm_kernel_q6k_##isa, sdmm_kernel_q5_0_##isa, sdmm_kernel_q8_0_##isa }
+
 sdmm_kernel_fn sdmm_kernel(int type, int isa) {
-    if (!sdmm_isa_supported(isa)) {
+    static const sdmm_kernel_fn kernels[SD_ISA_COUNT][4] = {
+        SDMM_BY_TYPE_(ref),
+#if SD_X86
+        SDMM_BY_TYPE_(avx2),
+        SDMM_BY_TYPE_(avx512),
+#endif
+    };
+    const int t = type == SDMM_TYPE_Q4_K   ? 0
+                  : type == SDMM_TYPE_Q6_K ? 1
+                  : type == SDMM_TYPE_Q5_0 ? 2
+                  : type == SDMM_TYPE_Q8_0 ? 3
+                                           : -1;
+    if (t < 0 || isa < 0 || isa >= SD_ISA_COUNT || !sdmm_isa_supported(isa)) {
         return NULL;
     }
-    switch (isa) {
-        case SD_ISA_REF:
-            return type == SDMM_TYPE_Q4_K ? sdmm_kernel_q4k_ref
-                   : type == SDMM_TYPE_Q6_K ? sdmm_kernel_q6k_ref
-                                            : NULL;
-#if SD_X86
-        case SD_ISA_AVX2:
-            return type == SDMM_TYPE_Q4_K ? sdmm_kernel_q4k_avx2
-                   : type == SDMM_TYPE_Q6_K ? sdmm_kernel_q6k_avx2
-                                            : NULL;
-        case SD_ISA_AVX512:
-            return type == SDMM_TYPE_Q4_K ? sdmm_kernel_q4k_avx512
-                   : type == SDMM_TYPE_Q6_K ? sdmm_kernel_q6k_avx512
-                                            : NULL;
-#endif
-        default:
-            return NULL;
-    }
+    return kernels[isa][t]; /* NULL where the path is not compiled in */
 }
+#undef SDMM_BY_TYPE_
 
 double sdmm_peak_macs(long iters) {
 #if SD_X86
@@ -303,16 +450,17 @@ double sdmm_peak_macs(long iters) {
 int sdmm_matmul(int type, int isa, const void * packed, int64_t n, int64_t k, const float * x,
                 int64_t b, float * y) {
     const sdmm_kernel_fn kernel = sdmm_kernel(type, isa);
-    if (kernel == NULL || k % SDMM_QK != 0 || n < 1 || b < 1) {
+    if (kernel == NULL || k % sdmm_block_cols(type) != 0 || n < 1 || b < 1) {
         return -1;
     }
-    const int64_t nsb = k / SDMM_QK;
-    sdmm_act * acts = (sdmm_act *) malloc((size_t) (b * nsb) * sizeof(sdmm_act));
+    const int64_t nsb = k / sdmm_block_cols(type);
+    const size_t act_bytes = sdmm_act_bytes(type);
+    char * acts = (char *) malloc((size_t) (b * nsb) * act_bytes);
     if (acts == NULL) {
         return -1;
     }
     for (int64_t i = 0; i < b; i++) {
-        sdmm_quantize_row(x + i * k, k, acts + i, (size_t) b);
+        sdmm_quantize_row(type, x + i * k, k, acts + (size_t) i * act_bytes, (size_t) b);
     }
     kernel(packed, (int) nsb, (int) ((n + SDMM_R - 1) / SDMM_R), (int) n, acts, (int) b, y,
            (size_t) n);

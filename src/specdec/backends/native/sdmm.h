@@ -1,6 +1,6 @@
-/* sdmm: specdec's matrix multiply for quantized weights (Q4_K, Q6_K) times activations of any
- * number of rows, written for the 1..64-row batches a speculative verify runs, and batch-invariant
- * by construction.
+/* sdmm: specdec's matrix multiply for quantized weights (Q4_K, Q6_K; Q5_0, Q8_0) times
+ * activations of any number of rows, written for the 1..64-row batches a speculative verify runs
+ * (and the single steps of a draft model), and batch-invariant by construction.
  *
  * Why: a verify pass scores K+1 tokens at once. ggml's CPU kernels pick a different code path, and
  * so a different float summation order, for a single row (GEMV) than for a batch (repacked GEMM,
@@ -11,9 +11,10 @@
  *   - integer part: sub-block dot products of u8 weights and s8 activations, exact in any order
  *     (VNNI's vpdpbusd and AVX2's maddubs+madd give the same 32-bit sums), times the sub-block
  *     scale, summed in int32;
- *   - float part, per super-block s in order, in one SIMD lane per weight row:
+ *   - float part, per block s in order (a super-block of 256 values for the K-quants, a block of
+ *     32 for Q5_0 and Q8_0), in one SIMD lane per weight row:
  *       Q4_K: acc = fma(float(sumi), d*da, acc); acc = fma(-float(summ), dmin*da, acc)
- *       Q6_K: acc = fma(float(sumi), d*da, acc)
+ *       Q6_K, Q5_0, Q8_0: acc = fma(float(sumi), d*da, acc)
  *     (`d*da` rounded once to float); a lane's arithmetic never depends on its neighbours, and a
  *     row's K loop is never split across threads.
  * The scalar reference (SD_ISA_REF) spells out the same operations with fmaf, so every path
@@ -24,11 +25,14 @@
  * 4 columns of 16 weight rows by 4 columns of one activation row (broadcast). Each weight byte
  * is read from memory once for up to 64 activation rows and unpacked once per tile of them.
  *
- * Activations are quantized per row to Q8_K (ggml's quantize_row_q8_K_ref, reproduced exactly)
- * with the sums the kernels need precomputed (sdmm_act).
+ * Activations are quantized per row as ggml quantizes them for the type: to Q8_K for the
+ * K-quants (quantize_row_q8_K_ref, reproduced exactly; sdmm_act), to 32-value blocks with a float
+ * scale for Q5_0 and Q8_0 (quantize_row_q8_0_ref's rule, the scale kept in float; sdmm_act32),
+ * with the sums the kernels need precomputed.
  *
  * Glossary: n = weight rows (outputs per activation row), k = columns (the reduction length, a
- * multiple of 256), b = activation rows (tokens), nsb = k / 256 super-blocks per row.
+ * multiple of the type's block: sdmm_block_cols), b = activation rows (tokens), nsb = k /
+ * sdmm_block_cols blocks per row.
  */
 #pragma once
 
@@ -52,6 +56,8 @@ extern "C" {
 
 /* ggml type ids of the weight types sdmm multiplies (ggml.h's enum ggml_type; sdmm-buft.cpp
  * checks them against it at compile time) */
+#define SDMM_TYPE_Q5_0 6
+#define SDMM_TYPE_Q8_0 8
 #define SDMM_TYPE_Q4_K 12
 #define SDMM_TYPE_Q6_K 14
 
@@ -70,6 +76,17 @@ typedef struct {
     int8_t scales[16]; /* one per 16 values */
     sdmm_half d;
 } sdmm_block_q6_K;
+
+typedef struct {
+    sdmm_half d;
+    uint8_t qh[4];  /* bit v: the fifth bit of value v */
+    uint8_t qs[16]; /* low 4 bits: values v (low nibble) and v + 16 (high) */
+} sdmm_block_q5_0;
+
+typedef struct {
+    sdmm_half d;
+    int8_t qs[32];
+} sdmm_block_q8_0;
 
 /* Q4_K, 16 rows, one super-block: 2,368 bytes (16 ggml blocks: 2,304). Quants are unsigned
  * 0..15; value = d*sc*q - dmin*m. */
@@ -94,6 +111,23 @@ typedef struct {
     uint8_t qh[16][64];
 } sdmm_q6k_r16;
 
+/* Q5_0, 16 rows, one block of 32 values: 352 bytes (16 ggml blocks: 352). Quants are unsigned
+ * 0..31; value = d*(q - 16). */
+typedef struct {
+    sdmm_half d[SDMM_R];
+    /* qh byte 4r+t: bit c = hi1(4c+t), bit 4+c = hi1(16+4c+t), for loads c = 0..3 */
+    uint8_t qh[64];
+    /* load c: byte 4r+t = lo4(4c+t) | lo4(16+4c+t) << 4 */
+    uint8_t qs[4][64];
+} sdmm_q5_0_r16;
+
+/* Q8_0, 16 rows, one block of 32 values: 544 bytes (16 ggml blocks: 544). Quants are stored
+ * offset to unsigned, q + 128 (vpdpbusd's unsigned operand); value = d*q. */
+typedef struct {
+    sdmm_half d[SDMM_R];
+    uint8_t qs[8][64]; /* load c: byte 4r+t = q(4c+t) + 128 */
+} sdmm_q8_0_r16;
+
 /* One super-block of one activation row: Q8_K quants and the sums the kernels need. 384 bytes. */
 typedef struct {
     int8_t qs[SDMM_QK];
@@ -103,22 +137,34 @@ typedef struct {
     uint8_t pad_[44];
 } sdmm_act;
 
+/* One 32-value block of one activation row, for Q5_0 and Q8_0: quants, their sum (the weights'
+ * offsets, 16 and 128, folded into the integer sum) and the scale. 64 bytes. */
+typedef struct {
+    int8_t qs[32];
+    int32_t sum;
+    float d;
+    uint8_t pad_[24];
+} sdmm_act32;
+
 /* kernel: y[i*ldy + 16*g + r] = dot(weight row 16*g + r, activation row i) for groups g <
- * ngroups, activation rows i < b (a[s*b + i] is row i's super-block s: a super-block's rows side
- * by side, so a tile reaches them all from one pointer) and 16*g + r < n_valid
- * (the lanes past it, padding rows, are not stored). w points at group 0, groups are nsb
- * super-blocks long. */
-typedef void (*sdmm_kernel_fn)(const void * w, int nsb, int ngroups, int n_valid,
-                               const sdmm_act * a, int b, float * y, size_t ldy);
+ * ngroups, activation rows i < b (a is an array of the type's activation blocks, sdmm_act or
+ * sdmm_act32, and a[s*b + i] is row i's block s: a block's rows side by side, so a tile reaches
+ * them all from one pointer) and 16*g + r < n_valid (the lanes past it, padding rows, are not
+ * stored). w points at group 0, groups are nsb blocks long. */
+typedef void (*sdmm_kernel_fn)(const void * w, int nsb, int ngroups, int n_valid, const void * a,
+                               int b, float * y, size_t ldy);
 
 /* --- repacking (at model load) and activation quantization (per matmul) --- */
 int sdmm_supported_type(int type);
-size_t sdmm_group_bytes(int type); /* one group of 16 rows, one super-block */
+int sdmm_block_cols(int type);     /* values per block: 256 (K-quants), 32 (Q5_0, Q8_0) */
+size_t sdmm_group_bytes(int type); /* one group of 16 rows, one block */
+size_t sdmm_act_bytes(int type);   /* one activation block: sizeof sdmm_act or sdmm_act32 */
 size_t sdmm_packed_size(int type, int64_t n, int64_t k);
 /* src: n rows of k values in ggml's blocks; dst: sdmm_packed_size bytes */
 void sdmm_pack(int type, const void * src, int64_t n, int64_t k, void * dst);
-/* one row of k floats -> k/256 sdmm_act, super-block s at out[s * stride] */
-void sdmm_quantize_row(const float * x, int64_t k, sdmm_act * out, size_t stride);
+/* one row of k floats -> k / sdmm_block_cols(type) activation blocks, block s at out[s * stride]
+ * (counted in blocks) */
+void sdmm_quantize_row(int type, const float * x, int64_t k, void * out, size_t stride);
 
 /* --- kernels --- */
 /* can this CPU run sdmm's path `isa` (enum sd_isa), and was it compiled in: every feature of
@@ -129,12 +175,15 @@ int sdmm_isa_supported(int isa);
 int sdmm_isa_selected(void);
 sdmm_kernel_fn sdmm_kernel(int type, int isa);
 
-void sdmm_kernel_q4k_ref(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
-void sdmm_kernel_q6k_ref(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
-void sdmm_kernel_q4k_avx2(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
-void sdmm_kernel_q6k_avx2(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
-void sdmm_kernel_q4k_avx512(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
-void sdmm_kernel_q6k_avx512(const void *, int, int, int, const sdmm_act *, int, float *, size_t);
+#define SDMM_KERNEL_DECL_(name) \
+    void name(const void *, int, int, int, const void *, int, float *, size_t);
+SDMM_KERNEL_DECL_(sdmm_kernel_q4k_ref) SDMM_KERNEL_DECL_(sdmm_kernel_q6k_ref)
+SDMM_KERNEL_DECL_(sdmm_kernel_q5_0_ref) SDMM_KERNEL_DECL_(sdmm_kernel_q8_0_ref)
+SDMM_KERNEL_DECL_(sdmm_kernel_q4k_avx2) SDMM_KERNEL_DECL_(sdmm_kernel_q6k_avx2)
+SDMM_KERNEL_DECL_(sdmm_kernel_q5_0_avx2) SDMM_KERNEL_DECL_(sdmm_kernel_q8_0_avx2)
+SDMM_KERNEL_DECL_(sdmm_kernel_q4k_avx512) SDMM_KERNEL_DECL_(sdmm_kernel_q6k_avx512)
+SDMM_KERNEL_DECL_(sdmm_kernel_q5_0_avx512) SDMM_KERNEL_DECL_(sdmm_kernel_q8_0_avx512)
+#undef SDMM_KERNEL_DECL_
 
 /* MACs per second of 16 independent vpdpbusd chains on the calling thread (the int8 peak the
  * kernels are measured against); 0 where the CPU has no AVX-512 VNNI. */

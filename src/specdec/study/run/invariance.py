@@ -8,8 +8,8 @@ node outputs are compared row by row (row i of the batched node vs the single st
 
 The settings, each run in a process of its own because llama.cpp reads its tiled-matmul switch
 and sdmm its switch once per process:
-    default         specdec's: Q4_K and Q6_K weights in sdmm's buffer (backends/native), the
-                    rest as stock llama.cpp has it
+    default         specdec's: Q4_K, Q6_K, Q5_0 and Q8_0 weights in sdmm's buffer
+                    (backends/native), the rest as stock llama.cpp has it
     stock           stock llama.cpp's defaults: weights repacked (AMX where the CPU has it),
                     tiled K-quant matmul on ($SPECDEC_MM=0)
     tiled-off       stock, tiled matmul off
