@@ -179,6 +179,24 @@ def test_without_sdmm_deterministic_mode_takes_ggmls_slow_invariant_paths() -> N
     assert res.stdout.split()[-3:] == ["True", "0", "0.0"], res.stdout
 
 
+@pytest.mark.slow
+def test_without_sdmm_per_row_types_stay_invariant_in_ggmls_kernels() -> None:
+    """smollm2 (Q4_1, Q8_0) with sdmm off: Q8_0 is a type sdmm takes, but ggml multiplies it
+    row by row as well, so the file stays invariant without sdmm's buffer and deterministic mode
+    loads it as it is, nothing switched off (a review found it refused instead)."""
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    env["SPECDEC_MM"] = "0"
+    res = subprocess.run(
+        [sys.executable, "-c", _SLOW_DETERMINISTIC, "smollm2-135m"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-3:] == ["True", "0", "0.0"], res.stdout
+
+
 _AMX = """
 import sys
 import numpy as np

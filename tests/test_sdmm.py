@@ -141,6 +141,39 @@ def test_random_weights_every_batch_size_every_path(qtype: str, n: int, k: int) 
     _check(lib, qtype, _random_blocks(qtype, n, k, rng), n, k, _exact(qtype, 64, k, rng))
 
 
+def _q8_0_dequantized(x: np.ndarray) -> np.ndarray:
+    """x [b, k] float32 as sdmm quantizes it for Q5_0 and Q8_0 (ggml's quantize_row_q8_0_ref
+    with the scale kept in float32: d = amax / 127, q = roundf(x / d), half away from zero),
+    dequantized, in float64."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = (np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    v = (blocks * inv).astype(np.float64)  # float32 products, as the C code rounds them
+    q = np.sign(v) * np.floor(np.abs(v) + 0.5)
+    return (q * d.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0"])
+def test_32_value_activation_blocks_round_as_ggml(qtype: str) -> None:
+    """Activations no 32-value block holds exactly (the tests above use ones it does): the
+    product is that of the weights and of the activations quantized as ggml quantizes them,
+    rounding to nearest (truncating would be off by up to a quantum per value), an all-zero
+    block included."""
+    lib = _lib()
+    rng = np.random.default_rng(32)
+    n, k = 21, 96
+    blocks = _random_blocks(qtype, n, k, rng)
+    x = rng.normal(0, 1, (9, k)).astype(np.float32)
+    x[3, 32:64] = 0.0
+    w = dequantize(blocks, GGMLQuantizationType[qtype]).astype(np.float64)
+    ref = _q8_0_dequantized(x) @ w.T
+    terms = np.abs(_q8_0_dequantized(x)) @ np.abs(w).T
+    for isa in _isas(lib):
+        y = _matmul(lib, qtype, isa, _pack(lib, qtype, blocks, n, k), n, k, x)
+        err = np.abs(y - ref) / np.maximum(terms, 1e-30)
+        assert err.max() < 1e-6, f"{qtype} {SDMM_ISAS[isa]}: {err.max():.3g}"
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_more_rows_than_one_pass_over_the_weights(qtype: str) -> None:
     """Past 64 rows the kernels read a group's weights again for the next 64 (a prefill's

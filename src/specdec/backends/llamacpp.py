@@ -529,11 +529,12 @@ class LlamaCppModel(SpecModel):
         return cparams
 
     def _weights_where_expected(self) -> bool:
-        """sdmm holds the weights of its types (if the file has any) and no other kernel
-        repacked anything but AMX, whose kernels are invariant too (docs/kernels.md)."""
+        """sdmm holds the K-quants (if the file has any) and no other kernel repacked anything
+        but AMX, whose kernels are invariant too (docs/kernels.md). The per-row types sdmm also
+        takes are invariant in ggml's kernels as well: sdmm may or may not hold them."""
         others = {k: v for k, v in self.extra_mib.items() if k not in ("SDMM", "AMX") and v}
-        needs_sdmm = bool(self.weight_types & SDMM_TYPES)
-        return not others and (self.extra_mib.get("SDMM", 0.0) > 0) == needs_sdmm
+        needs_sdmm = bool(self.weight_types & (SDMM_TYPES - ROW_INVARIANT_TYPES))
+        return not others and (not needs_sdmm or self.extra_mib.get("SDMM", 0.0) > 0)
 
     @classmethod
     def load(

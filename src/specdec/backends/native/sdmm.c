@@ -245,7 +245,10 @@ static void quantize_row_q8_0(const float * x, int64_t k, sdmm_act32 * out, size
         const float d = amax / 127;
         const float id = d != 0 ? 1.0f / d : 0.0f;
         for (int j = 0; j < 32; j++) {
-            a->qs[j] = (int8_t) roundf(x[j] * id);
+            /* |x id| <= 127 (1 + 3 eps) for finite x; the clamp keeps the conversion defined for
+             * an inf, a nan or a subnormal amax (fmaxf takes -127 over a nan) */
+            const float v = fminf(fmaxf(x[j] * id, -127.0f), 127.0f);
+            a->qs[j] = (int8_t) roundf(v);
             a->sum += a->qs[j];
         }
         a->d = d;
