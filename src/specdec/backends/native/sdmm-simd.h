@@ -208,9 +208,8 @@ SD_INLINE void sdmm_tile(int type, const void * blk, const void * at, const int 
  * multiplied into every tile while it is in cache. A lane's K loop runs whole, in order, here.
  * The switch turns a tile's size into a constant, so each tile's loops unroll and its integer
  * sums live in registers. */
-SD_INLINE void sdmm_rows(int type, size_t group_bytes, const void * w, int nsb, const char * a,
-                         size_t sb, int b, float * y, size_t ldy, int valid) {
-    const size_t act_bytes = sdmm_act_bytes(type);
+SD_INLINE void sdmm_rows(int type, size_t group_bytes, size_t act_bytes, const void * w, int nsb,
+                         const char * a, size_t sb, int b, float * y, size_t ldy, int valid) {
     _Alignas(64) float facc[SDMM_CHUNK * SDMM_R]; /* row i's 16 outputs at facc[16 i] */
     memset(facc, 0, sizeof(float) * (size_t) b * SDMM_R);
     const int nh = valid >= SDMM_R ? SDMM_R / SD_VL : (valid + SD_VL - 1) / SD_VL;
@@ -254,8 +253,8 @@ SD_INLINE void sdmm_kernel_simd(int type, const void * w, int nsb, int ngroups, 
         const void * wg = (const char *) w + (size_t) g * (size_t) nsb * group_bytes;
         for (int i = 0; i < b; i += SDMM_CHUNK) {
             const int nb = b - i < SDMM_CHUNK ? b - i : SDMM_CHUNK;
-            sdmm_rows(type, group_bytes, wg, nsb, (const char *) a + (size_t) i * act_bytes,
-                      (size_t) b, nb,
+            sdmm_rows(type, group_bytes, act_bytes, wg, nsb,
+                      (const char *) a + (size_t) i * act_bytes, (size_t) b, nb,
                       y + (size_t) i * ldy + g * SDMM_R, ldy, n_valid - g * SDMM_R);
         }
     }

@@ -85,27 +85,40 @@ static int q8_0_packed(const sdmm_q8_0_r16 * g, int r, int v) { /* the signed va
 /* ------------------------------------------------------------------------------------------ */
 /* packing                                                                                    */
 
+/* The types sdmm multiplies, in the order of sdmm_kernel's table: the one place that says, per
+ * type, how many values a block holds, ggml's block and sdmm's 16-row group of it */
+static const struct {
+    int type, cols;
+    size_t src_bytes, group_bytes;
+} TYPES[] = {
+    {SDMM_TYPE_Q4_K, SDMM_QK, sizeof(sdmm_block_q4_K), sizeof(sdmm_q4k_r16)},
+    {SDMM_TYPE_Q6_K, SDMM_QK, sizeof(sdmm_block_q6_K), sizeof(sdmm_q6k_r16)},
+    {SDMM_TYPE_Q5_0, 32, sizeof(sdmm_block_q5_0), sizeof(sdmm_q5_0_r16)},
+    {SDMM_TYPE_Q8_0, 32, sizeof(sdmm_block_q8_0), sizeof(sdmm_q8_0_r16)},
+};
+#define SDMM_NTYPES ((int) (sizeof(TYPES) / sizeof(TYPES[0])))
+
+static int type_index(int type) { /* -1: not a type sdmm multiplies */
+    for (int i = 0; i < SDMM_NTYPES; i++) {
+        if (TYPES[i].type == type) {
+            return i;
+        }
+    }
+    return -1;
+}
+
 int sdmm_supported_type(int type) {
-    return sdmm_group_bytes(type) != 0;
+    return type_index(type) >= 0;
 }
 
 int sdmm_block_cols(int type) {
-    return type == SDMM_TYPE_Q5_0 || type == SDMM_TYPE_Q8_0 ? 32 : SDMM_QK;
+    const int i = type_index(type);
+    return i < 0 ? SDMM_QK : TYPES[i].cols;
 }
 
 size_t sdmm_group_bytes(int type) {
-    switch (type) {
-        case SDMM_TYPE_Q4_K:
-            return sizeof(sdmm_q4k_r16);
-        case SDMM_TYPE_Q6_K:
-            return sizeof(sdmm_q6k_r16);
-        case SDMM_TYPE_Q5_0:
-            return sizeof(sdmm_q5_0_r16);
-        case SDMM_TYPE_Q8_0:
-            return sizeof(sdmm_q8_0_r16);
-        default:
-            return 0;
-    }
+    const int i = type_index(type);
+    return i < 0 ? 0 : TYPES[i].group_bytes;
 }
 
 size_t sdmm_act_bytes(int type) {
@@ -117,109 +130,90 @@ size_t sdmm_packed_size(int type, int64_t n, int64_t k) {
            sdmm_group_bytes(type);
 }
 
-static void pack_q4k(const sdmm_block_q4_K * src, int64_t n, int64_t nsb, sdmm_q4k_r16 * dst) {
-    for (int64_t g = 0; g < (n + SDMM_R - 1) / SDMM_R; g++) {
-        for (int64_t s = 0; s < nsb; s++) {
-            sdmm_q4k_r16 * out = dst + g * nsb + s;
-            memset(out, 0, sizeof(*out)); /* rows past n stay zero: d = 0, outputs not stored */
-            for (int r = 0; r < SDMM_R && g * SDMM_R + r < n; r++) {
-                const sdmm_block_q4_K * b = src + (g * SDMM_R + r) * nsb + s;
-                out->d[r] = b->d;
-                out->dmin[r] = b->dmin;
-                for (int j = 0; j < 8; j++) {
-                    q4k_scale_min(b, j, &out->sc[j][r], &out->m[j / 2][r][j % 2]);
-                    for (int c = 0; c < 4; c++) {
-                        for (int t = 0; t < 4; t++) {
-                            const int lo = q4k_src(b, 32 * j + 4 * c + t);
-                            const int hi = q4k_src(b, 32 * j + 16 + 4 * c + t);
-                            out->qs[j][c][4 * r + t] = (uint8_t) (lo | hi << 4);
-                        }
-                    }
-                }
+/* Row r of a group's block `out` from that row's ggml block `b`, one function per type */
+static void pack_row_q4k(sdmm_q4k_r16 * out, int r, const sdmm_block_q4_K * b) {
+    out->d[r] = b->d;
+    out->dmin[r] = b->dmin;
+    for (int j = 0; j < 8; j++) {
+        q4k_scale_min(b, j, &out->sc[j][r], &out->m[j / 2][r][j % 2]);
+        for (int c = 0; c < 4; c++) {
+            for (int t = 0; t < 4; t++) {
+                const int lo = q4k_src(b, 32 * j + 4 * c + t);
+                const int hi = q4k_src(b, 32 * j + 16 + 4 * c + t);
+                out->qs[j][c][4 * r + t] = (uint8_t) (lo | hi << 4);
             }
         }
     }
 }
 
-static void pack_q6k(const sdmm_block_q6_K * src, int64_t n, int64_t nsb, sdmm_q6k_r16 * dst) {
-    for (int64_t g = 0; g < (n + SDMM_R - 1) / SDMM_R; g++) {
-        for (int64_t s = 0; s < nsb; s++) {
-            sdmm_q6k_r16 * out = dst + g * nsb + s;
-            memset(out, 0, sizeof(*out));
-            for (int r = 0; r < SDMM_R && g * SDMM_R + r < n; r++) {
-                const sdmm_block_q6_K * b = src + (g * SDMM_R + r) * nsb + s;
-                out->d[r] = b->d;
-                for (int j = 0; j < 16; j++) {
-                    out->sc[j][r] = b->scales[j];
-                    for (int t = 0; t < 4; t++) {
-                        int q[4]; /* dwords 0..3 of sub-block j */
-                        for (int c = 0; c < 4; c++) {
-                            q[c] = q6k_src(b, 16 * j + 4 * c + t);
-                        }
-                        out->ql[j][0][4 * r + t] = (uint8_t) ((q[0] & 0xF) | (q[2] & 0xF) << 4);
-                        out->ql[j][1][4 * r + t] = (uint8_t) ((q[1] & 0xF) | (q[3] & 0xF) << 4);
-                        out->qh[j][4 * r + t] = (uint8_t) ((q[0] >> 4) | (q[1] >> 4) << 2 |
-                                                           (q[2] >> 4) << 4 | (q[3] >> 4) << 6);
-                    }
-                }
+static void pack_row_q6k(sdmm_q6k_r16 * out, int r, const sdmm_block_q6_K * b) {
+    out->d[r] = b->d;
+    for (int j = 0; j < 16; j++) {
+        out->sc[j][r] = b->scales[j];
+        for (int t = 0; t < 4; t++) {
+            int q[4]; /* dwords 0..3 of sub-block j */
+            for (int c = 0; c < 4; c++) {
+                q[c] = q6k_src(b, 16 * j + 4 * c + t);
             }
+            out->ql[j][0][4 * r + t] = (uint8_t) ((q[0] & 0xF) | (q[2] & 0xF) << 4);
+            out->ql[j][1][4 * r + t] = (uint8_t) ((q[1] & 0xF) | (q[3] & 0xF) << 4);
+            out->qh[j][4 * r + t] = (uint8_t) ((q[0] >> 4) | (q[1] >> 4) << 2 | (q[2] >> 4) << 4 |
+                                               (q[3] >> 4) << 6);
         }
     }
 }
 
-static void pack_q5_0(const sdmm_block_q5_0 * src, int64_t n, int64_t nb, sdmm_q5_0_r16 * dst) {
-    for (int64_t g = 0; g < (n + SDMM_R - 1) / SDMM_R; g++) {
-        for (int64_t s = 0; s < nb; s++) {
-            sdmm_q5_0_r16 * out = dst + g * nb + s;
-            memset(out, 0, sizeof(*out));
-            for (int r = 0; r < SDMM_R && g * SDMM_R + r < n; r++) {
-                const sdmm_block_q5_0 * b = src + (g * SDMM_R + r) * nb + s;
-                out->d[r] = b->d;
-                for (int c = 0; c < 4; c++) {
-                    for (int t = 0; t < 4; t++) {
-                        const int lo = q5_0_src(b, 4 * c + t), hi = q5_0_src(b, 16 + 4 * c + t);
-                        out->qs[c][4 * r + t] = (uint8_t) ((lo & 0xF) | (hi & 0xF) << 4);
-                        out->qh[4 * r + t] |= (uint8_t) ((lo >> 4) << c | (hi >> 4) << (4 + c));
-                    }
-                }
-            }
+static void pack_row_q5_0(sdmm_q5_0_r16 * out, int r, const sdmm_block_q5_0 * b) {
+    out->d[r] = b->d;
+    for (int c = 0; c < 4; c++) {
+        for (int t = 0; t < 4; t++) {
+            const int lo = q5_0_src(b, 4 * c + t), hi = q5_0_src(b, 16 + 4 * c + t);
+            out->qs[c][4 * r + t] = (uint8_t) ((lo & 0xF) | (hi & 0xF) << 4);
+            out->qh[4 * r + t] |= (uint8_t) ((lo >> 4) << c | (hi >> 4) << (4 + c));
         }
     }
 }
 
-static void pack_q8_0(const sdmm_block_q8_0 * src, int64_t n, int64_t nb, sdmm_q8_0_r16 * dst) {
-    for (int64_t g = 0; g < (n + SDMM_R - 1) / SDMM_R; g++) {
-        for (int64_t s = 0; s < nb; s++) {
-            sdmm_q8_0_r16 * out = dst + g * nb + s;
-            memset(out, 0, sizeof(*out)); /* padding rows: d = 0 */
-            for (int r = 0; r < SDMM_R && g * SDMM_R + r < n; r++) {
-                const sdmm_block_q8_0 * b = src + (g * SDMM_R + r) * nb + s;
-                out->d[r] = b->d;
-                for (int v = 0; v < 32; v++) {
-                    out->qs[v / 4][4 * r + v % 4] = (uint8_t) (b->qs[v] + 128);
-                }
-            }
-        }
+static void pack_row_q8_0(sdmm_q8_0_r16 * out, int r, const sdmm_block_q8_0 * b) {
+    out->d[r] = b->d;
+    for (int v = 0; v < 32; v++) {
+        out->qs[v / 4][4 * r + v % 4] = (uint8_t) (b->qs[v] + 128);
+    }
+}
+
+static void pack_row(int type, void * out, int r, const void * b) {
+    switch (type) {
+        case SDMM_TYPE_Q4_K:
+            pack_row_q4k(out, r, b);
+            break;
+        case SDMM_TYPE_Q6_K:
+            pack_row_q6k(out, r, b);
+            break;
+        case SDMM_TYPE_Q5_0:
+            pack_row_q5_0(out, r, b);
+            break;
+        default:
+            pack_row_q8_0(out, r, b);
+            break;
     }
 }
 
 void sdmm_pack(int type, const void * src, int64_t n, int64_t k, void * dst) {
-    const int64_t nb = k / sdmm_block_cols(type);
-    switch (type) {
-        case SDMM_TYPE_Q4_K:
-            pack_q4k((const sdmm_block_q4_K *) src, n, nb, (sdmm_q4k_r16 *) dst);
-            break;
-        case SDMM_TYPE_Q6_K:
-            pack_q6k((const sdmm_block_q6_K *) src, n, nb, (sdmm_q6k_r16 *) dst);
-            break;
-        case SDMM_TYPE_Q5_0:
-            pack_q5_0((const sdmm_block_q5_0 *) src, n, nb, (sdmm_q5_0_r16 *) dst);
-            break;
-        case SDMM_TYPE_Q8_0:
-            pack_q8_0((const sdmm_block_q8_0 *) src, n, nb, (sdmm_q8_0_r16 *) dst);
-            break;
-        default:
-            break;
+    const int i = type_index(type);
+    if (i < 0) {
+        return;
+    }
+    const size_t out_bytes = TYPES[i].group_bytes, in_bytes = TYPES[i].src_bytes;
+    const int64_t nb = k / TYPES[i].cols;
+    for (int64_t g = 0; g < (n + SDMM_R - 1) / SDMM_R; g++) {
+        for (int64_t s = 0; s < nb; s++) {
+            char * out = (char *) dst + (size_t) (g * nb + s) * out_bytes;
+            memset(out, 0, out_bytes); /* rows past n stay zero: d = 0, outputs not stored */
+            for (int r = 0; r < SDMM_R && g * SDMM_R + r < n; r++) {
+                const size_t row_block = (size_t) ((g * SDMM_R + r) * nb + s);
+                pack_row(type, out, r, (const char *) src + row_block * in_bytes);
+            }
+        }
     }
 }
 
@@ -416,23 +410,19 @@ int sdmm_isa_selected(void) {
     return selected;
 }
 
-/* the kernels by path and type: {Q4_K, Q6_K, Q5_0, Q8_0} */
+/* the kernels by path and type, in TYPES' order */
 #define SDMM_BY_TYPE_(isa) \
     { sdmm_kernel_q4k_##isa, sdmm_kernel_q6k_##isa, sdmm_kernel_q5_0_##isa, sdmm_kernel_q8_0_##isa }
 
 sdmm_kernel_fn sdmm_kernel(int type, int isa) {
-    static const sdmm_kernel_fn kernels[SD_ISA_COUNT][4] = {
+    static const sdmm_kernel_fn kernels[SD_ISA_COUNT][SDMM_NTYPES] = {
         SDMM_BY_TYPE_(ref),
 #if SD_X86
         SDMM_BY_TYPE_(avx2),
         SDMM_BY_TYPE_(avx512),
 #endif
     };
-    const int t = type == SDMM_TYPE_Q4_K   ? 0
-                  : type == SDMM_TYPE_Q6_K ? 1
-                  : type == SDMM_TYPE_Q5_0 ? 2
-                  : type == SDMM_TYPE_Q8_0 ? 3
-                                           : -1;
+    const int t = type_index(type);
     if (t < 0 || isa < 0 || isa >= SD_ISA_COUNT || !sdmm_isa_supported(isa)) {
         return NULL;
     }
