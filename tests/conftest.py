@@ -11,6 +11,13 @@
     qwen05_path      Path of qwen2.5-coder-0.5b.gguf, fetched on first use.
 A test that needs a model fetches it (`fetched`); where it cannot, the test fails, never skips.
 
+The session runs in a $SPECDEC_HOME of its own (`_hermetic_home`): the caches anyone can rebuild
+(models, wheels, conversions, locks) are links to the real ones, and the machine's state is empty:
+no built anchor, no stored k=auto curve. Why: a test that passed only where someone had run
+`specdec anchors build` (or whose k=auto read what an earlier run stored) passed on the
+developer's machine and failed on a fresh one. A test that needs a build says so with
+@pytest.mark.anchors and sees the real home.
+
 The two models are session-wide (loading the HF one takes ~10 s): a test or a module fixture
 that needs one asks for these rather than loading its own. Every test that asks for one gets it
 with an EMPTY cache: the fixture resets it before handing it out.
@@ -27,13 +34,38 @@ Markers (pyproject.toml), so that `make test-fast` can leave out what is slow by
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from specdec.backends import load_model
+from specdec.backends.registry import specdec_home
+
+#: What the hermetic home links to the real one: caches, each rebuilt from pinned sources if lost
+#: (registry models, built wheels, tokenizer and config conversions, fetch locks). Everything
+#: else (anchors, k=auto's costs) starts empty.
+SHARED_CACHES = ("models", "wheels", "tokenizers", "configs", "locks")
+
+
+def _hermetic_home() -> Path:
+    """A fresh $SPECDEC_HOME for this session (exported, so subprocesses use it too), with the
+    caches linked in; the real home is returned."""
+    real = specdec_home()
+    home = Path(tempfile.mkdtemp(prefix="specdec-test-home-"))
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    for name in SHARED_CACHES:
+        (real / name).mkdir(parents=True, exist_ok=True)
+        (home / name).symlink_to(real / name, target_is_directory=True)
+    os.environ["SPECDEC_HOME"] = str(home)
+    return real
+
+
+REAL_HOME = _hermetic_home()
 from specdec.backends.llamacpp import usable_cores
 from specdec.backends.mock import MockModel
 from specdec.core.model import SpecModel
@@ -82,6 +114,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+
+
+@pytest.fixture(autouse=True)
+def _real_home_for_builds(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked `anchors` (it needs `specdec anchors build`) sees the real home's builds."""
+    if request.node.get_closest_marker("anchors") is not None:
+        monkeypatch.setenv("SPECDEC_HOME", str(REAL_HOME))
 
 
 def fetched(name: str) -> Path:

@@ -591,7 +591,8 @@ def test_cli_compare_llama_server_reads_its_modes_and_concurrency_plans_its_serv
     assert sent == {"served-p1": False, "served-p2": False, "served-prediction-p1": True,
                     "served-prediction-p2": True, "llama-server-np2": False,
                     "llama-server-ngram-mod-np2": False}  # fmt: skip
-    llama = plan[-1][1].command()
+    # the command as planned, with the binary named rather than looked up: no build is needed
+    llama = dataclasses.replace(plan[-1][1], exe=Path("llama-server")).command()
     assert llama[llama.index("-np") + 1] == "4" and llama[llama.index("-c") + 1] == "16384"
     with pytest.raises(ValueError, match="multiple of it"):
         together.run_together(dataclasses.replace(cfg, n_prompts=6), 4, "/nonexistent")
