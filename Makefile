@@ -35,7 +35,7 @@ $(STAMP): requirements.txt pyproject.toml
 
 $(LLAMA_STAMP): $(STAMP) $(LLAMA_BUILD)
 	rm -f $(VENV)/.llama-cpp-*
-	$(BIN)/python -m specdec.backends.llamacpp_build install
+	MAKEFLAGS= MFLAGS= $(BIN)/python -m specdec.backends.llamacpp_build install
 	touch $@
 
 # Debian's Chromium and its driver, for the playground's browser tests (tests/test_playground.py):
@@ -49,7 +49,16 @@ browser:
 	  else echo "note: chromium and chromedriver are missing (apt-get install chromium chromium-driver)"; fi; \
 	fi
 
-test: venv browser
+# The registry models the suite loads (tests/conftest.py), fetched and sha256-verified once.
+TEST_MODELS := smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+.PHONY: test-models
+test-models: $(STAMP)
+	$(BIN)/specdec models fetch --no-progress $(TEST_MODELS)
+
+# On a fresh machine the set-up runs side by side: the llama.cpp build is bound by the CPU, the
+# model fetch and Chromium's install by the network, so it takes about the longest of them.
+test: $(STAMP)
+	$(MAKE) -j3 --no-print-directory venv browser test-models
 	$(BIN)/python -m pytest -q --durations=25
 
 # The edit-test loop: the suite without real models, statistical tests and slow runs (the

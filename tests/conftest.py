@@ -44,12 +44,15 @@ from pathlib import Path
 import pytest
 
 from specdec.backends import load_model
+from specdec.backends.llamacpp import usable_cores
+from specdec.backends.mock import MockModel
 from specdec.backends.registry import specdec_home
+from specdec.core.model import SpecModel
 
 #: What the hermetic home links to the real one: caches, each rebuilt from pinned sources if lost
-#: (registry models, built wheels, tokenizer and config conversions, fetch locks). Everything
-#: else (anchors, k=auto's costs) starts empty.
-SHARED_CACHES = ("models", "wheels", "tokenizers", "configs", "locks")
+#: (registry models, built wheels, pinned sources, tokenizer and config conversions, fetch
+#: locks). Everything else (anchors, k=auto's costs) starts empty.
+SHARED_CACHES = ("models", "wheels", "sdists", "tokenizers", "configs", "locks")
 
 
 def _hermetic_home() -> Path:
@@ -66,9 +69,7 @@ def _hermetic_home() -> Path:
 
 
 REAL_HOME = _hermetic_home()
-from specdec.backends.llamacpp import usable_cores
-from specdec.backends.mock import MockModel
-from specdec.core.model import SpecModel
+
 
 SMOL = "smollm2-135m"
 # Threads per model: every core this process may use (the library's default), as CI's box runs

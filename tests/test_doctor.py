@@ -19,14 +19,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import TEST_THREADS
 
 from specdec.backends.costs import CurveFiles
 from specdec.backends.mock import MockModel
+from specdec.core.cost import VerifyCurve
 from specdec.core.model import SpecModel
 from specdec.core.policy import AutoPolicies
 from specdec.study.artifacts.provenance import model_block
 from specdec.study.run import microbench
-from specdec.study.run.doctor import BATCHES, diagnose, format_report, run
+from specdec.study.run.doctor import BATCHES, diagnose, format_report, format_stored, run
 
 V = 48
 STEP_S = 0.05  # the planted target step
@@ -198,6 +200,36 @@ def test_report_table_names_every_number(monkeypatch) -> None:
     ):
         assert needle in text, needle
     assert text.count("\n   ") >= len(BATCHES) - 1  # a break-even row per K
+
+
+def test_the_stored_curve_is_shown_with_its_samples_and_ages_and_what_looks_wrong() -> None:
+    """The store as found on a busy host (v(2) = 104 steps) and a point 3x this run's."""
+    stored = VerifyCurve.of({1: 0.0308, 2: 3.207, 4: 0.125}, at=1000.0)
+    stored.add(1, 0.0310, at=1000.0 + 3600)
+    text = format_stored(stored, {1: 30.8, 2: 28.0, 4: 41.0}, now=1000.0 + 2 * 86400)
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[2:5]}
+    assert rows["1"][:8] == ["1", "30.8", "1.00", "2", "2", "d", "ago", "yes"]  # 2 samples
+    assert rows["2"][2:10] == ["104.12", "1", "2", "d", "ago", "no", "dropped:", "over"]
+    assert " ".join(rows["2"][-7:]) == "2 x b x the cheapest point"
+    assert " ".join(rows["4"][7:]) == "yes 3.05x this run's 41.0 ms"
+    assert "looks wrong at b = 2, 4" in text and "--reset-costs" in text
+    assert "no k=auto curve" in format_stored(VerifyCurve())
+
+
+@pytest.mark.slow
+def test_cli_doctor_reset_costs_forgets_the_stored_curve(smol_llamacpp) -> None:
+    """`specdec doctor --reset-costs` removes the target's stored curve (the session's home
+    holds only what this test writes) and measures nothing."""
+    path = CurveFiles().path(smol_llamacpp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"verify_s": {"1": 0.0308, "2": 3.207}}')
+    cmd = [sys.executable, "-m", "specdec.cli.main", "doctor", "--reset-costs", "--target"]
+    cmd += ["llamacpp:smollm2-135m", "--threads", str(TEST_THREADS)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == f"removed {path}" and not path.exists()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert "no stored k=auto curve" in again.stdout
 
 
 @pytest.mark.slow

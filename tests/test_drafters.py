@@ -9,6 +9,7 @@ identical to target-only decoding. Controller unit tests use synthetic cost curv
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import random
 from dataclasses import replace
@@ -27,6 +28,8 @@ from specdec.core.metrics import Round
 from specdec.core.policy import (
     MIN_SLOPE,
     PRIOR_SLOPE,
+    PROBE_AFTER,
+    PROBE_SHARE,
     AutoPolicies,
     CostModelK,
     FixedK,
@@ -380,9 +383,9 @@ def test_auto_runs_no_calibration_and_keeps_its_curve_between_processes(tmp_path
     saved = json.loads((tmp_path / "costs" / "mock.json").read_text())["verify_s"]
     assert saved and all(float(s) > 0 for s in saved.values())
     fresh = AutoPolicies(store).get(target, ("model", draft), 8)  # another process
-    assert fresh.verify_s == {int(b): float(s) for b, s in saved.items()}
+    assert fresh.curve == {int(b): float(s) for b, s in saved.items()}
     # a model the store cannot name (mock models, by default) starts from the prior
-    assert AutoPolicies(CurveFiles(tmp_path / "costs")).get(target, "model", 8).verify_s == {}
+    assert AutoPolicies(CurveFiles(tmp_path / "costs")).get(target, "model", 8).curve == {}
 
 
 def test_auto_policies_carry_what_a_generation_learned_to_the_next() -> None:
@@ -422,9 +425,10 @@ def test_auto_policies_carry_what_a_generation_learned_to_the_next() -> None:
 def test_auto_retries_a_source_switched_off_by_early_rejections() -> None:
     """One rejection must not switch a drafter off for good (it did, with forgetting only on
     use: prompt lookup drafted nothing after the warm-up). Idle rounds pull the estimate back to
-    the prior, and the retry is a cheap K = 1 (depth cap), then K grows with evidence."""
+    the prior, and the retry is a cheap K = 1 (depth cap), then K grows with evidence. Probes
+    (off here; the next test) retry sooner."""
     curve = {1: 1.0, 2: 1.48, 3: 1.89, 4: 1.89, 5: 2.4, 6: 2.81, 7: 3.13, 8: 3.75, 9: 3.99}
-    p = CostModelK(k_max=8, verify_s={b: 0.066 * v for b, v in curve.items()})
+    p = CostModelK(k_max=8, verify_s={b: 0.066 * v for b, v in curve.items()}, probe=0.0)
     assert p.choose("lookup3", 100) == 1  # never seen: explored, but only one deep
     p.observe(_round("lookup3", 1, 0, draft_s=0.0, verify_s=0.066 * 1.48))
     p.observe(_round("lookup3", 1, 0, draft_s=0.0, verify_s=0.066 * 1.48))
@@ -441,6 +445,26 @@ def test_auto_retries_a_source_switched_off_by_early_rejections() -> None:
     assert p.choose("lookup3", 100) > 1
 
 
+def test_auto_probes_after_idle_rounds_within_its_share_of_the_time() -> None:
+    """After PROBE_AFTER rounds at K = 0 a round drafts what the prior's costs would (K = 1 for
+    a source judged twice), and probes that keep failing take at most PROBE_SHARE of the time
+    (their cost beyond a plain step, against every round's)."""
+    step, curve = 0.066, {1: 1.0, 2: 1.48, 3: 1.89, 4: 1.89, 5: 2.4}
+    p = CostModelK(k_max=8, verify_s={b: step * v for b, v in curve.items()})
+    for _ in range(2):
+        p.observe(_round("lookup3", 1, 0, draft_s=0.0, verify_s=step * 1.48))
+    probes, spent, extra = [], 0.0, 0.0
+    for i in range(3000):
+        k = p.choose("lookup3", 100)
+        v = step * curve[k + 1]
+        probes += [i] * (k > 0)
+        spent, extra = spent + v, extra + v - step
+        p.observe(_round("lookup3" if k else "none", k, 0, draft_s=0.0, verify_s=v))
+    assert probes[0] == PROBE_AFTER and len(probes) > 20  # retried early, and again and again
+    assert extra / spent <= PROBE_SHARE + 0.005  # every probe rejected: within its share
+    assert min(b - a for a, b in itertools.pairwise(probes)) >= PROBE_AFTER
+
+
 def test_lookup_sources_bucket_the_match_length() -> None:
     """Long matches (the output copying its input) get their own acceptance estimate."""
     d = LookupDrafter()
@@ -451,11 +475,13 @@ def test_lookup_sources_bucket_the_match_length() -> None:
     assert d.propose([*run, 99, *run[:9]], 3)[0].tolist() == run[9:12]
 
 
-def test_auto_recovers_from_a_cost_curve_measured_on_a_busy_machine() -> None:
+@pytest.mark.parametrize("probe", [PROBE_SHARE, 0.0])
+def test_auto_recovers_from_a_cost_curve_measured_on_a_busy_machine(probe: float) -> None:
     """A v(2) measured while another process held a core (2.4 steps: drafting looks dear) must
-    not switch speculation off for good: unconfirmed measurements fade back to the prior, and a
-    source with good acceptance is retried at K = 1 (its real cost is measured again)."""
-    p = CostModelK(k_max=8)
+    not switch speculation off for good: a probe retries it after PROBE_AFTER idle rounds, and
+    without probes unconfirmed measurements fade back to the prior, and a source with good
+    acceptance is retried at K = 1 (its real cost is measured again)."""
+    p = CostModelK(k_max=8, probe=probe)
     p.observe(_round("none", 0, 0, verify_s=0.05))
     for i in range(10):  # v(2) = 2.4 v(1): contended; half the drafts accepted
         p.observe(_round("lookup3", 1, i % 2, verify_s=0.12))
@@ -465,7 +491,7 @@ def test_auto_recovers_from_a_cost_curve_measured_on_a_busy_machine() -> None:
         p.observe(_round("none", 0, 0, verify_s=0.05))
         rounds += 1
         assert rounds < 2000, "never retried"
-    assert 50 < rounds < 1000
+    assert rounds == PROBE_AFTER if probe else 50 < rounds < 1000
 
 
 AMX_1024 = {1: 1.0, 2: 1.83, 3: 2.0, 4: 2.11, 5: 2.3, 6: 2.51, 7: 2.81, 8: 2.95, 16: 3.77, 32: 5.82}
@@ -478,7 +504,7 @@ def test_auto_explores_deeper_where_a_one_token_probe_is_the_dearest() -> None:
     draft step, shallower."""
     p = CostModelK(k_max=64, verify_s={b: 0.065 * v for b, v in AMX_1024.items()})
     assert p.choose("lookup4+", 100) == 3
-    assert CostModelK(k_max=64, verify_s=dict(p.verify_s), explore=0.0).choose("x", 100) == 0
+    assert CostModelK(k_max=64, verify_s=p.curve, explore=0.0).choose("x", 100) == 0
     linear = CostModelK(k_max=64, verify_s={b: 0.05 * (1 + 0.5 * (b - 1)) for b in range(1, 40)})
     assert linear.depth_cap("lookup4+") == 1
     p.observe(_round("model", 1, 1, draft_s=0.065 * 0.5, verify_s=0.065 * 1.83))
@@ -490,12 +516,12 @@ def test_a_stale_cost_fades_only_toward_a_cheaper_prior() -> None:
     not switch drafting off for good), but one below the prior stays: fading a flat curve's
     b = 32 (5.8 steps against the prior's 16.5) made long drafts look dear after a few requests."""
     p = CostModelK(k_max=64, verify_s={b: 0.065 * v for b, v in AMX_1024.items()})
-    p.verify_n = {b: 1.0 for b in p.verify_s}
+    p.verify_n = {b: 1.0 for b in p.curve}
     for _ in range(600):
         p.observe(_round("none", 0, 0, verify_s=0.065))  # only b = 1 measured again
     assert p.v(32) == pytest.approx(0.065 * 5.82)  # cheaper than the prior: kept
-    both = CostModelK(k_max=64, verify_s=dict(p.verify_s), fade_down_only=False)
-    both.verify_n = {b: 1.0 for b in p.verify_s}
+    both = CostModelK(k_max=64, verify_s=p.curve, fade_down_only=False)
+    both.verify_n = {b: 1.0 for b in p.curve}
     for _ in range(600):
         both.observe(_round("none", 0, 0, verify_s=0.065))
     assert both.v(32) > 2 * 0.065 * 5.82  # the old rule: drawn toward 0.5 steps per token

@@ -62,6 +62,7 @@ CORE_STDLIB = {
     "operator",
     "os",
     "re",
+    "statistics",
     "time",
     "typing",
     "weakref",

@@ -45,6 +45,7 @@ from serverkit import (
 
 from specdec.core import drafters
 from specdec.core.config import SpecConfig, Warp
+from specdec.core.cost import VerifyCurve
 from specdec.core.decode import generate
 from specdec.serve import engine as engine_mod
 from specdec.serve.app import ServeConfig
@@ -95,10 +96,10 @@ class TrueCurve:
     """A CurveStore that knows the mock's costs, so that no warm-up measurement taken on a
     busy machine decides whether drafting pays (the control would be as noisy as the test)."""
 
-    def load(self, target: Any) -> dict[int, float]:
-        return {b: STEP_S * (1 + SLOPE * (b - 1)) for b in range(1, 66)}
+    def load(self, target: Any) -> VerifyCurve:
+        return VerifyCurve.of({b: STEP_S * (1 + SLOPE * (b - 1)) for b in range(1, 66)})
 
-    def save(self, target: Any, curve: Any) -> None:
+    def save(self, target: Any, curve: Any, replace: bool = False) -> None:
         pass
 
 

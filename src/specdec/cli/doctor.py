@@ -66,6 +66,12 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "--out", default=None, metavar="FILE", help="also write the JSON report here (path)"
     )
     p.add_argument(
+        "--reset-costs",
+        action="store_true",
+        help="forget k=auto's stored verify curve for this target, build and settings, and "
+        "measure nothing (flag); the next k=auto run starts from the prior",
+    )
+    p.add_argument(
         "--no-seed",
         action="store_true",
         help="do not write the measured curve to k=auto's cost store (flag; default: write it)",
@@ -79,13 +85,19 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from specdec.backends.costs import CurveFiles
     from specdec.cli.main import version_line
     from specdec.study.artifacts.schema import to_json, write_json
-    from specdec.study.run.doctor import format_report, run
+    from specdec.study.run.doctor import format_report, format_stored, run
 
     if args.prefix < 1:
         raise ValueError(f"--prefix must be >= 1, got {args.prefix}")
     if not args.seconds > 0:
         raise ValueError(f"--seconds must be > 0, got {args.seconds}")
+    if args.reset_costs:
+        target, _ = cli_args.load_pair(args, args.target, None)
+        gone = CurveFiles().reset(target)
+        print(f"removed {gone}" if gone else "no stored k=auto curve for this target and settings")
+        return 0
     target, draft = cli_args.load_pair(args, args.target, args.draft)
+    stored = CurveFiles().load(target)
     rep = run(
         target,
         draft,
@@ -103,6 +115,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print(version_line())
         print(format_report(rep))
+        print()
+        print(format_stored(stored, rep.verify_ms))
     if rep.contended:
         print(
             f"warning: the single step varied by {rep.step_spread:.0%} between passes: the "

@@ -10,6 +10,7 @@ from pathlib import Path
 from specdec.backends.costs import CurveFiles
 from specdec.cli import args as cli_args
 from specdec.core.config import check_int
+from specdec.core.cost import VerifyCurve
 from specdec.study.run.microbench import (
     CONTENDED_SPREAD,
     acceptance_profile,
@@ -106,7 +107,8 @@ def _cmd_microbench(args: argparse.Namespace) -> int:
     out = artifact_path(Path(args.out), target.name, args.tag)
     write_json(out, art)
     # k="auto" starts from this curve in later processes
-    CurveFiles().save(target, {pt.b: pt.median_ms / 1e3 for pt in art.verify})
+    measured = VerifyCurve.of({pt.b: pt.median_ms / 1e3 for pt in art.verify})
+    CurveFiles().save(target, measured, replace=True)
     print(format_table(art))
     if art.step_spread is not None and art.step_spread > CONTENDED_SPREAD:
         print(

@@ -6,7 +6,8 @@ distribution for the current round — so any of them leaves the output distribu
 target's.
 
 `CostModelK` ("k=auto") keeps online estimates of
-    v(b)      seconds for one target pass over b tokens (b = K + 1 in a round)
+    v(b)      seconds for one target pass over b tokens (b = K + 1 in a round): the timed
+              passes' robust summary, within physical bounds (core.cost.VerifyCurve)
     t_d       seconds per drafted token, per draft source
     alpha_i   P(draft i accepted | drafts 1..i-1 accepted), per draft source
 and picks the K in {0 .. K_max} that maximizes expected tokens per second,
@@ -14,10 +15,11 @@ and picks the K in {0 .. K_max} that maximizes expected tokens per second,
     E[tokens | K] / (v(K + 1) + K * t_d),   E[tokens | K] = 1 + sum_{i<=K} prod_{j<=i} alpha_j
 
 (core.cost's formulas, the microbench's too, here in seconds). K = 0 is a plain target step:
-where speculation cannot pay, it turns itself off.
+where speculation cannot pay, it turns itself off, and probes now and then (PROBE_SHARE of the
+time at most) whether the costs that switched it off still hold.
 
 A policy is data: it reads and writes no file. Its verify-cost curve comes in with `load_curve`
-and goes out as `curve`; `AutoPolicies`, which the owner of the models keeps (a server's
+and goes out as `costs`; `AutoPolicies`, which the owner of the models keeps (a server's
 engine, a CLI run, a bench), holds k="auto" policies across generations and moves their curves
 to and from a `CurveStore` (backends.costs.CurveFiles keeps them in JSON files).
 """
@@ -27,10 +29,10 @@ from __future__ import annotations
 import bisect
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Protocol
 
-from specdec.core.cost import expected_tokens_per_round, round_cost
+from specdec.core.cost import VerifyCurve, expected_tokens_per_round, round_cost
 from specdec.core.cost import p_at_least_from_conditional as p_at_least
 from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
@@ -113,28 +115,60 @@ EXPLORE = 1.5
 LOADED_WEIGHT = 1.0
 
 
+#: Probing: after PROBE_AFTER rounds in a row that draft less than k="auto" would on the
+#: prior's costs (`_probe`), either nothing or less because a point this process has not
+#: measured prices the deeper pass, one round drafts that much, while probes have cost at most
+#: PROBE_SHARE of the time this policy has seen rounds take. Why: a round re-measures only the
+#: pass it makes, so a verify curve that is wrong on the dear side (a hiccup that outlived the
+#: bounds, a curve from a busier day) would otherwise hold K down for good; a probe re-measures
+#: it, and the acceptance, at a bounded price.
+PROBE_AFTER = 16
+PROBE_SHARE = 0.02
+
+
 @dataclass
 class CostModelK:
     """K maximizing expected tokens per second under measured costs (module docstring).
 
     No calibration runs in the request path: v(b) is learned from the verify passes the
     generation makes anyway (PRIOR_SLOPE until then), or starts from a curve measured before
-    (`load_curve`: what an earlier process learned, or the microbench's).
+    (`load_curve`: what an earlier process learned, or the microbench's). `verify_s` seeds the
+    curve with one sample per point.
     """
 
     k_max: int
-    verify_s: dict[int, float] = field(default_factory=dict)  # b -> seconds (EMA)
-    # b -> decayed count of measurements; a b given in verify_s without one is trusted as is
+    verify_s: InitVar[Mapping[int, float] | None] = None
+    costs: VerifyCurve = field(default_factory=VerifyCurve)  # v(b): samples and their summary
+    # b -> decayed count of this process's measurements; a point without one is trusted as is
     verify_n: dict[int, float] = field(default_factory=dict)
     sources: dict[str, _SourceStats] = field(default_factory=dict)
     explore: float = EXPLORE  # 0: explore an untried source at K = 1
+    probe: float = PROBE_SHARE  # the most of the time probes may take (0: never probe)
     # a stale v(b) fades toward the prior only where the prior is cheaper (False: both ways)
     fade_down_only: bool = True
-    _known: list[int] = field(default_factory=list, repr=False)  # sorted keys of verify_s
+    _summary: dict[int, float] = field(default_factory=dict, repr=False)  # costs.summary()
+    _known: list[int] = field(default_factory=list, repr=False)  # sorted keys of _summary
+    _here: set[int] = field(default_factory=set, repr=False)  # b this policy's rounds measured
+    _short: int = field(default=0, repr=False)  # rounds in a row below a probe (PROBE_AFTER)
+    # the round's choice was below a probe (None: no choice, a round without a source)
+    _below: bool | None = field(default=None, repr=False)
+    _probe_base: float | None = field(default=None, repr=False)  # est. cost of the round a
+    # probe replaced; None: the last choice was no probe
+    _seen_s: float = field(default=0.0, repr=False)  # seconds of every round observed
+    _probe_s: float = field(default=0.0, repr=False)  # what probes cost beyond those rounds
+
+    def __post_init__(self, verify_s: Mapping[int, float] | None) -> None:
+        if verify_s:
+            self.costs = self.costs.merged(VerifyCurve.of(verify_s))
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self._summary = dict(self.costs.summary())
+        self._known = sorted(self._summary)
 
     # ------------------------------------------------------------------ estimates
     def _prior(self, b: int) -> float:
-        step = self.verify_s.get(1)
+        step = self._summary.get(1)
         return (1.0 if step is None else step) * (1 + PRIOR_SLOPE * (b - 1))
 
     def _measured(self, b: int) -> float:
@@ -148,8 +182,8 @@ class CostModelK:
         n = min(1.0, self.verify_n.get(b, 1.0))
         prior = self._prior(b)
         if self.fade_down_only:
-            prior = min(prior, self.verify_s[b])
-        return n * self.verify_s[b] + (1 - n) * prior
+            prior = min(prior, self._summary[b])
+        return n * self._summary[b] + (1 - n) * prior
 
     def v(self, b: int) -> float:
         """Seconds for a target pass over b tokens: measured, else interpolated linearly
@@ -157,11 +191,9 @@ class CostModelK:
         to linear past a few rows; a joint pass over several requests' rows asks for b beyond
         what one request verifies), kept within [MIN_SLOPE, PRIOR_SLOPE] steps a token; before
         the first, or with one, the prior's slope."""
-        if b in self.verify_s:
+        if b in self._summary:
             return self._measured(b)
         known = self._known
-        if len(known) != len(self.verify_s):
-            known = self._known = sorted(self.verify_s)
         if not known:
             return 1.0 + PRIOR_SLOPE * (b - 1)  # in steps; any unit gives the same argmax
         i = bisect.bisect_left(known, b)
@@ -170,7 +202,7 @@ class CostModelK:
             w = (b - lo) / (hi - lo)
             return (1 - w) * self._measured(lo) + w * self._measured(hi)
         ref = known[0] if i == 0 else known[-1]
-        step = self.verify_s.get(1, self.verify_s[ref] / (1 + PRIOR_SLOPE * (ref - 1)))
+        step = self._summary.get(1, self._summary[ref] / (1 + PRIOR_SLOPE * (ref - 1)))
         slope = PRIOR_SLOPE * step
         if i > 0 and len(known) > 1:
             lo = known[-2]
@@ -207,10 +239,14 @@ class CostModelK:
         st = self.sources.get(source)
         return st.draft_s_per_token if st and st.draft_s_per_token is not None else 0.0
 
-    def _rates(self, source: str, k_top: int) -> list[float]:
-        """Expected tokens per second for k = 0..k_top (core.cost's E(k) / cost(k))."""
+    def _rates(
+        self, source: str, k_top: int, v: Callable[[int], float] | None = None
+    ) -> list[float]:
+        """Expected tokens per second for k = 0..k_top (core.cost's E(k) / cost(k)), with the
+        verify costs `v` (default: this policy's)."""
+        v = v or self.v
         t_d = self.draft_cost(source)
-        vs = [self.v(b) for b in range(1, k_top + 2)]  # [k_top + 1]: v(1) .. v(k_top + 1)
+        vs = [v(b) for b in range(1, k_top + 2)]  # [k_top + 1]: v(1) .. v(k_top + 1)
         tokens = self.expected_tokens(source, k_top)
         return [tokens[k] / round_cost(vs, t_d, k) for k in range(k_top + 1)]  # per second
 
@@ -219,19 +255,20 @@ class CostModelK:
         return self._rates(source, k)[k]
 
     # ------------------------------------------------------------------ the curve, in and out
-    def load_curve(self, curve: Mapping[int, float]) -> None:
-        """Start from a verify-cost curve {b: seconds} measured before (an earlier process, the
-        microbench): each point counts as LOADED_WEIGHT measurements; non-positive points are
-        ignored."""
-        for b, s in curve.items():
-            if s > 0:
-                self.verify_s[int(b)], self.verify_n[int(b)] = float(s), LOADED_WEIGHT
+    def load_curve(self, curve: VerifyCurve | Mapping[int, float]) -> None:
+        """Start from a verify-cost curve measured before (an earlier process's samples, or a
+        microbench's {b: seconds}): each point this process has not measured counts as
+        LOADED_WEIGHT measurements for fading (`_measured`); non-positive times are ignored."""
+        loaded = curve if isinstance(curve, VerifyCurve) else VerifyCurve.of(curve)
+        self.costs = self.costs.merged(loaded)
+        for b in loaded.samples():
+            self.verify_n.setdefault(b, LOADED_WEIGHT)
+        self._refresh()
 
     @property
     def curve(self) -> dict[int, float]:
-        """What this policy holds of v(b), {b: seconds}: what a store keeps for the next
-        process."""
-        return dict(sorted(self.verify_s.items()))
+        """What this policy prices passes with, {b: seconds} (VerifyCurve.summary)."""
+        return dict(self._summary)
 
     # ------------------------------------------------------------------ policy
     def depth_cap(self, source: str) -> int:
@@ -265,13 +302,46 @@ class CostModelK:
     def choose(self, source: str, remaining: int) -> int:
         k_top = min(self.k_max, remaining, self.depth_cap(source))
         rates = self._rates(source, k_top)
-        return max(range(k_top + 1), key=lambda k: (rates[k], -k))
+        k = max(range(k_top + 1), key=lambda k: (rates[k], -k))
+        self._probe_base, self._below = None, False
+        probe = 0 if self.probe <= 0 or k == k_top else self._probe(source, k_top)
+        if probe <= k or (k > 0 and self._points_of(probe + 1) <= self._here):
+            return k  # as deep as a probe would draft, or priced by this run's own passes
+        if self._short < PROBE_AFTER or self._probe_s > self.probe * self._seen_s:
+            self._below = True
+            return k
+        self._probe_base = self.v(k + 1) + k * self.draft_cost(source)
+        return probe
+
+    def _probe(self, source: str, k_top: int) -> int:
+        """A probe's K: what would be drafted if v(b) were the prior's (one step, and half a
+        step a token), so that a curve wrong on the dear side is measured where it matters."""
+        step = self.v(1)
+        rates = self._rates(source, k_top, lambda b: step * (1 + PRIOR_SLOPE * (b - 1)))
+        return max(range(1, k_top + 1), key=lambda k: (rates[k], -k))
+
+    def _points_of(self, b: int) -> set[int]:
+        """The measured points that price v(b) (`v`): b's own, the two around it, or the nearest
+        one or two beyond the last or before the first."""
+        known = self._known
+        if b in self._summary or not known:
+            return {b} & set(self._summary)
+        i = bisect.bisect_left(known, b)
+        return set(known[max(0, i - 1) : i + 1]) if 0 < i < len(known) else set(known[-2:])
 
     def observe(self, r: Round) -> None:
         source, k, n_accepted = r.source, r.k, r.n_accepted
         b = r.pass_rows  # the pass may have verified other sequences' rows too
-        old = self.verify_s.get(b)
-        self.verify_s[b] = r.verify_s if old is None else DECAY * old + (1 - DECAY) * r.verify_s
+        if self._probe_base is not None and k > 0:  # what the probe cost beyond the choice
+            self._probe_s += max(0.0, r.verify_s + r.draft_s - self._probe_base)
+        self._probe_base = None
+        if self._below is not None:  # rounds without a source leave the count as it is
+            self._short = self._short + 1 if self._below else 0
+        self._below = None
+        self._seen_s += r.verify_s + r.draft_s
+        self._here.add(b)
+        self.costs.add(b, r.verify_s)
+        self._refresh()
         for x in self.verify_n:  # measurements go stale like acceptance estimates do
             self.verify_n[x] *= IDLE_DECAY
         self.verify_n[b] = self.verify_n.get(b, 0.0) + 1.0
@@ -340,18 +410,20 @@ def choose_together(wants: Sequence[tuple[KPolicy | None, str | None, int]]) -> 
 
 
 class CurveStore(Protocol):
-    """Where verify-cost curves {b: seconds} live between processes, per target (e.g.
-    backends.costs.CurveFiles: a JSON file per model file, build and settings)."""
+    """Where verify-cost curves live between processes, per target (e.g.
+    backends.costs.CurveFiles: a JSON file per model file, build and settings). `save` adds the
+    curve's samples to what is kept (another process may have saved some meanwhile), or with
+    `replace` keeps only them (a deliberate measurement: `specdec doctor`, `specdec microbench`)."""
 
-    def load(self, target: SpecModel) -> Mapping[int, float]: ...
+    def load(self, target: SpecModel) -> VerifyCurve: ...
 
-    def save(self, target: SpecModel, curve: Mapping[int, float]) -> object: ...
+    def save(self, target: SpecModel, curve: VerifyCurve, replace: bool = False) -> object: ...
 
 
 @dataclass
 class _Kept:
     policy: CostModelK
-    stored: dict[int, float]  # the curve the store holds from this policy (or gave it)
+    stored: VerifyCurve  # what the store holds from this policy (or gave it)
 
 
 class AutoPolicies:
@@ -380,16 +452,16 @@ class AutoPolicies:
             policy = CostModelK(k_max)
             if self.curves is not None:
                 policy.load_curve(self.curves.load(target.owner))
-            kept = per_target[(drafter, k_max)] = _Kept(policy, policy.curve)
+            kept = per_target[(drafter, k_max)] = _Kept(policy, VerifyCurve(policy.costs.samples()))
         return kept.policy
 
     def finished(self, target: SpecModel, policy: CostModelK) -> None:
-        """A generation with `policy` ended: what it learned of v(b) goes to the store."""
+        """A generation with `policy` ended: what it measured of v(b) goes to the store."""
         if self.curves is None:
             return
         for kept in self._kept.get(target.owner, {}).values():
-            if kept.policy is policy and policy.curve != kept.stored:
-                kept.stored = policy.curve
+            if kept.policy is policy and policy.costs != kept.stored:
+                kept.stored = VerifyCurve(policy.costs.samples())
                 self.curves.save(target.owner, kept.stored)
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from collections.abc import Mapping
 
+from specdec.core.cost import VerifyCurve
 from specdec.core.model import SpecModel
 from specdec.core.policy import AutoPolicies, CurveStore
 
@@ -30,27 +30,28 @@ DEFAULT_POLICY_SCOPES = 256
 
 
 class SharedCurves:
-    """A CurveStore over another (or none): the latest curve any policy stored, per target, in
+    """A CurveStore over another (or none): every sample any policy stored, per target, in
     memory, so that a tenant's first policy starts from what the others measured."""
 
     def __init__(self, inner: CurveStore | None) -> None:
         self.inner = inner
-        self._latest: weakref.WeakKeyDictionary[SpecModel, dict[int, float]] = (
+        self._latest: weakref.WeakKeyDictionary[SpecModel, VerifyCurve] = (
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
 
-    def load(self, target: SpecModel) -> Mapping[int, float]:
+    def load(self, target: SpecModel) -> VerifyCurve:
         with self._lock:
             latest = self._latest.get(target)
         if latest is not None:
-            return dict(latest)
-        return {} if self.inner is None else self.inner.load(target)
+            return VerifyCurve(latest.samples())
+        return VerifyCurve() if self.inner is None else self.inner.load(target)
 
-    def save(self, target: SpecModel, curve: Mapping[int, float]) -> object:
+    def save(self, target: SpecModel, curve: VerifyCurve, replace: bool = False) -> object:
         with self._lock:
-            self._latest[target] = dict(curve)
-        return None if self.inner is None else self.inner.save(target, curve)
+            kept = VerifyCurve() if replace else self._latest.get(target, VerifyCurve())
+            self._latest[target] = kept.merged(curve)
+        return None if self.inner is None else self.inner.save(target, curve, replace)
 
 
 class TenantPolicies:

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.core.cost import (
+    ROW_SLACK,
+    VerifyCurve,
     expected_tokens_per_round,
     p_at_least_from_conditional,
     predicted_speedup,
@@ -90,8 +92,7 @@ class Diagnosis:
 
 def dense_curve(v: Mapping[int, float]) -> list[float]:
     """[v(1), ..., v(max b)]: the measured points, and between them k=auto's interpolation."""
-    policy = CostModelK(k_max=max(v))
-    policy.verify_s.update(v)  # without a measurement count a point is trusted as is
+    policy = CostModelK(k_max=max(v), verify_s=v)  # without a measurement count: trusted as is
     return [policy.v(b) for b in range(1, max(v) + 1)]
 
 
@@ -291,7 +292,11 @@ def run(
     diagnosis = diagnose({b: ms / step for b, ms in medians.items()}, c)
     store = None
     if curves is not None:
-        written = curves.save(target, {b: ms / 1e3 for b, ms in medians.items()})
+        passes = VerifyCurve()  # every timed pass a sample: the store keeps their median
+        for b, ms in sorted(verify.items()):
+            for x in ms:
+                passes.add(b, x / 1e3)
+        written = curves.save(target, passes, replace=True)
         store = str(written) if written else None
     return DoctorReport(
         schema=SCHEMA,
@@ -389,4 +394,52 @@ def format_report(rep: DoctorReport) -> str:
     if rep.cost_store:
         lines.append(f"k=auto's cost store seeded: {rep.cost_store}")
     lines.append(f"measured in {rep.measure_s:.0f} s")
+    return "\n".join(lines)
+
+
+#: A stored point this far from what the doctor just measured (either way) looks wrong: it was
+#: measured under another load, or on another day's host behind the same machine type.
+STORED_OFF = 1.5
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{max(seconds, 0):.0f} s"
+
+
+def format_stored(
+    curve: VerifyCurve, measured_ms: Mapping[int, float] | None = None, now: float | None = None
+) -> str:
+    """k=auto's stored curve for this target (backends.costs): each point's time, the samples
+    behind it and their age, whether k=auto uses it, and where it looks wrong (beyond the
+    physical bounds, or STORED_OFF from `measured_ms`, this run's medians)."""
+    points = curve.points()
+    if not points:
+        return "stored    no k=auto curve for this target, build and settings (the prior until one)"
+    now = time.time() if now is None else now
+    step = curve.summary().get(1)
+    lines = [
+        "stored    k=auto's curve before this run",
+        f"  {'b':>5} {'ms':>9}{'steps':>8} {'n':>4}  {'newest':>11}  used",
+    ]
+    wrong = []
+    for p in points:
+        steps = f"{p.seconds / step:8.2f}" if step else f"{'':>8}"
+        note = "" if p.used else f"  dropped: over {ROW_SLACK:g} x b x the cheapest point"
+        ms = (measured_ms or {}).get(p.b)
+        if p.used and ms and not 1 / STORED_OFF <= p.seconds * 1e3 / ms <= STORED_OFF:
+            note = f"  {p.seconds * 1e3 / ms:.2f}x this run's {ms:.1f} ms"
+        wrong += [p.b] * bool(note)
+        lines.append(
+            f"  {p.b:>5d} {p.seconds * 1e3:9.1f}{steps} {p.n:>4d}  {_age(now - p.newest):>7} ago"
+            f"  {'yes' if p.used else 'no':>3}{note}"
+        )
+    if wrong:
+        lines.append(
+            f"  looks wrong at b = {', '.join(map(str, wrong))}: measured under another load or "
+            "a hiccup; this run's curve replaces it (unless --no-seed), or clear it with "
+            "`specdec doctor --reset-costs`"
+        )
     return "\n".join(lines)
