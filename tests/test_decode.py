@@ -79,7 +79,8 @@ def test_level2_in_company_matches_baseline(pair, baseline_samples) -> None:
         for g in gens:
             g.prefill()
         while live := [g for g in gens if not g.done]:
-            rounds_together(live)
+            for got in rounds_together(live):
+                assert not isinstance(got, Exception), got
         spec += [g.tokens for g in gens]
     _assert_distributed_as(spec, baseline_samples)
 

@@ -274,6 +274,11 @@ def test_top_k_and_top_p_warping() -> None:
     assert (pp[0, :2] > 0).all() and (pp[0, 2:] == 0).all()
     # top_p below the first token's mass keeps only the argmax
     assert float(probs_from_logits(logits, 1.0, top_p=0.01)[0, 0]) == 1.0
+    # ... also below float32's least positive value, which rounds it to 0 (it once dropped every
+    # token: NaN, and a served request with top_p = 1e-300 failed every neighbour of its pass)
+    for tiny in (1e-300, 1e-46, 5e-324):
+        rows = probs_from_logits(torch.stack([logits[0], logits[0].flip(0)]), 1.0, top_p=tiny)
+        assert rows.tolist() == [[1.0, 0, 0, 0, 0], [0, 0, 0, 0, 1.0]]
     # temperature sharpens
     assert float(probs_from_logits(logits, 0.5)[0, 0]) > float(full[0])
 

@@ -82,7 +82,8 @@ def _staggered(gens: list[Generation], chunk: int) -> list[list[int]]:
                 g.prefill(chunk)
         ready = [g for g in started if g.prefilled and not g.done]
         if ready:
-            rounds_together(ready)
+            for got in rounds_together(ready):
+                assert not isinstance(got, Exception), got
     return [g.tokens for g in gens]
 
 
@@ -105,6 +106,46 @@ def test_greedy_answers_are_the_same_alone_and_in_company(neighbours) -> None:
         assert got[i] == want, f"generation {i} of {n}"
 
 
+@pytest.mark.parametrize("part", ["want", "propose", "settle"])
+def test_a_generation_that_raises_in_a_joint_round_fails_alone(part: str) -> None:
+    """Generation 1's drafter, draft or accept walk raises in its third round (a warp that
+    leaves no token once did, and failed every request of the pass): it gets its exception,
+    the others go on in the same passes, and their greedy answers are their solo answers."""
+    target = MockModel(V, seed=3)
+    draft = MockModel.near(target, noise=0.7, seed=4)
+    kinds = (0, 1, 2, 4)  # MIX's, but the prediction (it needs one)
+    targets, drafts = target.slots(len(kinds)), draft.slots(len(kinds))
+    gens = []
+    for i, t, d in zip(kinds, targets, drafts, strict=True):
+        spec = _spec(i)
+        d = d if spec["spec"].drafter in ("model", "composite") else None
+        s = stream(t, _prompt(i, V), draft=d, warp=GREEDY, max_new_tokens=30, debug=True, **spec)
+        gens.append(s.generation)
+    real, calls = getattr(gens[1], part), []
+
+    def raising(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("its own failure")
+        return real(*args, **kw)
+
+    setattr(gens[1], part, raising)
+    for g in gens:
+        while not g.prefill():
+            pass
+    failed: list[Exception] = []
+    live = list(gens)
+    while live:
+        for g, got in zip(list(live), rounds_together(live), strict=True):
+            if isinstance(got, Exception):
+                failed.append(got)
+                live.remove(g)
+        live = [g for g in live if not g.done]
+    assert [str(e) for e in failed] == ["its own failure"] and not gens[1].done
+    for j in (0, 2, 3):
+        assert gens[j].tokens == _alone(target, draft, kinds[j], 30), f"generation {j}"
+
+
 def test_a_joint_round_is_one_pass_at_one_k_with_the_rows_it_paid_for() -> None:
     target = MockModel(V, seed=3)
     targets = target.slots(3)
@@ -123,7 +164,7 @@ def test_a_joint_round_is_one_pass_at_one_k_with_the_rows_it_paid_for() -> None:
     for g in gens:
         while not g.prefill():
             pass
-    rounds_together(gens)
+    assert not any(isinstance(got, Exception) for got in rounds_together(gens))
     assert len(rounds) == 3
     # each drafted at most 4 and the pass had 3 x (the longest draft + 1) rows
     width = max(r.k for r in rounds) + 1
@@ -154,13 +195,13 @@ def test_a_backend_with_one_sequence_says_how_to_serve_several() -> None:
 
 
 # ------------------------------------------------------------------------------ K for the pass
-def _learned(curve: dict[int, float], alpha: float) -> CostModelK:
+def _learned(curve: dict[int, float], alpha: float, k_max: int = 32) -> CostModelK:
     """A k="auto" policy with `curve` that saw 60 rounds at K = 32 of a copy source accepted at
     `alpha` a position (each pass timed as the curve says)."""
     from specdec.core.metrics import Round
 
     rng = random.Random(0)
-    p = CostModelK(32)
+    p = CostModelK(k_max)
     p.load_curve(curve)
     for _ in range(60):
         n = 0
@@ -180,6 +221,11 @@ def test_k_for_the_pass_shortens_as_sequences_are_added() -> None:
     assert ks == sorted(ks, reverse=True) and ks[0] >= 8 and ks[-1] < ks[0], ks
     steep = {b: float(b) for b in range(1, 300)}
     assert choose_together([(_learned(steep, 0.5), "prediction", 500)] * 4) == 0
+    # k=auto policies of other k_max in one pass (a draft model's 8 beside lookup's 64): each
+    # counts its own E(k) up to its k_max (the pass once raised "k must be in [0, 8]")
+    deep = _learned(flat, 0.95, k_max=64)  # lookup's k_max, beside the draft model's 8
+    shallow = CostModelK(8, verify_s=flat)
+    assert choose_together([(deep, "prediction", 500), (shallow, "model", 500)]) > 8
     # a fixed K is a floor; no drafter, no K
     assert choose_together([(FixedK(6), "lookup3", 500), (None, None, 500)]) == 6
     assert choose_together([(None, None, 500)] * 3) == 0
@@ -238,8 +284,9 @@ def test_llamacpp_refuses_more_slots_than_its_context_holds(smol_llamacpp) -> No
 
 # ------------------------------------------------------------------------------ the server
 def test_a_parallel_server_answers_each_request_as_if_alone() -> None:
-    """--parallel 4, eight greedy requests of different lengths and drafters at once: each
-    answer is generate()'s alone, the engine ran several at a time, and /metrics says so."""
+    """--parallel 4, eight greedy requests of different lengths and drafters at once, and one
+    with a vanishing top_p: each answer is generate()'s alone, the engine ran several at a
+    time, and /metrics says so."""
     srv = mock_server(parallel=4, delay=0.002)
     kinds = [None, {"drafter": "none"}, {"drafter": "lookup", "k": "auto"},
              {"drafter": "model", "k": 3}, {"drafter": "lookup", "k": 5}]  # fmt: skip
@@ -250,10 +297,13 @@ def test_a_parallel_server_answers_each_request_as_if_alone() -> None:
         if kinds[i % len(kinds)] is not None:
             body["speculation"] = kinds[i % len(kinds)]
         bodies.append(body)
+    # a neighbour sampling with a top_p below float32's least positive value: it keeps only
+    # the most likely token, so its answer is the greedy one (it once failed the whole pass)
+    bodies.append({**bodies[2], "temperature": 1.0, "top_p": 1e-300, "seed": 5})
     most = [0]
     try:
         e = srv.engine
-        with ThreadPoolExecutor(8) as pool:
+        with ThreadPoolExecutor(len(bodies)) as pool:
             futs = [pool.submit(srv.request, "POST", "/v1/completions", b) for b in bodies]
             while not all(f.done() for f in futs):
                 most[0] = max(most[0], e.running)

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 import torch
 
@@ -51,6 +53,7 @@ from specdec.core.sampling import greedy_verify, probs_from_logits, rejection_sa
 #: so a request abandoned during a long prefill frees the engine within one chunk. 512 is
 #: llama.cpp's default physical batch (the backend splits there anyway).
 PREFILL_CHUNK = 512
+_T = TypeVar("_T")
 
 
 class Clock:
@@ -407,33 +410,54 @@ def _round(gen: Generation) -> list[int]:
     return gen.settle(logits)  # 3. accept walk, 4. commit and roll back
 
 
-def rounds_together(gens: Sequence[Generation]) -> list[list[int]]:
+def rounds_together(gens: Sequence[Generation]) -> list[list[int] | Exception]:
     """One round of each generation (prefilled, not done), their targets being slots of one
     model (SpecModel.slots), in one target pass: every one drafts the K that
     core.policy.choose_together picks for all of them and pads what its drafter does not
     propose, so that the pass is one over the weights (backends.llamacpp); each keeps only its
     own rows and settles with its own rule and generator. On a batch-invariant backend a row
     has the same bits as in a pass of its own: a greedy answer is the same alone or in company.
-    Returns each one's committed tokens."""
+    Returns each one's committed tokens, or the exception its own part of the round raised (its
+    drafter, its accept walk: e.g. a warp that leaves no token): that one is left out of the rest
+    of the round, the others' rounds stand. Only the shared pass raising raises."""
     if len(gens) == 1:
-        return [_round(gens[0])]
-    wants = [g.want() for g in gens]
+        return [_own(partial(_round, gens[0]))]
+    done: dict[int, list[int] | Exception] = {}  # what each one ends the round with
+    wants = {}
+    for i, g in enumerate(gens):
+        w = _own(g.want)
+        if isinstance(w, Exception):
+            done[i] = w
+        else:
+            wants[i] = w
     space = min(g.target.n_ctx - g.target.n_cached for g in gens)  # room for padded rows
-    k = min(choose_together(wants), space - 1)
-    ids = [  # as `_round`: nothing drafted where the drafter has no source
-        g.propose(min(k, room) if src is not None else 0, src)
-        for g, (_, src, room) in zip(gens, wants, strict=True)
-    ]
-    width = max(map(len, ids))  # k + 1, or less where every drafter proposed fewer
-    padded = [[*x, *[x[-1]] * (width - len(x))] for x in ids]  # padding: rows thrown away
-    t0 = gens[0].clock.now()
-    logits = extend_together([(g.target, x) for g, x in zip(gens, padded, strict=True)])
-    seconds = gens[0].clock.now() - t0
-    out = []
-    for g, x, lg in zip(gens, ids, logits, strict=True):
-        g.clock.add("verify_s", seconds)
-        out.append(g.settle(lg[: len(x)], rows=width * len(gens)))
-    return out
+    k = min(choose_together(list(wants.values())), space - 1)
+    ids: dict[int, list[int]] = {}
+    for i, (_, src, room) in wants.items():  # as `_round`: nothing drafted without a source
+        x = _own(partial(gens[i].propose, min(k, room) if src is not None else 0, src))
+        if isinstance(x, Exception):
+            done[i] = x
+        else:
+            ids[i] = x
+    if ids:
+        width = max(map(len, ids.values()))  # k + 1, or less where every drafter proposed fewer
+        padded = [[*x, *[x[-1]] * (width - len(x))] for x in ids.values()]  # padding: thrown away
+        t0 = gens[0].clock.now()
+        logits = extend_together([(gens[i].target, x) for i, x in zip(ids, padded, strict=True)])
+        seconds = gens[0].clock.now() - t0
+        for (i, x), lg in zip(ids.items(), logits, strict=True):
+            gens[i].clock.add("verify_s", seconds)
+            done[i] = _own(partial(gens[i].settle, lg[: len(x)], rows=width * len(ids)))
+    return [done[i] for i in range(len(gens))]
+
+
+def _own(part: Callable[[], _T]) -> _T | Exception:
+    """One generation's part of a joint round: its result, or what it raised (which is its
+    own: rounds_together leaves it out and goes on with the others)."""
+    try:
+        return part()
+    except Exception as e:
+        return e
 
 
 def _keep_prefix(target: SpecModel, ids: list[int], block: int) -> int:

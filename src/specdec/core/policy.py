@@ -395,7 +395,8 @@ def choose_together(wants: Sequence[tuple[KPolicy | None, str | None, int]]) -> 
         return floor
     curve = autos[0][0]
     k_top = max(min(p.k_max, room, p.depth_cap(src)) for p, src, room in autos)
-    tokens = [p.expected_tokens(src, min(k_top, room)) for p, src, room in autos]
+    # each E(k) up to what its own policy may draft: a neighbour's k_max is not its own
+    tokens = [p.expected_tokens(src, min(k_top, room, p.k_max)) for p, src, room in autos]
     costs = [p.draft_cost(src) for p, src, _ in autos]
     rest = len(wants) - len(autos)  # sequences without a k="auto" policy: one token each
     n = len(wants)

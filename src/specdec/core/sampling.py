@@ -58,6 +58,9 @@ def probs_from_logits(
         # Drop a token when the mass strictly before it already reaches top_p: the kept set is the
         # smallest prefix with mass >= top_p, and the most likely token is always kept.
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        # ... even where top_p is below float32's least positive value: the comparison rounds
+        # it to 0, and 0 >= 0 would drop the most likely token too (every row empty: NaN).
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

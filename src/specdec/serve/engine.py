@@ -613,13 +613,19 @@ class Engine:
         try:
             step()
         except Exception as e:
-            log.exception("generation failed")
-            err = f"generation failed: {type(e).__name__} (the server's log has the details)"
             for a in group:
-                if not a.ended:
-                    a.job.emit(Failed(ApiError(500, err, type="server_error", code="engine_error")))
-                    self._reset_slot(a.slot)
-                    self._end(a, "error", None)
+                self._fail(a, e)
+
+    def _fail(self, a: _Active, e: Exception) -> None:
+        """End `a` with 500 for `e`, raised by its generation, and reset its slot (a pass that
+        raised may have left it half-written)."""
+        if a.ended:
+            return
+        log.error("generation failed", exc_info=e)
+        err = f"generation failed: {type(e).__name__} (the server's log has the details)"
+        a.job.emit(Failed(ApiError(500, err, type="server_error", code="engine_error")))
+        self._reset_slot(a.slot)
+        self._end(a, "error", None)
 
     def _prefill_ended(self, a: _Active) -> None:
         """The prompt is in: end a request cancelled during its prefill (its stop_reason)."""
@@ -629,10 +635,14 @@ class Engine:
             self._end(a, reason, None)
 
     def _round(self, ready: list[_Active]) -> None:
-        """One round for every prefilled request, one target pass; hand each its text."""
+        """One round for every prefilled request, one target pass; hand each its text. A
+        request whose own part of the round raised fails alone (rounds_together)."""
         gens = [a.gen for a in ready]
-        for a, ids in zip(ready, rounds_together(gens), strict=True):
-            self._deliver(a, ids)
+        for a, got in zip(ready, rounds_together(gens), strict=True):
+            if isinstance(got, Exception):
+                self._fail(a, got)
+            else:
+                self._deliver(a, got)
 
     def _deliver(self, a: _Active, ids: list[int]) -> None:
         """Hand a round's tokens to the job (and its origins, if asked); end it when it is done,
