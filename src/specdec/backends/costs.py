@@ -108,9 +108,10 @@ class CurveFiles:
     def load(self, target: SpecModel) -> VerifyCurve:
         path = self.path(target)
         curve = read_curve(path) if path is not None else VerifyCurve()
-        for p in curve.points():
-            if not p.used:  # the machine's load, not the kernel: priced by its neighbours
-                log.debug("%s: v(%d) = %.4g s not used (beyond the bounds)", path, p.b, p.seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            for p in curve.points():
+                if not p.used:  # the machine's load, not the kernel: priced by its neighbours
+                    log.debug("%s: v(%d) = %.4g s not used (beyond bounds)", path, p.b, p.seconds)
         return curve
 
     def save(self, target: SpecModel, curve: VerifyCurve, replace: bool = False) -> Path | None:

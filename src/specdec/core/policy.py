@@ -163,8 +163,8 @@ class CostModelK:
         self._refresh()
 
     def _refresh(self) -> None:
-        self._summary = dict(self.costs.summary())
-        self._known = sorted(self._summary)
+        self._summary = self.costs.summary()  # VerifyCurve's own, in b order
+        self._known = list(self._summary)
 
     # ------------------------------------------------------------------ estimates
     def _prior(self, b: int) -> float:
@@ -240,14 +240,18 @@ class CostModelK:
         return st.draft_s_per_token if st and st.draft_s_per_token is not None else 0.0
 
     def _rates(
-        self, source: str, k_top: int, v: Callable[[int], float] | None = None
+        self,
+        source: str,
+        k_top: int,
+        v: Callable[[int], float] | None = None,
+        tokens: list[float] | None = None,
     ) -> list[float]:
         """Expected tokens per second for k = 0..k_top (core.cost's E(k) / cost(k)), with the
-        verify costs `v` (default: this policy's)."""
+        verify costs `v` (default: this policy's) and E(k) `tokens` (default: computed)."""
         v = v or self.v
         t_d = self.draft_cost(source)
         vs = [v(b) for b in range(1, k_top + 2)]  # [k_top + 1]: v(1) .. v(k_top + 1)
-        tokens = self.expected_tokens(source, k_top)
+        tokens = tokens or self.expected_tokens(source, k_top)
         return [tokens[k] / round_cost(vs, t_d, k) for k in range(k_top + 1)]  # per second
 
     def expected_rate(self, source: str, k: int) -> float:
@@ -301,10 +305,11 @@ class CostModelK:
 
     def choose(self, source: str, remaining: int) -> int:
         k_top = min(self.k_max, remaining, self.depth_cap(source))
-        rates = self._rates(source, k_top)
+        tokens = self.expected_tokens(source, k_top)
+        rates = self._rates(source, k_top, tokens=tokens)
         k = max(range(k_top + 1), key=lambda k: (rates[k], -k))
         self._probe_base, self._below = None, False
-        probe = 0 if self.probe <= 0 or k == k_top else self._probe(source, k_top)
+        probe = 0 if self.probe <= 0 or k == k_top else self._probe(source, k_top, tokens)
         if probe <= k or (k > 0 and self._points_of(probe + 1) <= self._here):
             return k  # as deep as a probe would draft, or priced by this run's own passes
         if self._short < PROBE_AFTER or self._probe_s > self.probe * self._seen_s:
@@ -313,11 +318,11 @@ class CostModelK:
         self._probe_base = self.v(k + 1) + k * self.draft_cost(source)
         return probe
 
-    def _probe(self, source: str, k_top: int) -> int:
+    def _probe(self, source: str, k_top: int, tokens: list[float]) -> int:
         """A probe's K: what would be drafted if v(b) were the prior's (one step, and half a
         step a token), so that a curve wrong on the dear side is measured where it matters."""
         step = self.v(1)
-        rates = self._rates(source, k_top, lambda b: step * (1 + PRIOR_SLOPE * (b - 1)))
+        rates = self._rates(source, k_top, lambda b: step * (1 + PRIOR_SLOPE * (b - 1)), tokens)
         return max(range(1, k_top + 1), key=lambda k: (rates[k], -k))
 
     def _points_of(self, b: int) -> set[int]:
