@@ -16,6 +16,16 @@ per client      `per_client` (--max-connections-per-client): connections open at
                 address could hold every place and /health would fail for the rest. Behind
                 a reverse proxy every client has the proxy's address: set it to
                 --max-connections and cap clients at the proxy.
+read-ahead      uvicorn stops reading a connection when pipelined bytes arrive while a response
+                is running, and only a read sees the client close: a client that pipelined
+                a request and left kept its running generation going to the end (the app
+                sees a disconnect only through connection_lost). The connection is read on,
+                up to `read_ahead` bytes past the running request (one request of the
+                largest size served, with its headers); past that it waits, as before.
+framing         A request with both Content-Length and Transfer-Encoding gets 400 and the
+                connection is closed (RFC 9112 6.1: its body's end is ambiguous, the lever of
+                request smuggling behind a proxy that reads the other header). h11 would
+                serve it chunked and keep the connection.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ import asyncio
 import collections
 import json
 from typing import Any
+
+import h11
 
 #: A slow client may hold a connection this long while sending headers (and as long again while
 #: sending its body: --body-timeout); then it is cut. 1 MiB takes well under a second on any
@@ -34,17 +46,22 @@ DEFAULT_WRITE_TIMEOUT_S = 30.0
 #: Seconds uvicorn waits for open connections at shutdown. The engine fails waiting requests
 #: and cancels the running one first, so they close at once; this bounds the rest (slow clients).
 GRACEFUL_SHUTDOWN_S = 5
+#: Bytes a request's headers may take in the read-ahead past the running request, besides the
+#: largest body served (h11 refuses headers past 16 KiB by default).
+READ_AHEAD_HEADERS = 64 * 1024
+#: The read-ahead when the server's body limit is not given (protocol's default).
+DEFAULT_READ_AHEAD = (1 << 20) + READ_AHEAD_HEADERS
 
-_REFUSED_BODY = json.dumps(
-    {
-        "error": {
-            "message": "too many connections from this address",
-            "type": "server_error",
-            "param": None,
-            "code": "too_many_connections",
-        }
-    }
-).encode()
+
+def _error_body(message: str, type_: str, code: str) -> bytes:
+    """An error in the server's OpenAI shape (serve.errors.ApiError.body), as bytes."""
+    error = {"message": message, "type": type_, "param": None, "code": code}
+    return json.dumps({"error": error}).encode()
+
+
+_REFUSED_BODY = _error_body(
+    "too many connections from this address", "server_error", "too_many_connections"
+)
 #: What a connection past its client's cap gets before it is closed: it may not have sent a
 #: request yet, so the answer is written at once, as raw bytes.
 REFUSED = (
@@ -67,20 +84,118 @@ def uvicorn_server(app: Any, **config: Any) -> Any:
     cfg = app.state.specdec.cfg
     config.setdefault("timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
     config.setdefault("limit_concurrency", cfg.max_connections)
+    read_ahead = cfg.max_body_bytes + READ_AHEAD_HEADERS
     config.setdefault(
-        "http", protocol(HEADER_TIMEOUT_S, cfg.write_timeout, cfg.connections_per_client())
+        "http",
+        protocol(HEADER_TIMEOUT_S, cfg.write_timeout, cfg.connections_per_client(), read_ahead),
     )
     return _Server(uvicorn.Config(app, **config))
 
 
-def protocol(header_timeout: float, write_timeout: float, per_client: int) -> type:
-    """uvicorn's h11 protocol with the header and write-progress deadlines and the cap per
-    client address (one count per server: each call makes a class of its own)."""
+_AMBIGUOUS = (
+    "a request may not have both Content-Length and Transfer-Encoding (RFC 9112 section 6.1)"
+)
+
+
+class _FramedConnection(h11.Connection):
+    """h11's server connection, refusing a request with both Content-Length and
+    Transfer-Encoding as h11 refuses other bad framing: RemoteProtocolError, on which uvicorn
+    answers 400 (send_400_response) before any application runs."""
+
+    ambiguous = False  # the last request was refused for its framing
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            names = {name for name, _ in event.headers}  # h11 lowercases header names
+            if b"content-length" in names and b"transfer-encoding" in names:
+                self.ambiguous = True
+                raise h11.RemoteProtocolError(_AMBIGUOUS, error_status_hint=400)
+        return event
+
+
+class _ReadAhead:
+    """The read-ahead past a running request and the framing check (the module docstring), for
+    uvicorn's H11Protocol: a mixin, as `protocol` subclasses that class where uvicorn is
+    imported."""
+
+    read_ahead = DEFAULT_READ_AHEAD  # bytes read past the running request, at most
+    _ahead = 0  # bytes buffered past the running request (while _pipelining())
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        size = self.config.h11_max_incomplete_event_size
+        limits = {} if size is None else {"max_incomplete_event_size": size}
+        self.conn = _FramedConnection(h11.SERVER, **limits)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may start the next (pipelined) request at once
+        self._read_on(measure=True)
+
+    def data_received(self, data: bytes) -> None:
+        pipelined = self._pipelining()
+        if pipelined:
+            self._ahead += len(data)
+        super().data_received(data)  # uvicorn pauses reading if this is past a request
+        self._read_on(measure=not pipelined)
+
+    def _pipelining(self) -> bool:
+        """Is a response running while its request has been read to its end (so any byte
+        that comes is the next request's)?"""
+        cycle = self.cycle
+        return (
+            cycle is not None
+            and not cycle.response_complete
+            and not cycle.disconnected
+            and self.conn.their_state is h11.DONE
+        )
+
+    def _read_on(self, measure: bool) -> None:
+        """Resume the reads uvicorn paused for a pipelined request, while the bytes past the
+        running one fit in `read_ahead`: only a read sees the client close, and the closing
+        is what cancels the running request (connection_lost). `measure`: the running
+        request has just ended; count what h11 holds past it (once per request: it copies)."""
+        if not self._pipelining() or self.transport.is_closing():
+            return
+        if measure:
+            self._ahead = len(self.conn.trailing_data[0])
+        if self._ahead <= self.read_ahead:
+            self.flow.resume_reading()
+
+    def send_400_response(self, msg: str) -> None:
+        conn = self.conn
+        if not (isinstance(conn, _FramedConnection) and conn.ambiguous):
+            super().send_400_response(msg)
+            return
+        # The server's JSON error rather than uvicorn's text; the connection is closed
+        # after it (RFC 9112 6.1: the rest of the stream cannot be framed).
+        body = _error_body(_AMBIGUOUS, "invalid_request_error", "ambiguous_framing")
+        headers = [
+            *self.server_state.default_headers,
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        reply = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
+        for event in (reply, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(conn.send(event) or b"")
+        self.transport.close()
+
+
+def protocol(
+    header_timeout: float,
+    write_timeout: float,
+    per_client: int,
+    read_ahead: int = DEFAULT_READ_AHEAD,
+) -> type:
+    """uvicorn's h11 protocol with the header and write-progress deadlines, the cap per client
+    address (one count per server: each call makes a class of its own), the read-ahead past a
+    running request and the framing check (the module docstring)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     open_from: collections.Counter[str] = collections.Counter()  # address -> connections open
 
-    class _Protocol(H11Protocol):
+    class _Protocol(_ReadAhead, H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _write_timer: asyncio.TimerHandle | None = None
         _address: str | None = None  # counted in open_from while this is set
@@ -98,7 +213,7 @@ def protocol(header_timeout: float, write_timeout: float, per_client: int) -> ty
             self._arm_headers()
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
+            super().on_response_complete()  # may start the next (pipelined) request at once
             self._arm_headers()  # the next request's headers get their own deadline
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -137,4 +252,5 @@ def protocol(header_timeout: float, write_timeout: float, per_client: int) -> ty
             if self.cycle is None or self.cycle.response_complete:
                 self.transport.close()
 
+    _Protocol.read_ahead = read_ahead
     return _Protocol
