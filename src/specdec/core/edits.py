@@ -136,15 +136,22 @@ class Rewrites:
 
 #: How instructions name an edit: "rename (the column) `X` to `Y`", "`X` becomes `Y`", "replace
 #: (every) `X` (calls) with `Y`", "change `X` to `Y`", "from `X` to `Y`" (backticks required:
-#: prose words are too loose to rewrite a file with).
+#: prose words are too loose to rewrite a file with). Every repeat is bounded, a name by NAME_MAX
+#: characters, an aside or a run of spaces by GAP_MAX: an instruction is a client's text, and an
+#: unbounded repeat let a match tried at each backtick read on to the line's end ("`a` (" x 8000
+#: took 0.5 s, 16x that for 4x the text); bounded, each try reads a bounded span: linear time.
+NAME_MAX, GAP_MAX = 200, 40
+_N = rf"([^`\n]{{1,{NAME_MAX}}})"  # a name between backticks
+_S = rf"\s{{1,{GAP_MAX}}}"
+_ASIDE = rf"(?:\([^)\n]{{0,{NAME_MAX}}}\)\s{{0,{GAP_MAX}}})?"  # "`X` (the counter) becomes"
 _NAMED = tuple(
     re.compile(p)
     for p in (
-        r"(?i)\brename\b[^`\n]{0,40}`([^`\n]+)`[^`\n]{0,40}?\b(?:to|into|as)\s+`([^`\n]+)`",
-        r"`([^`\n]+)`\s*(?:\([^)\n]*\)\s*)?becomes\s+`([^`\n]+)`",
-        r"(?i)\breplace\b[^`\n]{0,20}`([^`\n]+)`[^`\n]{0,20}?\bwith\s+`([^`\n]+)`",
-        r"(?i)\bchange\b[^`\n]{0,20}`([^`\n]+)`\s+to\s+`([^`\n]+)`",
-        r"(?i)\bfrom\s+`([^`\n]+)`\s+to\s+`([^`\n]+)`",
+        rf"(?i)\brename\b[^`\n]{{0,40}}`{_N}`[^`\n]{{0,40}}?\b(?:to|into|as){_S}`{_N}`",
+        rf"`{_N}`\s{{0,{GAP_MAX}}}{_ASIDE}becomes{_S}`{_N}`",
+        rf"(?i)\breplace\b[^`\n]{{0,20}}`{_N}`[^`\n]{{0,20}}?\bwith{_S}`{_N}`",
+        rf"(?i)\bchange\b[^`\n]{{0,20}}`{_N}`{_S}to{_S}`{_N}`",
+        rf"(?i)\bfrom{_S}`{_N}`{_S}to{_S}`{_N}`",
     )
 )
 _FENCE = re.compile(r"```.*?```", re.DOTALL)
