@@ -8,13 +8,14 @@ what decides whether that comparison is fair and what a user sees when something
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import threading
 from pathlib import Path
 
 import pytest
 
 from specdec.backends import llamacpp_build
-from specdec.study.engines import anchors, endpoint
+from specdec.study.engines import anchors, endpoint, ik_source
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,9 +68,9 @@ def test_the_twin_is_the_same_tools_with_specdecs_kernels(tmp_path, monkeypatch)
 
 def test_ik_llama_cpp_is_a_named_peer_with_its_users_best_settings(tmp_path, monkeypatch) -> None:
     """ik_llama.cpp: its own pinned sdist, key and directory, no patches of ours; its modes
-    named ik-<mode> (no draft-model mode: its --spec-type has none), run with
-    --run-time-repack and specdec's numerics, its key in a file (it reads none from the
-    environment) and its web UI off in its own spelling."""
+    named ik-<mode> (draft and suffix only on an upstream build: the sdist's --spec-type has
+    neither), run with --run-time-repack and specdec's numerics, its key in a file (it reads
+    none from the environment) and its web UI off in its own spelling."""
     assert anchors.build_key("ik") not in (anchors.build_key(), anchors.build_key("twin"))
     assert anchors.anchor_dir("ik").name.startswith(f"ik_llama.cpp-{anchors.PEERS['ik'].version}-")
     assert anchors._sources("ik") == []
@@ -78,8 +79,10 @@ def test_ik_llama_cpp_is_a_named_peer_with_its_users_best_settings(tmp_path, mon
     assert anchors.method_name("ik-none") == "ik-llama-server"
     assert anchors.method_name("ik-ngram-mod") == "ik-llama-server-ngram-mod"
     anchors.check_modes(["ik-none", "ik-ngram-mod", "ngram-mod"], "llamacpp:a", "llamacpp:b")
-    with pytest.raises(ValueError, match=r"unknown llama-server mode.*ik-draft"):
-        anchors.check_modes(["ik-draft"], "llamacpp:a", "llamacpp:b")
+    with pytest.raises(ValueError, match=r"ik-draft, ik-suffix need.*--peer ik --src DIR"):
+        anchors.check_modes(["ik-draft", "ik-suffix"], "llamacpp:a", "llamacpp:b")
+    with pytest.raises(ValueError, match=r"unknown llama-server mode.*twin-suffix"):
+        anchors.check_modes(["twin-suffix"], "llamacpp:a", "llamacpp:b")
     srv = anchors.server_for("ik-ngram-mod", Path("/m/t.gguf"), None)
     srv.exe, srv.port, srv.key_file = Path("/bin/ik-server"), 1234, Path("/tmp/k")
     cmd = srv.command()
@@ -119,6 +122,161 @@ def test_ik_source_gets_its_build_info_written(tmp_path, monkeypatch) -> None:
     written = (src / "common" / "build-info.cpp").read_text()
     assert "LLAMA_BUILD_NUMBER = 0;" in written and "LLAMA_COMMIT" in written
     assert "@" not in written
+
+
+def _ik_tree(root: Path) -> Path:
+    """The smallest tree ik_source.check_tree takes for ik_llama.cpp's."""
+    for rel in ("CMakeLists.txt", "common/build-info.cpp.in", "examples/server/x.cpp"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(rel)
+    (root / "ggml" / "src" / "iqk").mkdir(parents=True)
+    return root
+
+
+def test_ik_from_its_upstream_source_is_a_build_of_its_own(tmp_path, monkeypatch) -> None:
+    """An upstream tree is keyed by its commit (passed, or its checkout's HEAD, plus its
+    changes) or, without one, by its files' names and sizes (never its build directories):
+    a sdist build and an upstream build, or two commits, never share a directory. The last
+    ik build made or found is the one the ik modes run on."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    tree = _ik_tree(tmp_path / "ik")
+    with pytest.raises(anchors.AnchorError, match=r"not an ik_llama\.cpp source tree.*iqk"):
+        anchors.build(peer="ik", src=tmp_path, progress=lambda s: None)
+    sid = ik_source.identify(tree)["source_id"]
+    assert sid.startswith("tree-")
+    (tree / "build").mkdir()
+    (tree / "build" / "CMakeCache.txt").write_text("x")
+    (tree / ".git").mkdir()  # not a checkout git can read: no commit, and left out
+    assert ik_source.identify(tree)["source_id"] == sid
+    (tree / "common" / "new.cpp").write_text("x")
+    assert ik_source.identify(tree)["source_id"] != sid
+    shutil.rmtree(tree / ".git")
+    with pytest.raises(anchors.AnchorError, match="--commit must be a git commit id"):
+        anchors.build(peer="ik", src=tree, commit="main", progress=lambda s: None)
+    a, b = "8337e4cd3861406fc04e0854b1409cd1b027fbc9", "1794846f7351ba405b3ab0b3654f8c9f9f387d01"
+    origin = ik_source.identify(tree, a.upper())
+    assert origin["source_id"] == f"git-{a}" and origin["commit"] == a
+    sdist_key = anchors.build_key("ik", None)
+    keys = {sdist_key, anchors.build_key("ik", f"git-{a}"), anchors.build_key("ik", f"git-{b}")}
+    assert len(keys) == 3 and anchors.build_key("ik") == sdist_key  # nothing selected yet
+    up = anchors.anchor_dir("ik", f"git-{a}")
+    assert up.name.startswith("ik_llama.cpp-git-8337e4cd3861-")
+    assert anchors.anchor_dir("ik").name.startswith("ik_llama.cpp-0.1.5-")
+    # a found build is selected; a sdist build (made or found) selects the sdist again
+    for t in anchors.PEERS["ik"].targets:
+        (up / "bin").mkdir(parents=True, exist_ok=True)
+        (up / "bin" / t).write_text("x")
+    (up / "manifest.json").write_text("{}")
+    assert anchors.build(peer="ik", src=tree, commit=a, progress=lambda s: None) == up / "bin"
+    assert anchors.ik_source() == f"git-{a}" and anchors.anchor_dir("ik") == up
+    assert anchors.binary("llama-server", "ik") == up / "bin" / "llama-server"
+    anchors.check_modes(["ik-draft", "ik-suffix"], "llamacpp:a", "llamacpp:b")
+    shutil.rmtree(up)
+    with pytest.raises(anchors.AnchorError, match=f"--peer ik --src {tree} --commit {a}"):
+        anchors.binary("llama-server", "ik")
+    sd = anchors.anchor_dir("ik", None)
+    for t in anchors.PEERS["ik"].targets:
+        (sd / "bin").mkdir(parents=True, exist_ok=True)
+        (sd / "bin" / t).write_text("x")
+    (sd / "manifest.json").write_text("{}")
+    anchors.build(peer="ik", progress=lambda s: None)
+    assert anchors.ik_source() is None and anchors.anchor_dir("ik") == sd
+    for bad, match in (
+        ({"peer": "stock", "src": tree}, "pass --peer ik"),
+        ({"peer": "ik", "src": tree, "sdist": tmp_path / "x.tar.gz"}, "two sources"),
+        ({"peer": "ik", "commit": a}, "pass --src DIR"),
+    ):
+        with pytest.raises(anchors.AnchorError, match=match):
+            anchors.build(progress=lambda s: None, **bad)
+
+
+def test_ik_source_id_reads_a_checkouts_commit_and_its_changes(tmp_path) -> None:
+    import subprocess
+
+    tree = _ik_tree(tmp_path / "ik")
+    git = ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    clean = ik_source.identify(tree)
+    assert clean["source_id"] == f"git-{head.strip()}" and clean["dirty"] is None
+    (tree / "CMakeLists.txt").write_text("changed")
+    dirty = ik_source.identify(tree)
+    assert dirty["source_id"].startswith(f"git-{head.strip()}-dirty-")
+    (tree / "CMakeLists.txt").write_text("changed again")
+    assert ik_source.identify(tree)["source_id"] != dirty["source_id"]
+
+
+def test_an_upstream_tree_is_copied_with_its_build_info_and_recorded(tmp_path) -> None:
+    """The copy leaves the tree untouched and its .git and build directories out (its CMake
+    then never regenerates build-info.cpp, written with the commit); the manifest says where
+    the build came from."""
+    tree = _ik_tree(tmp_path / "ik")
+    (tree / "build").mkdir()
+    (tree / "build" / "CMakeCache.txt").write_text("x")
+    (tree / ".git").mkdir()
+    (tree / "spm-headers").mkdir()
+    (tree / "spm-headers" / "ggml.h").symlink_to("../CMakeLists.txt")
+    origin = ik_source.identify(tree, "8337e4cd3861406fc04e0854b1409cd1b027fbc9")
+    src = anchors._source("ik", None, tmp_path / "w", lambda s: None, origin)
+    assert not (src / ".git").exists() and not (src / "build").exists()
+    assert (src / "spm-headers" / "ggml.h").is_symlink()
+    info = (src / "common" / "build-info.cpp").read_text()
+    assert 'LLAMA_COMMIT = "8337e4cd3861";' in info and "@" not in info
+    assert not (tree / "common" / "build-info.cpp").exists()
+    made = anchors._manifest("ik", 2, 1.0, origin)
+    assert made["source"]["kind"] == "upstream" and made["source"]["commit"] == origin["commit"]
+    assert made["version"] == origin["source_id"] and made["sdist_sha256"] is None
+    assert anchors._manifest("ik", 2, 1.0)["source"]["kind"] == "sdist"
+
+
+def test_ik_modes_map_to_its_own_flags_and_one_slot_for_speculation(tmp_path) -> None:
+    """Upstream's draft mode names its type (--model-draft alone drops the draft model) and
+    suffix decoding is its own; speculation is served on one slot, so a speculative ik mode
+    refuses -np > 1 before anything starts, and ik-none serves several."""
+    draft = anchors.server_for("ik-draft", Path("/m/t.gguf"), Path("/m/d.gguf"))
+    assert draft.args[-4:] == ("--spec-type", "draft", "--model-draft", "/m/d.gguf")
+    assert anchors.server_for("ik-suffix", Path("t"), None).args[-2:] == ("--spec-type", "suffix")
+    assert anchors.server_for("draft", Path("t"), Path("d")).args[-4:-2] == (
+        "--spec-type",
+        "draft-simple",
+    )
+    assert anchors.method_name("ik-suffix") == "ik-llama-server-suffix"
+    srv = anchors.server_for("ik-ngram-mod", tmp_path / "m.gguf", None)
+    srv.parallel, srv.exe = 4, tmp_path / "never-run"
+    with pytest.raises(anchors.AnchorError, match=r"one slot only.*ik-none"):
+        with srv:
+            pass
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    plain = anchors.server_for("ik-none", tmp_path / "m.gguf", None)
+    plain.parallel, plain.exe, plain.startup_s = 4, fake, 10
+    with pytest.raises(anchors.AnchorError, match=r"exited \(1\)"):
+        with plain:
+            pass
+
+
+def test_the_cli_builds_ik_from_a_source_tree(tmp_path, monkeypatch, capsys) -> None:
+    from specdec.cli import main as cli
+
+    calls = []
+    monkeypatch.setattr(anchors, "build", lambda **kw: calls.append(kw) or tmp_path / "bin")
+    argv = ["anchors", "build", "--peer", "ik", "--src", str(tmp_path), "--jobs", "2"]
+    assert cli.main(argv) == 0
+    assert calls[-1]["src"] == tmp_path and calls[-1]["peer"] == "ik" and calls[-1]["jobs"] == 2
+    assert calls[-1]["commit"] is None and calls[-1]["sdist"] is None
+    assert cli.main([*argv, "--commit", "abc1234"]) == 0 and calls[-1]["commit"] == "abc1234"
+    assert capsys.readouterr().out.strip().endswith("bin")
+    assert cli.main(["anchors", "build", "--src", str(tmp_path)]) == 2
+    assert "pass --peer ik" in capsys.readouterr().err
+    assert cli.main(["anchors", "build", "--peer", "ik", "--commit", "abc1234"]) == 2
+    assert "pass --src DIR" in capsys.readouterr().err
+    assert len(calls) == 2
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    assert cli.main(["anchors", "path", "--peer", "ik"]) == 2
+    assert "specdec anchors build --peer ik" in capsys.readouterr().err
 
 
 def test_ik_server_gets_its_key_in_a_private_file_removed_at_stop(tmp_path) -> None:

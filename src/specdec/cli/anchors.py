@@ -11,7 +11,8 @@ from specdec.cli.args import error
 
 def add(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "anchors", help="build stock llama.cpp's llama-server, llama-lookup and llama-bench"
+        "anchors",
+        help="build stock llama.cpp's llama-server, llama-lookup and llama-bench (or a peer's)",
     )
     p.set_defaults(func=_cmd_anchors, anchors_parser=p)
     sub = p.add_subparsers(dest="anchors_cmd", metavar="{build,path}")
@@ -27,6 +28,21 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help="use this sdist .tar.gz (llama-cpp-python's, or ik-llama-cpp-python's for --peer "
         "ik), sha256-checked (path; default download)",
     )
+    b.add_argument(
+        "--src",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --peer ik: build ik_llama.cpp from this upstream source tree (a checkout of "
+        "github.com/ikawrakow/ik_llama.cpp) instead of the sdist; the ik modes then run on "
+        "it until the next `anchors build --peer ik` (path; default the sdist)",
+    )
+    b.add_argument(
+        "--commit",
+        default=None,
+        help="with --src: the tree's git commit, where DIR has no .git (hex; default read "
+        "from DIR/.git, else the tree is named by its files' names and sizes)",
+    )
     b.add_argument("--jobs", type=int, default=None, help="parallel jobs (int; default all cores)")
     b.add_argument("--force", action="store_true", help="rebuild even if built (flag; default off)")
     b.add_argument(
@@ -35,12 +51,19 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="which build: stock llama.cpp; the 'same kernels' twin (every specdec patch and "
         "sdmm, modes twin-<mode>); or ik_llama.cpp from the ik-llama-cpp-python sdist (modes "
-        "ik-<mode>, run with --run-time-repack) (default stock)",
+        "ik-<mode>, run with --run-time-repack; --src: from its upstream source) (default "
+        "stock)",
     )
     b.add_argument(
         "--twin", action="store_true", help="the same as --peer twin (flag; default off)"
     )
-    sub.add_parser("path", help="print the built llama-server and how it was built")
+    pp = sub.add_parser("path", help="print the built llama-server and how it was built")
+    pp.add_argument(
+        "--peer",
+        choices=("stock", "twin", "ik"),
+        default="stock",
+        help="which build (ik: the one the ik modes run on) (default stock)",
+    )
 
 
 def _cmd_anchors(args: argparse.Namespace) -> int:
@@ -53,12 +76,23 @@ def _cmd_anchors(args: argparse.Namespace) -> int:
             if args.twin and args.peer not in (None, "twin"):
                 return error(f"--twin and --peer {args.peer} name two builds; pass one")
             peer = "twin" if args.twin else args.peer or "stock"
-            bin_dir = anchors.build(sdist=args.sdist, jobs=args.jobs, force=args.force, peer=peer)
+            if args.src is not None and peer != "ik":
+                return error("--src builds ik_llama.cpp from its source: pass --peer ik with it")
+            if args.commit is not None and args.src is None:
+                return error("--commit names the commit of a --src tree: pass --src DIR with it")
+            bin_dir = anchors.build(
+                sdist=args.sdist,
+                src=args.src,
+                commit=args.commit,
+                jobs=args.jobs,
+                force=args.force,
+                peer=peer,
+            )
             print(bin_dir)
             return 0
         if args.anchors_cmd == "path":
-            print(anchors.binary())
-            print(json.dumps(anchors.manifest(), indent=2))
+            print(anchors.binary(peer=args.peer))
+            print(json.dumps(anchors.manifest(args.peer), indent=2))
             return 0
     except anchors.AnchorError as e:
         return error(str(e))

