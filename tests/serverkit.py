@@ -153,9 +153,7 @@ def mock_server(**cfg_kw: Any) -> Server:
         draft = SlowMock.near(target, noise=0.7, seed=1)
         draft.delay = delay
     cfg = ServeConfig(target=MOCK_SPEC, **cfg_kw)
-    engine = Engine(
-        target, draft, model_id=MOCK_SPEC, spec=spec, max_queue=cfg.max_queue, parallel=cfg.parallel
-    )
+    engine = Engine.from_config(cfg, target, draft, spec=spec, draft_pool=None)
     engine.warm_up()
     return Server(engine, cfg)
 
@@ -163,9 +161,7 @@ def mock_server(**cfg_kw: Any) -> Server:
 def serve_models(target: MockModel, draft: MockModel | None = None, **cfg_kw: Any) -> Server:
     """A server over these models (the engine warmed up, as `specdec serve` does)."""
     cfg = ServeConfig(target=cfg_kw.pop("spec", MOCK_SPEC), **cfg_kw)
-    engine = Engine(
-        target, draft, model_id=MOCK_SPEC, max_queue=cfg.max_queue, parallel=cfg.parallel
-    )
+    engine = Engine.from_config(cfg, target, draft, spec=SpecConfig(), draft_pool=None)
     engine.warm_up()
     return Server(engine, cfg)
 

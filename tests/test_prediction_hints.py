@@ -56,9 +56,9 @@ def test_a_served_prediction_carries_the_hints(smol_llamacpp) -> None:
 
     engine = Engine(smol_llamacpp, spec=SpecConfig(drafter="prediction", k="auto"))
     pred = prompting.encode_prediction(smol_llamacpp.tokenizer, "class Inventory:\n    pass\n")
-    index = engine.prediction_index(pred, "Rename `Inventory` to `Stock`.")
+    index = engine.tokens.prediction_index(pred, "Rename `Inventory` to `Stock`.")
     assert index.tokens == pred
     assert index.hints == prompting.prediction_hints(
         smol_llamacpp.tokenizer, "Rename `Inventory` to `Stock`."
     )
-    assert engine.prediction_index(pred, "Fix the bug.").hints == []
+    assert engine.tokens.prediction_index(pred, "Fix the bug.").hints == []

@@ -146,31 +146,37 @@ def test_a_generation_that_raises_in_a_joint_round_fails_alone(part: str) -> Non
         assert gens[j].tokens == _alone(target, draft, kinds[j], 30), f"generation {j}"
 
 
-def test_a_joint_round_is_one_pass_at_one_k_with_the_rows_it_paid_for() -> None:
+@pytest.mark.parametrize("order", [(4, 128, None), (None, 1, 128)])
+def test_a_joint_round_verifies_each_ones_own_rows_and_pads_nobody(order) -> None:
+    """The review's neighbours: plain decoding (no drafter), K = 1, K = 128, in one pass. Each
+    drafts its own K and reports only that in its k_histogram; the pass is the sum of their rows
+    (once the pass was 3 x the widest draft, and a K = 1 request reported a K = 15 round)."""
     target = MockModel(V, seed=3)
-    targets = target.slots(3)
-    rounds: list = []
+    rounds: dict[int, list] = {i: [] for i in range(3)}
     gens = [
         stream(
             t,
-            _prompt(i, V),
-            spec=SpecConfig(drafter="lookup", k=4),
+            _prompt(5, V),  # repetitive: prompt lookup drafts its whole K
+            spec=SpecConfig(drafter=None if k is None else "lookup", k=k or 1),
             warp=GREEDY,
-            max_new_tokens=20,
-            on_round=rounds.append,
+            max_new_tokens=200,
+            on_round=rounds[i].append,
         ).generation
-        for i, t in enumerate(targets)
+        for i, (t, k) in enumerate(zip(target.slots(3), order, strict=True))
     ]
     for g in gens:
         while not g.prefill():
             pass
-    assert not any(isinstance(got, Exception) for got in rounds_together(gens))
-    assert len(rounds) == 3
-    # each drafted at most 4 and the pass had 3 x (the longest draft + 1) rows
-    width = max(r.k for r in rounds) + 1
-    assert all(r.k <= 4 and r.rows == 3 * width for r in rounds)
-    assert len({r.verify_s for r in rounds}) == 1  # one pass, timed once
-    for g in gens:  # padding rolled back with the rejected drafts
+    for _ in range(3):
+        assert not any(isinstance(got, Exception) for got in rounds_together(gens))
+    for i, k in enumerate(order):
+        assert {r.k for r in rounds[i]} <= {k or 0, *range(k or 1)}, (i, k, rounds[i])
+        assert set(gens[i].stats.k_histogram) <= set(range((k or 0) + 1))
+    for n in range(3):  # one pass a round, its rows the sum of what each verified
+        got = [rounds[i][n] for i in range(3)]
+        assert len({r.verify_s for r in got}) == 1
+        assert all(r.rows == sum(x.k + 1 for x in got) for r in got)
+    for g in gens:  # the rejected drafts rolled back
         assert g.target.cached_tokens == g.seq[:-1]
 
 
@@ -218,17 +224,28 @@ def test_k_for_the_pass_shortens_as_sequences_are_added() -> None:
     flat = {b: 1 + 0.05 * (b - 1) for b in range(1, 300)}
     policy = _learned(flat, 0.95)
     ks = [choose_together([(policy, "prediction", 500)] * n) for n in (1, 2, 4, 8)]
-    assert ks == sorted(ks, reverse=True) and ks[0] >= 8 and ks[-1] < ks[0], ks
+    assert all(len(set(x)) == 1 for x in ks), ks  # the same policy and source: the same K
+    ks1 = [x[0] for x in ks]
+    assert ks1 == sorted(ks1, reverse=True) and ks1[0] >= 8 and ks1[-1] < ks1[0], ks
+    # alone, the K CostModelK.choose picks (it maximizes the same rate)
+    solo = _learned(flat, 0.95)
+    solo.probe = 0.0
+    assert ks1[0] == solo.choose("prediction", 500)
     steep = {b: float(b) for b in range(1, 300)}
-    assert choose_together([(_learned(steep, 0.5), "prediction", 500)] * 4) == 0
+    assert choose_together([(_learned(steep, 0.5), "prediction", 500)] * 4) == [0] * 4
     # k=auto policies of other k_max in one pass (a draft model's 8 beside lookup's 64): each
-    # counts its own E(k) up to its k_max (the pass once raised "k must be in [0, 8]")
-    deep = _learned(flat, 0.95, k_max=64)  # lookup's k_max, beside the draft model's 8
+    # drafts up to its own k_max (the pass once raised "k must be in [0, 8]")
+    deep = _learned(flat, 0.95, k_max=64)
     shallow = CostModelK(8, verify_s=flat)
-    assert choose_together([(deep, "prediction", 500), (shallow, "model", 500)]) > 8
-    # a fixed K is a floor; no drafter, no K
-    assert choose_together([(FixedK(6), "lookup3", 500), (None, None, 500)]) == 6
-    assert choose_together([(None, None, 500)] * 3) == 0
+    k_deep, k_shallow = choose_together([(deep, "prediction", 500), (shallow, "model", 500)])
+    assert k_deep > 8 and 0 < k_shallow <= 8
+    # a fixed K is its own, a neighbour without a drafter drafts nothing: nobody is padded
+    assert choose_together([(FixedK(6), "lookup3", 500), (None, None, 500)]) == [6, 0]
+    assert choose_together([(None, None, 500)] * 3) == [0, 0, 0]
+    # a k="auto" sequence beside a K = 6 one prices its rows on top of the other's seven
+    alone = choose_together([(policy, "prediction", 500)])[0]
+    beside = choose_together([(policy, "prediction", 500), (FixedK(6), "lookup3", 500)])[0]
+    assert 0 < beside <= alone
 
 
 # ------------------------------------------------------------------------------ llama.cpp
@@ -274,6 +291,26 @@ def test_llamacpp_slots_give_each_sequence_its_own_bits(smol_path, smol_llamacpp
         assert torch.equal(b, smol_llamacpp.extend([9]))
     finally:
         multi.close()
+
+
+@pytest.mark.model
+def test_llamacpp_refuses_slots_whose_caches_do_not_fit(smol_path, monkeypatch) -> None:
+    """--parallel 64 once allocated 4.9 GB of KV caches at start, unannounced: now the backend
+    says what they take and refuses, before allocating, what would not fit 80% of the memory
+    available."""
+    from specdec.backends import llamacpp
+
+    one = llamacpp.LlamaCppModel(smol_path, n_seq=1)
+    per_seq = one.kv_bytes
+    one.close()
+    # 30 layers x 3 KV heads x 64 values x 4096 cells, K in q8_0 (34 / 32 bytes), V in f16
+    assert per_seq == int(4096 * 30 * 3 * 64 * (34 / 32 + 2))
+    monkeypatch.setattr(llamacpp, "_available_bytes", lambda: int(per_seq * 3))
+    with pytest.raises(SpecModelError, match=r"4 sequences .*\(--parallel\)"):
+        llamacpp.LlamaCppModel(smol_path, n_seq=4)
+    two = llamacpp.LlamaCppModel(smol_path, n_seq=2)  # 2 of 2.4 that fit
+    assert two.kv_bytes == 2 * per_seq
+    two.close()
 
 
 @pytest.mark.model
@@ -348,5 +385,70 @@ def test_an_abandoned_request_frees_its_slot() -> None:
             outs = list(pool.map(lambda _: srv.request("POST", "/v1/completions", small), range(4)))
         assert [o[0] for o in outs] == [200] * 4
         assert len({json.dumps(o[2]["choices"][0]["text"]) for o in outs}) == 1
+    finally:
+        srv.close()
+
+
+def test_neighbours_that_end_early_or_fail_leave_the_others_exact(monkeypatch) -> None:
+    """--parallel 4 with every kind of early end beside greedy requests: a neighbour whose
+    accept walk raises mid-pass (500, alone), one that stops at max_tokens 1, one at K = 128,
+    one whose client goes away mid-stream. Every other answer is generate()'s alone."""
+    import http.client
+
+    poison = [47, 46, 45, 44]  # the prompt whose own part of each round raises
+    real = Generation.settle
+
+    def settle(self: Generation, *a, **kw):
+        if self.prompt == poison and self.tokens:
+            raise RuntimeError("a neighbour's accept walk broke")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Generation, "settle", settle)
+    srv = mock_server(parallel=4, delay=0.002)
+    base = {"model": MOCK_SPEC, "temperature": 0, "return_token_ids": True}
+    kinds = [{"drafter": "none"}, {"drafter": "lookup", "k": "auto"},
+             {"drafter": "model", "k": 2}, {"drafter": "lookup", "k": 3}]  # fmt: skip
+    good = [{**base, "prompt": _prompt(i, V), "max_tokens": 20 + 5 * i, "speculation": sp}
+            for i, sp in enumerate(kinds)]  # fmt: skip
+    hostile = [
+        {**base, "prompt": poison, "max_tokens": 30},
+        {**base, "prompt": _prompt(1, V), "max_tokens": 1},
+        {**base, "prompt": _prompt(3, V), "max_tokens": 60,
+         "speculation": {"drafter": "lookup", "k": 128}},
+    ]  # fmt: skip
+
+    def disconnecting() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        body = {**base, "prompt": [1, 2, 3], "max_tokens": 400, "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline()
+        conn.close()
+
+    try:
+        e = srv.engine
+        with ThreadPoolExecutor(8) as pool:
+            gone = pool.submit(disconnecting)
+            futs = [pool.submit(srv.request, "POST", "/v1/completions", b)
+                    for b in good + hostile]  # fmt: skip
+            outs = [f.result(60) for f in futs]
+            gone.result(60)
+        assert outs[len(good)][0] == 500, outs[len(good)]
+        for b, (status, _, out) in zip(good + hostile[1:], outs[:len(good)] + outs[len(good) + 1:],
+                                       strict=True):  # fmt: skip
+            assert status == 200, out
+            sp = b.get("speculation", {"drafter": "composite", "k": "auto"})
+            drafter = None if sp["drafter"] == "none" else sp["drafter"]
+            draft = e.draft if drafter in ("model", "composite") else None
+            with e.lock:
+                want = generate(e.target, b["prompt"], draft=draft, warp=GREEDY,
+                                spec=SpecConfig(drafter=drafter, k=sp.get("k", "auto")),
+                                max_new_tokens=b["max_tokens"], stop_ids=e.stop_ids)  # fmt: skip
+            assert out["choices"][0]["token_ids"] == want.tokens, b
+            hist = out["usage"]["speculation"]["k_histogram"] if drafter else {}
+            own = sp.get("k", 0) if drafter else 0  # its k_histogram: its own K only
+            assert all(int(k) <= (own if isinstance(own, int) else 64) for k in hist), hist
+        wait_for(lambda: e.running == 0, 20, "a slot was never freed")
     finally:
         srv.close()

@@ -47,7 +47,7 @@ from specdec.core import drafters
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.cost import VerifyCurve
 from specdec.core.decode import generate
-from specdec.serve import engine as engine_mod
+from specdec.serve import tokens as tokens_mod
 from specdec.serve.app import ServeConfig
 from specdec.serve.engine import Engine
 from specdec.serve.tenant_policies import TenantPolicies
@@ -68,16 +68,9 @@ def _keyed_server(target: SlowMock, **cfg_kw: Any) -> Server:
     the Engine's own arguments."""
     engine_kw = cfg_kw.pop("engine_kw", {})
     cfg = ServeConfig(target=MOCK_SPEC, api_keys=(KEY_A, KEY_B), metrics_key=OPERATOR, **cfg_kw)
-    engine = Engine(
-        target,
-        model_id=MOCK_SPEC,
-        max_queue=cfg.max_queue,
-        max_queue_per_key=cfg.queue_per_key(),
-        parallel=cfg.parallel,
-        max_running_per_key=cfg.running_per_key(),
-        **engine_kw,
-    )
-    return Server(engine, cfg)
+    # the engine's own speculation and no draft pools unless a test asks for them
+    engine_kw = {"spec": SpecConfig(), "draft_pool": None} | engine_kw
+    return Server(Engine.from_config(cfg, target, **engine_kw), cfg)
 
 
 # ------------------------------------------------------------------------------ policies
@@ -316,7 +309,7 @@ def test_prediction_indexes_built_ahead_stay_within_their_budget(monkeypatch) ->
     ~420 MB with 65 in flight. With a budget of two 500-token predictions, six waiting requests
     hold at most two indexes (three alive: the one starting, built by the worker); every
     answer is the target's greedy one."""
-    monkeypatch.setattr(engine_mod, "PREBUILT_INDEX_TOKENS", 1000, raising=False)
+    monkeypatch.setattr(tokens_mod, "PREBUILT_INDEX_TOKENS", 1000)
     target = SlowMock(V, seed=0, name=MOCK_SPEC)
     target.delay = 0.01
     target.tokenizer = FakeTokenizer()

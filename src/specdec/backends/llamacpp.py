@@ -105,6 +105,23 @@ _log_callback: Any = None  # keeps the ctypes callback alive for as long as llam
 _log_sink: list[str] | None = None  # collects llama.cpp's INFO lines while a model loads
 
 
+#: The share of the memory available at load that KV caches may take (the rest: the weights'
+#: pages, logits buffers, the process).
+KV_MEMORY_SHARE = 0.8
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def usable_cores() -> int:
     # The cores this process may run on (a container's cpuset can be smaller than cpu_count).
     # Never more: ggml's threads spin at a barrier after every op, so a pool larger than the free
@@ -442,7 +459,9 @@ class LlamaCppModel(SpecModel):
             self._check_tokenizer(vocab, tokenizer)
         self._cparams = self._context_params(n_threads, flash_attn, type_k, op_capture)
         self._op_capture = op_capture  # keeps the callback alive with the context
+        self.kv_bytes = self.n_seq * self._kv_bytes_per_seq(type_k)
         try:
+            self._check_memory()
             self._ctx = self._new_context()
         except SpecModelError:
             self.close()
@@ -450,6 +469,29 @@ class LlamaCppModel(SpecModel):
         self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
         offload = n_gpu_layers != 0 and bool(llama.llama_supports_gpu_offload())
         self.device = torch.device("cuda" if offload else "cpu")
+
+    def _kv_bytes_per_seq(self, type_k: int) -> int:
+        """Bytes of one sequence's KV cache (n_ctx cells): K in q8_0 (34 bytes per 32 values)
+        or f16, V in f16, per layer and KV head; head size n_embd / n_head."""
+        llama, m = self._llama, self._model
+        n_layer, n_head = llama.llama_model_n_layer(m), llama.llama_model_n_head(m)
+        n_head_kv, n_embd = llama.llama_model_n_head_kv(m), llama.llama_model_n_embd(m)
+        k_per_value = 34 / 32 if type_k == DEFAULT_TYPE_K else 2.0
+        values = n_layer * n_head_kv * (n_embd // max(1, n_head))
+        return int(self.n_ctx * values * (k_per_value + 2.0))
+
+    def _check_memory(self) -> None:
+        """Refuse sequences whose KV caches would not fit the memory available now, before
+        llama.cpp allocates them: 64 slots once took 4.9 GB and 20 s at start, unannounced."""
+        avail = _available_bytes()
+        if avail is not None and self.kv_bytes > KV_MEMORY_SHARE * avail:
+            gib = 1 << 30
+            raise SpecModelError(
+                f"{self.name}: {self.n_seq} sequences of {self.n_ctx} tokens need "
+                f"{self.kv_bytes / gib:.1f} GiB of KV cache, more than {KV_MEMORY_SHARE:.0%} of "
+                f"the {avail / gib:.1f} GiB available; run fewer at once (--parallel) or with "
+                "a shorter context (n_ctx)"
+            )
 
     def _load_weights(
         self, path: Path, n_gpu_layers: int, repack: bool | None, slow: bool

@@ -112,6 +112,7 @@ class Generation:
     tokens: list[int] = field(default_factory=list)  # generated ids
     stop_reason: str = "length"
     seq: list[int] = field(default_factory=list)  # the committed sequence: prompt + tokens
+    last_prefill: int = 0  # prompt tokens the latest `prefill` call put in the cache
     _prefilled: int = -1  # prompt tokens in the target's cache; -1: the prefill has not begun
     _t_start: float = 0.0  # clock.now() when the prefill began
     _draft: tuple[str | None, int, torch.Tensor, torch.Tensor | None, float] | None = None
@@ -129,6 +130,12 @@ class Generation:
         return self._prefilled == len(self.prompt) - 1
 
     @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill (before the first `prefill`: all, as if nothing of
+        it were cached)."""
+        return len(self.prompt) - 1 - max(self._prefilled, 0)
+
+    @property
     def done(self) -> bool:
         return self.stop_reason != "length" or len(self.tokens) >= self.max_new_tokens
 
@@ -138,6 +145,7 @@ class Generation:
         so before a chunk (then stop_reason is "cancelled"). The first call keeps the prefix
         the cache shares with the prompt (reuse_prefix), or empties it."""
         ids = self.prompt[:-1]
+        self.last_prefill = 0
         with self.clock.phase("prefill_s"):
             if self._prefilled < 0:
                 self._t_start = self.clock.now()
@@ -149,6 +157,7 @@ class Generation:
                     return True
                 end = min(len(ids), self._prefilled + chunk)
                 self.target.prefill(ids[self._prefilled : end])
+                self.last_prefill = end - self._prefilled
                 self._prefilled = end
         if self.prefilled and _has_model(self.drafter):
             # Fresh caches per call, so a seeded run never depends on what ran before it
@@ -412,14 +421,14 @@ def _round(gen: Generation) -> list[int]:
 
 def rounds_together(gens: Sequence[Generation]) -> list[list[int] | Exception]:
     """One round of each generation (prefilled, not done), their targets being slots of one
-    model (SpecModel.slots), in one target pass: every one drafts the K that
-    core.policy.choose_together picks for all of them and pads what its drafter does not
-    propose, so that the pass is one over the weights (backends.llamacpp); each keeps only its
+    model (SpecModel.slots), in one target pass: each drafts its own K (core.policy.
+    choose_together: its own policy's, k="auto" priced by its rows' share of the pass) and
+    the pass verifies the sum of their rows, nobody padded to a neighbour's K; each keeps its
     own rows and settles with its own rule and generator. On a batch-invariant backend a row
     has the same bits as in a pass of its own: a greedy answer is the same alone or in company.
     Returns each one's committed tokens, or the exception its own part of the round raised (its
-    drafter, its accept walk: e.g. a warp that leaves no token): that one is left out of the rest
-    of the round, the others' rounds stand. Only the shared pass raising raises."""
+    drafter, its accept walk): that one is left out of the rest of the round, the others' rounds
+    stand. Only the shared pass raising raises."""
     if len(gens) == 1:
         return [_own(partial(_round, gens[0]))]
     done: dict[int, list[int] | Exception] = {}  # what each one ends the round with
@@ -428,26 +437,25 @@ def rounds_together(gens: Sequence[Generation]) -> list[list[int] | Exception]:
         w = _own(g.want)
         if isinstance(w, Exception):
             done[i] = w
-        else:
-            wants[i] = w
-    space = min(g.target.n_ctx - g.target.n_cached for g in gens)  # room for padded rows
-    k = min(choose_together(list(wants.values())), space - 1)
+        else:  # its room also bounded by its cache: its rows must fit its own slot
+            policy, src, room = w
+            wants[i] = (policy, src, min(room, g.target.n_ctx - g.target.n_cached - 1))
+    ks = dict(zip(wants, choose_together(list(wants.values())), strict=True))
     ids: dict[int, list[int]] = {}
-    for i, (_, src, room) in wants.items():  # as `_round`: nothing drafted without a source
-        x = _own(partial(gens[i].propose, min(k, room) if src is not None else 0, src))
+    for i, (_, src, _) in wants.items():  # as `_round`: nothing drafted without a source
+        x = _own(partial(gens[i].propose, ks[i] if src is not None else 0, src))
         if isinstance(x, Exception):
             done[i] = x
         else:
             ids[i] = x
     if ids:
-        width = max(map(len, ids.values()))  # k + 1, or less where every drafter proposed fewer
-        padded = [[*x, *[x[-1]] * (width - len(x))] for x in ids.values()]  # padding: thrown away
+        rows = sum(map(len, ids.values()))
         t0 = gens[0].clock.now()
-        logits = extend_together([(gens[i].target, x) for i, x in zip(ids, padded, strict=True)])
+        logits = extend_together([(gens[i].target, x) for i, x in ids.items()])
         seconds = gens[0].clock.now() - t0
-        for (i, x), lg in zip(ids.items(), logits, strict=True):
+        for i, lg in zip(ids, logits, strict=True):
             gens[i].clock.add("verify_s", seconds)
-            done[i] = _own(partial(gens[i].settle, lg[: len(x)], rows=width * len(ids)))
+            done[i] = _own(partial(gens[i].settle, lg, rows=rows))
     return [done[i] for i in range(len(gens))]
 
 

@@ -376,43 +376,61 @@ class CostModelK:
         )
 
 
-def choose_together(wants: Sequence[tuple[KPolicy | None, str | None, int]]) -> int:
-    """The K every sequence of a joint pass drafts (decode.rounds_together), from each one's
-    (policy, source, room): llama.cpp passes its sequences' rows in one go only when each brings
-    the same number (backends.llamacpp), so a pass over n sequences at K costs v(n (K + 1)) and
-    a sequence that drafts fewer pads its rows. K maximizes the expected tokens of all of them
-    per second of that pass,
+#: Rounds of best responses `choose_together` runs at most: each k="auto" sequence redrafts
+#: against the pass its neighbours' latest K make; it settles in two or three.
+JOINT_ITERATIONS = 6
 
-        sum_i E_i(min(K, room_i)) / (v(n (K + 1)) + sum_i t_i min(K, room_i)),
 
-    over K up to the deepest a k="auto" policy would explore alone (CostModelK.depth_cap), with
-    the first k="auto" policy's curve (they all measure the one machine); a sequence without
-    one counts one token. Few sequences: long drafts; many: short ones, down to K = 0, plain
-    batched decoding, where drafting cannot pay. A fixed or schedule policy drafts what it
-    chooses: K is at least that."""
-    autos = [(p, src, room) for p, src, room in wants if isinstance(p, CostModelK) and src]
-    floor = max(
-        (p.choose(src, room) for p, src, room in wants if p is not None and src and
-         not isinstance(p, CostModelK)),
-        default=0,
-    )  # fmt: skip
+def choose_together(wants: Sequence[tuple[KPolicy | None, str | None, int]]) -> list[int]:
+    """Each sequence's own K for a joint pass (decode.rounds_together), from its (policy, source,
+    room): the pass verifies the sum of the rows, nobody's padded to a neighbour's. A fixed or
+    schedule policy drafts what it chooses; a sequence without a source drafts nothing; the
+    k="auto" ones maximize the expected tokens of the whole pass per second of it,
+
+        sum_i E_i(k_i) / (v(sum_i (k_i + 1)) + sum_i t_i k_i),
+
+    by Dinkelbach's rule for a ratio: at the pass's current rate r, each k_i maximizes
+    E_i(k) - r (v(B_i + k + 1) - v(B_i) + t_i k), the marginal seconds of its rows on top of
+    the B_i its neighbours bring; then r is updated, until no K moves (JOINT_ITERATIONS). Why:
+    a row's price depends on the pass it joins (on a CPU the first rows ride on one read of
+    the weights, later ones cost compute), and alone this is the K CostModelK.choose picks
+    (probes aside). v is the first k="auto" policy's curve: they all measure the one machine;
+    each E_i counts up to its own k_max and depth cap (a neighbour's k_max is not its own)."""
+    ks = [
+        p.choose(src, room) if p is not None and src and not isinstance(p, CostModelK) else 0
+        for p, src, room in wants
+    ]
+    autos = [
+        (i, p, src, min(p.k_max, room, p.depth_cap(src)))
+        for i, (p, src, room) in enumerate(wants)
+        if isinstance(p, CostModelK) and src and room > 0
+    ]
     if not autos:
-        return floor
-    curve = autos[0][0]
-    k_top = max(min(p.k_max, room, p.depth_cap(src)) for p, src, room in autos)
-    # each E(k) up to what its own policy may draft: a neighbour's k_max is not its own
-    tokens = [p.expected_tokens(src, min(k_top, room, p.k_max)) for p, src, room in autos]
-    costs = [p.draft_cost(src) for p, src, _ in autos]
-    rest = len(wants) - len(autos)  # sequences without a k="auto" policy: one token each
-    n = len(wants)
+        return ks
+    curve = autos[0][1]
+    tokens = {i: p.expected_tokens(src, top) for i, p, src, top in autos}
+    t_d = {i: p.draft_cost(src) for i, p, src, _ in autos}
+    top_rows = sum(k + 1 for k in ks) + sum(top for *_, top in autos)
+    v = [0.0, *(curve.v(b) for b in range(1, top_rows + 1))]  # v[b], priced once
 
-    def rate(k: int) -> float:
-        got = sum(e[min(k, len(e) - 1)] for e in tokens) + rest
-        drafting = sum(t * min(k, len(e) - 1) for t, e in zip(costs, tokens, strict=True))
-        return got / (curve.v(n * (k + 1)) + drafting)
+    def rate() -> float:
+        got = sum(tokens[i][ks[i]] for i in tokens) + len(ks) - len(tokens)
+        drafting = sum(t_d[i] * ks[i] for i in tokens)
+        return got / (v[sum(k + 1 for k in ks)] + drafting)
 
-    best = max(range(k_top + 1), key=lambda k: (rate(k), -k))
-    return max(best, floor)
+    for _ in range(JOINT_ITERATIONS):
+        r, moved = rate(), False
+        for i, _, _, top in autos:
+            base = sum(k + 1 for k in ks) - ks[i] - 1  # the neighbours' rows
+
+            gains = [tokens[i][k] - r * (v[base + k + 1] - v[base] + t_d[i] * k)
+                     for k in range(top + 1)]  # fmt: skip
+            best = max(range(top + 1), key=lambda k: (gains[k], -k))
+            moved |= best != ks[i]
+            ks[i] = best
+        if not moved:
+            break
+    return ks
 
 
 class CurveStore(Protocol):

@@ -492,18 +492,20 @@ async def _completion(
     with engine.reserve(tenant) as slot:  # 429 / 503 now, before any tokenizing
         # Templating and tokenizing up to --max-body-bytes of text takes a while: in a thread.
         if isinstance(req, ChatRequest):
-            prompt = await asyncio.to_thread(engine.encode_chat, req.chat_messages())
+            prompt = await asyncio.to_thread(engine.tokens.encode_chat, req.chat_messages())
         else:
             prompt = req.single_prompt()
             if isinstance(prompt, str):
-                prompt = await asyncio.to_thread(engine.encode_text, prompt)
+                prompt = await asyncio.to_thread(engine.tokens.encode_text, prompt)
         pred = None
         if req.prediction is not None:
-            pred = await asyncio.to_thread(engine.encode_prediction, req.prediction.text())
+            pred = await asyncio.to_thread(engine.tokens.encode_prediction, req.prediction.text())
         vocab = engine.target.vocab_size
         params = validate_request(req, engine.n_ctx, vocab, prompt, pred, engine.defaults)
         if params.prediction:  # its hints, and its index if it may be built ahead (engine)
-            params = await asyncio.to_thread(engine.prepare_prediction, params, _instruction(req))
+            params = await asyncio.to_thread(
+                engine.tokens.prepare_prediction, params, _instruction(req)
+            )
         return await _generate(request, ctx, req, params, arrived, slot, tenant)
 
 
@@ -657,18 +659,7 @@ def build_engine(cfg: ServeConfig) -> Engine:
 
     target = load(cfg.target)
     draft = load(cfg.draft) if cfg.draft else None
-    engine = Engine(
-        target,
-        draft,
-        model_id=cfg.target,
-        spec=cfg.spec_config(),
-        max_queue=cfg.max_queue,
-        max_queue_per_key=cfg.queue_per_key(),
-        prompt_cache=cfg.prompt_cache,
-        draft_pool=cfg.pool_config(),
-        parallel=cfg.parallel,
-        max_running_per_key=cfg.running_per_key(),
-    )
+    engine = Engine.from_config(cfg, target, draft)
     engine.warm_up()
     return engine
 
@@ -729,6 +720,11 @@ def serve(cfg: ServeConfig) -> int:
         + f" at http://{cfg.host}:{cfg.port}/v1; {engine.pools.cfg.describe()}",
         file=sys.stderr,
     )
+    kv = sum(getattr(m, "kv_bytes", 0) for m in (engine.target, engine.draft) if m is not None)
+    if kv:  # what --parallel costs, said once (the backend refused what would not fit)
+        print(
+            f"specdec: {cfg.parallel} slot(s), KV caches {kv / (1 << 20):.0f} MiB", file=sys.stderr
+        )
     server = uvicorn_server(create_app(engine, cfg), host=cfg.host, port=cfg.port)
     # The engine's worker runs in this, the main thread, and uvicorn beside it: llama.cpp's
     # OpenMP barriers spin only for the main thread's decode (serve.engine explains).

@@ -2,16 +2,18 @@
 
 The models are not thread-safe, so one worker runs them. It generates up to `parallel`
 requests at once (`specdec serve --parallel N`), each in a slot of its own (SpecModel.slots: a
-KV cache per request on the shared weights): every round it prefills a chunk of each newly
-admitted prompt (PREFILL_CHUNK_SHARED tokens while others decode, so a long prompt never
-stalls the running streams for long), then runs one round of every prefilled request with one
-target pass for all of them (decode.rounds_together: each drafts with its own drafter, K is
-chosen for the pass as a whole, each accepts with its own rule and generator). Rows of a
-batch-invariant model have the same bits in company as alone, so a greedy answer does not
-depend on its neighbours. `specdec serve` runs the worker in the main thread (`run`) and the HTTP
-server beside it: llama.cpp's OpenMP build synchronizes its threads with OpenMP barriers, and
-libgomp lets barriers spin only while the threads it manages fit the CPUs; a decode started from
-any other thread brings one more, so every barrier sleeps and wakes through the kernel instead
+KV cache per request on the shared weights). Each cycle it admits what the free slots take,
+runs one round of every request whose prompt is in with one target pass for all of them
+(decode.rounds_together: each drafts its own K with its own drafter and accepts with its own
+rule and generator), then spends the cycle's one prefill budget on the prompts still going in.
+serve.scheduler decides which slot a request takes and how many prompt tokens each newcomer
+gets; a request's state (scheduler.State) says where it is. Rows of a batch-invariant model
+have the same bits in company as alone, so a greedy answer does not depend on its neighbours,
+and a request whose own part of a round raises fails alone. `specdec serve` runs the worker in
+the main thread (`run`) and the HTTP server beside it: llama.cpp's OpenMP build synchronizes
+its threads with OpenMP barriers, and libgomp lets barriers spin only while the threads it
+manages fit the CPUs; a decode started from any other thread brings one more, so every barrier
+sleeps and wakes through the kernel instead
 (measured: a 62 ms step took 88 ms from a second Python thread, pure llama-cpp-python alike).
 `start` runs it in a thread of its own instead (tests, embedding).
 
@@ -37,7 +39,8 @@ abandoned request never holds its slot for long.
 Cache safety: a generation resets its slot's draft cache when it starts, and its slot's target
 cache unless the prompt cache keeps the KV of a prefix the request shares with the previous
 request of its scope in that slot (`prompt_cache`, in whole blocks); after an engine exception
-the slots of the requests it failed are reset again. What does reach the next request on
+the slots of the requests it failed are reset again. A request takes an empty slot before one
+that holds another scope's prompt (scheduler.place). What does reach the next request on
 purpose: that prefix; its scope's draft pool (serve.draft_pools: prompt lookup drafts from the
 earlier requests of the same API key, or of every key with --draft-pool shared, and each
 request's prompt and output are added once it ends; with --parallel, a neighbour's that ends
@@ -46,35 +49,30 @@ acceptance and costs learned, never tokens), kept per tenant (serve.tenant_polic
 the verify-cost curve, which measures the machine and is kept for the next process too
 (backends.costs).
 
-A request's prediction is drafted from through its n-gram index (core.drafters.PredictionIndex,
-~1.5 KiB a token). It is built while the request waits, off the engine, as long as the indexes
-alive stay within PREBUILT_INDEX_TOKENS; past that, the worker builds it when the request
-starts, so that waiting requests hold only their token ids.
+Text and token ids: serve.tokens (prompts tokenized and prediction indexes built while the
+request waits, off the worker).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import copy
-import dataclasses
 import logging
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from specdec.backends import chat as prompting
 from specdec.backends.costs import CurveFiles
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import PREFILL_CHUNK, Generation, rounds_together, stream
-from specdec.core.drafters import PredictionDrafter, PredictionIndex, common_prefix
+from specdec.core.decode import Generation, rounds_together, stream
 from specdec.core.metrics import GenerationStats
 from specdec.core.model import SpecModel
 from specdec.core.pool import DraftPool
+from specdec.serve import scheduler
 from specdec.serve.draft_pools import PoolConfig, PoolUse, ServedPools
 from specdec.serve.errors import (
     ApiError,
@@ -88,29 +86,24 @@ from specdec.serve.keys import ANONYMOUS
 from specdec.serve.metrics import Metrics, RoundMark
 from specdec.serve.origins import OriginTracker
 from specdec.serve.protocol import GenParams
+from specdec.serve.scheduler import PassCosts, SlotView, State
 from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
 from specdec.serve.tenant_policies import TenantPolicies
 from specdec.serve.text import TextAssembler
+from specdec.serve.tokens import Tokens
+
+if TYPE_CHECKING:
+    from specdec.serve.app import ServeConfig
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64
-#: Prompt tokens a newly admitted request prefills per round while others decode: each chunk
-#: stalls the running streams for as long as its prefill takes; a prompt alone prefills in
-#: decode.PREFILL_CHUNK pieces.
-PREFILL_CHUNK_SHARED = 128
 #: The prompt cache reuses, and reports, whole blocks of this many tokens: a client that guesses
 #: another's prompt learns at most whether a 256-token block matched, not the matching length
 #: (and only within a scope: the previous request's KV is kept for a request of its scope alone).
 PROMPT_CACHE_BLOCK = 256
 RETRY_AFTER_RANGE_S = (1, 60)
 _SERVICE_EMA = 0.8  # smoothing of the mean generation time that Retry-After is estimated from
-#: Prediction tokens whose n-gram indexes may be alive at once having been built ahead, while
-#: their requests wait: ~50 MiB, a 32k-token prediction's whole index (measured: 1.5 KiB a
-#: token). 65 requests in flight once held ~420 MB of them (issue 33). Built ahead, an index
-#: costs the engine no time; built by the worker, it delays its own request's start (0.4 s for
-#: 32k random ids on this repository's 2-core box, 1.2 s in issue 21's measurement).
-PREBUILT_INDEX_TOKENS = 1 << 15
 
 
 # ------------------------------------------------------------------------------ events
@@ -179,38 +172,6 @@ def error_for(reason: str) -> ApiError:
     return cancelled_error()
 
 
-class _IndexBudget:
-    """Tokens of prebuilt prediction indexes alive, bounded: an index's tokens come back when
-    the index is freed (its request ended and let go of it), whatever path it took."""
-
-    def __init__(self, tokens: int) -> None:
-        self.free = tokens
-        self._lock = threading.Lock()
-
-    def take(self, tokens: int) -> bool:
-        with self._lock:
-            if tokens > self.free:
-                return False
-            self.free -= tokens
-            return True
-
-    def give(self, tokens: int) -> None:
-        with self._lock:
-            self.free += tokens
-
-
-def _copy_tokenizer(tokenizer: object) -> object | None:
-    """A private copy of `tokenizer` for the worker; None when it cannot be copied (the worker
-    then shares the original under the lock)."""
-    if tokenizer is None:
-        return None
-    try:
-        return copy.deepcopy(tokenizer)
-    except Exception:  # a tokenizer that does not pickle: share it, locked
-        log.warning("the tokenizer cannot be copied; the worker shares it under a lock")
-        return None
-
-
 # ------------------------------------------------------------------------------ the engine
 class Engine:
     """The models, the worker thread, the queue; see the module docstring for the events.
@@ -241,6 +202,8 @@ class Engine:
         parallel: int = 1,
         # one tenant's requests generated at once, at most (None: all `parallel` slots)
         max_running_per_key: int | None = None,
+        # what the scheduler times rounds and prefill passes with (a test's modelled time)
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -269,12 +232,9 @@ class Engine:
         # another tenant's request prefills afresh, or its cached_tokens would say what the last
         # wrote.
         self._cache_scope: list[str | None] = [None] * parallel
-        self.tokenizer = target.tokenizer or getattr(draft, "tokenizer", None)
-        # The worker detokenizes every round; request threads tokenize prompts. A copy for the
-        # worker, so that a long prompt being tokenized never stalls the running stream (HF
-        # fast tokenizers cannot be called from two threads at once: "Already borrowed").
-        self._decode_tokenizer = _copy_tokenizer(self.tokenizer)
-        self.stop_ids = prompting.stop_ids(self.tokenizer)
+        # Prompts in, text out (serve.tokens): request threads encode, the worker decodes
+        self.tokens = Tokens(target.tokenizer or getattr(draft, "tokenizer", None), self.model_id)
+        self.stop_ids = prompting.stop_ids(self.tokens.tokenizer)
         # Every model the prompt must fit, for max_tokens validation.
         self.n_ctx = min(m.n_ctx for m in (target, draft) if m is not None)
         self.max_queue = max_queue
@@ -283,18 +243,43 @@ class Engine:
         self.pools = ServedPools(draft_pool or PoolConfig("off"), self.metrics)
         self.lock = threading.Lock()
         self._held = False  # the worker holds `lock` (_hold)
-        # HF fast tokenizers are not safe to call from two threads at once ("Already borrowed"):
-        # request threads encode prompts while the worker decodes outputs.
-        self.tokenizer_lock = threading.Lock()
         self._jobs: JobQueue[Job] = JobQueue(max_queue, max_queue_per_key)
-        self._index_budget = _IndexBudget(PREBUILT_INDEX_TOKENS)
         self._active: list[_Active] = []  # the generations running, in their slots
+        self._prefill_costs = PassCosts()  # the prefill passes run, timed (scheduler)
+        self._clock = clock
         self._service_s = 1.0  # EMA of generation wall time, for Retry-After
         self._stopping = False
         self._thread = threading.Thread(target=self.run, name="specdec-engine", daemon=True)
         #: Set by the caller that will call `run` itself (before the HTTP server starts, so that
         #: its lifespan does not start the thread as well).
         self.runs_in_caller = False
+
+    @classmethod
+    def from_config(
+        cls, cfg: ServeConfig, target: SpecModel, draft: SpecModel | None = None, **overrides: Any
+    ) -> Engine:
+        """The engine `cfg` (serve.app.ServeConfig) describes, on these models: the one mapping
+        from the server's settings to the engine's (`overrides`: an Engine argument set by
+        hand, e.g. a test's own speculation or policies)."""
+        kw: dict[str, Any] = {
+            "model_id": cfg.target,
+            "spec": cfg.spec_config(),
+            "max_queue": cfg.max_queue,
+            "max_queue_per_key": cfg.queue_per_key(),
+            "prompt_cache": cfg.prompt_cache,
+            "draft_pool": cfg.pool_config(),
+            "parallel": cfg.parallel,
+            "max_running_per_key": cfg.running_per_key(),
+        }
+        return cls(target, draft, **(kw | overrides))
+
+    @property
+    def tokenizer(self) -> object | None:
+        return self.tokens.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: object | None) -> None:
+        self.tokens.tokenizer = tokenizer
 
     # -------------------------------------------------------------------------- lifecycle
     def warm_up(self) -> None:
@@ -430,64 +415,6 @@ class Engine:
         if self._jobs.remove(job):  # the worker will never see it: end it here
             self._end_unstarted(job, job.reason or reason)
 
-    # -------------------------------------------------------------------------- text helpers
-    def decode(self, ids: list[int]) -> str:
-        """Text of `ids`, for the worker (its own tokenizer: no lock shared with requests)."""
-        if self._decode_tokenizer is not None:
-            return prompting.decode(self._decode_tokenizer, ids)
-        with self.tokenizer_lock:
-            return prompting.decode(self.tokenizer, ids)
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template's rendering of `messages` (backends.chat.encode_messages)."""
-        with self.tokenizer_lock:
-            try:
-                return prompting.encode_messages(self.tokenizer, messages)
-            except prompting.NoChatTemplateError as e:
-                raise bad(
-                    f"{self.model_id} has no chat template (a mock or base model); use "
-                    "/v1/completions",
-                    param="messages",
-                    code="no_chat_template",
-                ) from e
-            except ValueError as e:
-                raise bad(str(e), "messages") from e
-
-    def encode_prediction(self, text: str) -> list[int]:
-        """A request's prediction as token ids (backends.chat.encode_prediction)."""
-        if self.tokenizer is None:
-            raise bad(f"{self.model_id} has no tokenizer to read a prediction with", "prediction")
-        with self.tokenizer_lock:
-            return prompting.encode_prediction(self.tokenizer, text)
-
-    def prediction_index(self, prediction: list[int], instruction: str) -> PredictionIndex:
-        """A request's prediction with its n-gram index, and the rewrites its instruction names
-        as hints (backends.chat.prediction_hints)."""
-        return PredictionIndex(prediction, PredictionDrafter.N_MAX, self._hints(instruction))
-
-    def _hints(self, instruction: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
-        with self.tokenizer_lock:
-            return tuple(prompting.prediction_hints(self.tokenizer, instruction))
-
-    def prepare_prediction(self, params: GenParams, instruction: str) -> GenParams:
-        """`params` with its prediction's hints, and its index where PREBUILT_INDEX_TOKENS
-        allows (else the worker builds it when the request starts). Call off the event loop."""
-        if not params.prediction or params.speculation.drafter == "none":
-            return params  # nothing drafts from it
-        hints = self._hints(instruction)
-        tokens = len(params.prediction)
-        if not self._index_budget.take(tokens):
-            return dataclasses.replace(params, prediction_hints=hints)
-        index = PredictionIndex(params.prediction, PredictionDrafter.N_MAX, hints)
-        weakref.finalize(index, self._index_budget.give, tokens)
-        return dataclasses.replace(params, prediction_index=index, prediction_hints=hints)
-
-    def encode_text(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise bad(f"{self.model_id} has no tokenizer; pass the prompt as token ids", "prompt")
-        with self.tokenizer_lock:
-            return prompting.encode(self.tokenizer, text, chat=False)
-
     # -------------------------------------------------------------------------- the worker
     def run(self) -> None:
         """The worker: serve the queue in the calling thread until `stop` closes it."""
@@ -508,31 +435,68 @@ class Engine:
                 self._end_unstarted(waiting, "shutdown")
 
     def _cycle(self) -> bool:
-        """Admit what the free slots take, a prefill chunk for each request not yet prefilled,
-        one round for every prefilled one; False once the queue is closed and nothing runs."""
+        """Admit what the free slots take, one round for every request decoding, then the
+        cycle's prefill budget for the prompts going in (serve.scheduler); False once the queue
+        is closed and nothing runs."""
+        if not self._admit_free():
+            return False  # closed, and nothing left to finish
+        ready = [a for a in self._active if a.state is State.DECODING]
+        round_s = None  # nothing decodes: the prompts take the cycle
+        if ready:
+            t0 = self._clock()
+            self._guarded(ready, lambda: self._round(ready))
+            round_s = self._clock() - t0
+        self._prefill_newcomers(round_s)
+        self._active = [a for a in self._active if a.state is not State.ENDED]
+        self._hold(bool(self._active))
+        return True
+
+    def _admit_free(self) -> bool:
+        """Admit jobs while slots are free (a tenant at its running cap waits); False when the
+        queue is closed and nothing runs."""
         while len(self._active) < self.parallel:
-            running = collections.Counter(a.job.tenant for a in self._active)
-            busy = frozenset(t for t, n in running.items() if n >= self.running_per_key)
+            tenants = (a.job.tenant for a in self._active)
+            busy = scheduler.busy_tenants(tenants, self.running_per_key)
             job = self._jobs.get(block=not self._active, busy=busy)
             if job is None:
-                if not self._active:
-                    return False  # closed, and nothing left to finish
-                break
+                return bool(self._active)
             try:
                 self._admit(job)
             except Exception:  # _admit reports its own errors; this is a last resort
                 log.exception("engine worker: unexpected error")
-        decoding = [a for a in self._active if a.gen.prefilled]
-        chunk = PREFILL_CHUNK_SHARED if decoding else PREFILL_CHUNK
-        for a in [a for a in self._active if not a.gen.prefilled]:
-            self._guarded([a], lambda a=a: a.gen.prefill(chunk) and self._prefill_ended(a))
-        ready = [a for a in self._active if a.gen.prefilled and not a.ended]
-        if ready:
-            self._guarded(ready, lambda: self._round(ready))
-        for a in [a for a in self._active if a.ended]:
-            self._active.remove(a)
-        self._hold(bool(self._active))
         return True
+
+    def _prefill_newcomers(self, round_s: float | None) -> None:
+        """The cycle's prefill budget (scheduler.prefill_budget: what the round cost, `round_s`;
+        None: nothing decodes) over the prompts going in, the oldest first."""
+        for a in [a for a in self._active if a.state is State.PREFILLING]:
+            reason = a.job.stopped()  # abandoned while waiting for its share of the budget
+            if reason is not None:
+                a.job.emit(Failed(error_for(reason)))
+                self._end(a, reason, None)
+        newcomers = [a for a in self._active if a.state is State.PREFILLING]
+        if not newcomers:
+            return
+        budget = scheduler.prefill_budget(round_s, self._prefill_costs)
+        need = [(a, max(1, a.gen.prompt_left)) for a in newcomers]
+        plan = scheduler.plan_prefill(need, budget, alone=round_s is not None)
+        for a, n in plan.prefill.items():
+            self._guarded([a], lambda a=a, n=n: self._prefill(a, n))
+
+    def _prefill(self, a: _Active, tokens: int) -> None:
+        """Up to `tokens` of `a`'s prompt into its slot's cache, timed for the scheduler; once
+        the prompt is in, its rounds begin (or it ends, cancelled while prefilling)."""
+        t0 = self._clock()
+        done = a.gen.prefill(tokens)
+        self._prefill_costs.add(a.gen.last_prefill, self._clock() - t0)
+        if not done:
+            return
+        if a.gen.stop_reason == "cancelled":
+            reason = a.job.stopped() or "cancelled"
+            a.job.emit(Failed(error_for(reason)))
+            self._end(a, reason, None)
+        else:
+            a.state = State.DECODING
 
     def _hold(self, held: bool) -> None:
         """Hold `lock` while any generation runs, and only then (code outside the worker takes
@@ -548,17 +512,24 @@ class Engine:
         job.emit(Failed(error_for(reason)))
 
     def _admit(self, job: Job) -> None:
-        """Start `job` in a free slot (the one whose cached prompt it shares most of, else the
-        lowest), or end it if it was abandoned while waiting or its arguments are bad."""
+        """Start `job` in the free slot scheduler.place picks, or end it if it was abandoned
+        while waiting or its arguments are bad."""
         reason = job.stopped()
         if reason is not None:  # abandoned while waiting, and not withdrawn in time
             self._end_unstarted(job, reason)
             return
         p = job.params
-        origins = OriginTracker(self.decode) if p.origins else None
-        prediction = self._prediction(p)  # outside the lock, as it was built ahead
+        origins = OriginTracker(self.tokens.decode) if p.origins else None
+        prediction = self.tokens.prediction(p)  # outside the lock, as it was built ahead
         self._hold(True)
-        slot = self._free_slot(job)
+        scope = self.pools.scope(job.tenant)
+        free = sorted(set(range(self.parallel)) - {a.slot for a in self._active})
+        views = [
+            SlotView(sc, t.cached_tokens)
+            for sc, t in zip(self._cache_scope, self._targets, strict=True)
+        ]
+        block = PROMPT_CACHE_BLOCK if self.prompt_cache else 0
+        slot, reuse = scheduler.place(free, views, scope, p.prompt_ids, block)
         started = time.perf_counter()
         use = self.pools.begin(job.tenant)
         try:  # stream() checks every argument before any model work
@@ -578,7 +549,7 @@ class Engine:
                 stop_ids=self.stop_ids,
                 cancelled=lambda: job.stopped() is not None,  # polled between prefill chunks
                 on_round=origins.observe if origins is not None else None,
-                reuse_prefix=self._reuse_prefix(job.tenant, slot),
+                reuse_prefix=block if reuse else 0,
             )
         except ValueError as e:
             self.metrics.inc("specdec_generations_total", outcome="error")
@@ -586,26 +557,10 @@ class Engine:
             self.pools.end(use, ())  # nothing ran: nothing to add
             self._hold(bool(self._active))
             return
-        self._cache_scope[slot] = self.pools.scope(job.tenant)  # what the target will hold
+        self._cache_scope[slot] = scope  # what the target will hold
         job.emit(Start())
-        text = TextAssembler(self.decode, p.stop)
+        text = TextAssembler(self.tokens.decode, p.stop)
         self._active.append(_Active(job, slot, s.generation, use, started, text, origins))
-
-    def _free_slot(self, job: Job) -> int:
-        """The free slot for `job`: the one of its scope whose cache holds the longest prefix of
-        its prompt (at least a block), else the lowest."""
-        free = sorted(set(range(self.parallel)) - {a.slot for a in self._active})
-        if self.prompt_cache:
-            scope, ids = self.pools.scope(job.tenant), job.params.prompt_ids
-            kept = {
-                i: common_prefix(self._targets[i].cached_tokens, ids)
-                for i in free
-                if self._cache_scope[i] == scope
-            }
-            best = max(kept, key=lambda i: (kept[i], -i), default=None)
-            if best is not None and kept[best] >= PROMPT_CACHE_BLOCK:
-                return best
-        return free[0]
 
     def _guarded(self, group: list[_Active], step: Callable[[], object]) -> None:
         """Run `step` for `group`; on an exception, fail every request of the group with 500
@@ -626,13 +581,6 @@ class Engine:
         a.job.emit(Failed(ApiError(500, err, type="server_error", code="engine_error")))
         self._reset_slot(a.slot)
         self._end(a, "error", None)
-
-    def _prefill_ended(self, a: _Active) -> None:
-        """The prompt is in: end a request cancelled during its prefill (its stop_reason)."""
-        if a.gen.stop_reason == "cancelled":
-            reason = a.job.stopped() or "cancelled"
-            a.job.emit(Failed(error_for(reason)))
-            self._end(a, reason, None)
 
     def _round(self, ready: list[_Active]) -> None:
         """One round for every prefilled request, one target pass; hand each its text. A
@@ -669,7 +617,7 @@ class Engine:
     def _end(self, a: _Active, outcome: str, done: Done | None) -> None:
         """A request ended: its text goes to its draft pool, its numbers to /metrics, then its
         Done (a client that has its answer finds it in /metrics); its slot is free."""
-        a.ended = True
+        a.state = State.ENDED
         a.gen.finish()
         p = a.job.params
         # After the generation, never during it: a request drafts from earlier ones only.
@@ -680,20 +628,6 @@ class Engine:
         self.metrics.inc("specdec_generations_by_drafter_total", drafter=p.speculation.drafter)
         if done is not None:
             a.job.emit(done)
-
-    @staticmethod
-    def _prediction(p: GenParams) -> list[int] | PredictionIndex | None:
-        """What the request drafts from first: its index, built now if it was not built ahead
-        (Engine.prepare_prediction)."""
-        if p.prediction_index is not None or not p.prediction or p.speculation.drafter == "none":
-            return p.prediction_index or p.prediction
-        return PredictionIndex(p.prediction, PredictionDrafter.N_MAX, p.prediction_hints)
-
-    def _reuse_prefix(self, tenant: str, slot: int) -> int:
-        """decode.stream's reuse_prefix for a request in `slot`: blocks of the KV its target
-        holds, if the request that left it was of the same scope."""
-        same = self.pools.scope(tenant) == self._cache_scope[slot]
-        return PROMPT_CACHE_BLOCK if self.prompt_cache and same else 0
 
     def _reset_slot(self, slot: int) -> None:
         # Leave nothing half-written for the slot's next request (a generation resets it too).
@@ -717,4 +651,8 @@ class _Active:
     rounds: list[RoundMark] = field(default_factory=list)
     output: list[int] = field(default_factory=list)  # the tokens committed, for the draft pool
     drafted: int = 0  # draft tokens sent to verification so far
-    ended: bool = False
+    state: State = State.PREFILLING
+
+    @property
+    def ended(self) -> bool:
+        return self.state is State.ENDED

@@ -314,7 +314,7 @@ class GenParams:
     stop: tuple[str, ...]
     prediction: list[int] | None = None  # token ids of the request's prediction
     # its n-gram index, built ahead off the engine's lock where the engine's budget allows
-    # (Engine.prepare_prediction), else by the worker when the request starts
+    # (serve.tokens.Tokens.prepare_prediction), else by the worker when the request starts
     prediction_index: PredictionIndex | None = None
     # the rewrites the instruction names ((old ids, new ids) pairs: backends.chat.
     # prediction_hints), for an index the worker builds

@@ -1,0 +1,151 @@
+"""Text to token ids and back for the server, off the engine's worker where it can be.
+
+Request threads (`asyncio.to_thread` in serve.app) tokenize prompts and predictions and build a
+prediction's n-gram index while the request waits; the worker only detokenizes the tokens it
+commits, round by round (serve.text.TextAssembler needs the text to find stop strings), with a
+private copy of the tokenizer so that a long prompt being tokenized never stalls the running
+streams (HF fast tokenizers cannot be called from two threads at once: "Already borrowed").
+
+A request's prediction is drafted from through its n-gram index (core.drafters.PredictionIndex,
+~1.5 KiB a token). It is built while the request waits, off the engine, as long as the indexes
+alive stay within PREBUILT_INDEX_TOKENS; past that, the worker builds it when the request
+starts, so that waiting requests hold only their token ids.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import threading
+import weakref
+
+from specdec.backends import chat as prompting
+from specdec.core.drafters import PredictionDrafter, PredictionIndex
+from specdec.serve.errors import bad
+from specdec.serve.protocol import GenParams
+
+log = logging.getLogger(__name__)
+
+#: Prediction tokens whose n-gram indexes may be alive at once having been built ahead, while
+#: their requests wait: ~50 MiB, a 32k-token prediction's whole index (measured: 1.5 KiB a
+#: token). 65 requests in flight once held ~420 MB of them (issue 33). Built ahead, an index
+#: costs the engine no time; built by the worker, it delays its own request's start (0.4 s for
+#: 32k random ids on this repository's 2-core box, 1.2 s in issue 21's measurement).
+PREBUILT_INDEX_TOKENS = 1 << 15
+
+
+class _IndexBudget:
+    """Tokens of prebuilt prediction indexes alive, bounded: an index's tokens come back when
+    the index is freed (its request ended and let go of it), whatever path it took."""
+
+    def __init__(self, tokens: int) -> None:
+        self.free = tokens
+        self._lock = threading.Lock()
+
+    def take(self, tokens: int) -> bool:
+        with self._lock:
+            if tokens > self.free:
+                return False
+            self.free -= tokens
+            return True
+
+    def give(self, tokens: int) -> None:
+        with self._lock:
+            self.free += tokens
+
+
+def _copy_tokenizer(tokenizer: object) -> object | None:
+    """A private copy of `tokenizer` for the worker; None when it cannot be copied (the worker
+    then shares the original under the lock)."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # a tokenizer that does not pickle: share it, locked
+        log.warning("the tokenizer cannot be copied; the worker shares it under a lock")
+        return None
+
+
+class Tokens:
+    """The served model's tokenizer (None: a mock without one; prompts come as ids)."""
+
+    def __init__(self, tokenizer: object | None, model_id: str) -> None:
+        self.model_id = model_id
+        self.lock = threading.Lock()  # request threads encode while the worker decodes
+        self._index_budget = _IndexBudget(PREBUILT_INDEX_TOKENS)
+        self.tokenizer = tokenizer
+
+    @property
+    def tokenizer(self) -> object | None:
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: object | None) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = _copy_tokenizer(tokenizer)  # the worker's own
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, for the worker (its own tokenizer: no lock shared with requests)."""
+        if self._decoder is not None:
+            return prompting.decode(self._decoder, ids)
+        with self.lock:
+            return prompting.decode(self._tokenizer, ids)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template's rendering of `messages` (backends.chat.encode_messages)."""
+        with self.lock:
+            try:
+                return prompting.encode_messages(self._tokenizer, messages)
+            except prompting.NoChatTemplateError as e:
+                raise bad(
+                    f"{self.model_id} has no chat template (a mock or base model); use "
+                    "/v1/completions",
+                    param="messages",
+                    code="no_chat_template",
+                ) from e
+            except ValueError as e:
+                raise bad(str(e), "messages") from e
+
+    def encode_text(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            raise bad(f"{self.model_id} has no tokenizer; pass the prompt as token ids", "prompt")
+        with self.lock:
+            return prompting.encode(self._tokenizer, text, chat=False)
+
+    def encode_prediction(self, text: str) -> list[int]:
+        """A request's prediction as token ids (backends.chat.encode_prediction)."""
+        if self._tokenizer is None:
+            raise bad(f"{self.model_id} has no tokenizer to read a prediction with", "prediction")
+        with self.lock:
+            return prompting.encode_prediction(self._tokenizer, text)
+
+    def prediction_index(self, prediction: list[int], instruction: str) -> PredictionIndex:
+        """A request's prediction with its n-gram index, and the rewrites its instruction names
+        as hints (backends.chat.prediction_hints)."""
+        return PredictionIndex(prediction, PredictionDrafter.N_MAX, self._hints(instruction))
+
+    def _hints(self, instruction: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        with self.lock:
+            return tuple(prompting.prediction_hints(self._tokenizer, instruction))
+
+    def prepare_prediction(self, params: GenParams, instruction: str) -> GenParams:
+        """`params` with its prediction's hints, and its index where PREBUILT_INDEX_TOKENS
+        allows (else the worker builds it when the request starts). Call off the event loop."""
+        if not params.prediction or params.speculation.drafter == "none":
+            return params  # nothing drafts from it
+        hints = self._hints(instruction)
+        tokens = len(params.prediction)
+        if not self._index_budget.take(tokens):
+            return dataclasses.replace(params, prediction_hints=hints)
+        index = PredictionIndex(params.prediction, PredictionDrafter.N_MAX, hints)
+        weakref.finalize(index, self._index_budget.give, tokens)
+        return dataclasses.replace(params, prediction_index=index, prediction_hints=hints)
+
+    @staticmethod
+    def prediction(p: GenParams) -> list[int] | PredictionIndex | None:
+        """What the request drafts from first: its index, built now if it was not built ahead
+        (`prepare_prediction`)."""
+        if p.prediction_index is not None or not p.prediction or p.speculation.drafter == "none":
+            return p.prediction_index or p.prediction
+        return PredictionIndex(p.prediction, PredictionDrafter.N_MAX, p.prediction_hints)
