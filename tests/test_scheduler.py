@@ -16,6 +16,7 @@ from specdec.serve.app import ServeConfig
 from specdec.serve.engine import Engine
 from specdec.serve.scheduler import (
     PREFILL_MIN,
+    PREFILL_WASTE,
     PassCosts,
     Placement,
     SlotView,
@@ -69,9 +70,22 @@ def test_the_prefill_budget_costs_one_round() -> None:
     costs = _linear(0.001)  # 1 ms a token
     assert prefill_budget(None, costs) == 512  # nothing decodes: a full chunk
     assert prefill_budget(0.1, costs) == 100  # a 100 ms round: 100 tokens
-    assert prefill_budget(0.0005, costs) == PREFILL_MIN  # a tiny round: the floor
+    # a tiny round: the floor, the fewest tokens prefilled at half their best rate (below the
+    # least pass measured, 16 tokens, a pass costs no less than it: 8 tokens, 2 ms each)
+    assert prefill_budget(0.0005, costs) == costs.fewest(PREFILL_WASTE, PREFILL_MIN) == 8
     assert prefill_budget(10.0, costs) == 512  # never past a chunk
     assert prefill_budget(0.1, PassCosts()) == PREFILL_MIN  # nothing measured yet
+    assert prefill_budget(0.1, costs, share=0.5) == 50  # serve --prefill-share 0.5
+
+
+def test_the_floor_keeps_a_prompt_token_within_twice_its_best_cost() -> None:
+    """A pass's fixed part (reading the weights) spread over its tokens: 10 ms + 1 ms a token
+    costs 1.04 ms a token at 256, and 13 tokens are the fewest within twice that (a pass of
+    fewer costs no less than the least measured, 16 tokens: 26 ms)."""
+    costs = _linear(0.001, fixed=0.01)
+    assert costs.fewest(2.0, 64) == 13
+    assert costs.fewest(2.0, 8) == 8  # at most PREFILL_MIN
+    assert PassCosts().fewest(2.0, PREFILL_MIN) == PREFILL_MIN  # nothing measured
 
 
 def test_pass_costs_interpolate_and_extrapolate() -> None:
@@ -157,7 +171,7 @@ def _passes_beside_arriving_prompts(k: int | None) -> tuple[list, float]:
 def test_a_running_stream_waits_one_prefill_budget_a_cycle(k: int | None) -> None:
     """The review: three 1,000-token prompts arriving stalled a running stream 3.7 s against a
     57 ms round (each newcomer prefilled a chunk of its own every cycle). Now the cycle's one
-    prefill budget costs at most a round, or PREFILL_MIN tokens: between two rounds of the
+    prefill budget costs at most a round, or its floor (<= PREFILL_MIN): between two rounds of the
     stream, at most one budget is prefilled, the oldest prompt first."""
     log, round_s = _passes_beside_arriving_prompts(k)
     stream = MOCK_SPEC

@@ -27,6 +27,7 @@ from specdec.serve.draft_pools import (
     pool_memory_bytes,
 )
 from specdec.serve.engine import DEFAULT_MAX_QUEUE
+from specdec.serve.scheduler import PREFILL_SHARE
 
 #: The environment variable read for the API key when neither flag gives one.
 API_KEY_ENV = "SPECDEC_API_KEY"
@@ -144,6 +145,15 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "mock: models)",
     )
     p.add_argument(
+        "--prefill-share",
+        type=float,
+        default=PREFILL_SHARE,
+        metavar="S",
+        help="with --parallel: a cycle's prompt prefill may cost S times its round of the "
+        "running requests; lower keeps their streams smoother, higher starts new prompts "
+        f"sooner (float > 0; default {PREFILL_SHARE:g}: a stream waits about two rounds)",
+    )
+    p.add_argument(
         "--max-running-per-key",
         type=int,
         default=None,
@@ -244,7 +254,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v is not None and v < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
-    for name in ("request_timeout", "body_timeout", "write_timeout"):
+    for name in ("request_timeout", "body_timeout", "write_timeout", "prefill_share"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     return serve(
@@ -273,6 +283,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             max_connections_per_client=args.max_connections_per_client,
             write_timeout=args.write_timeout,
+            prefill_share=args.prefill_share,
             draft_pool=args.draft_pool,
             draft_pool_tokens=args.draft_pool_tokens,
             draft_pool_scopes=args.draft_pool_scopes,

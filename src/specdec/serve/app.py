@@ -133,6 +133,7 @@ from specdec.serve.protocol import (
     parse_request,
     validate_request,
 )
+from specdec.serve.scheduler import PREFILL_SHARE
 from specdec.serve.speculation import MAX_REQUEST_K, SPEC_DRAFTERS
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] = ()  # empty: loopback names when bound to loopback, else any
     max_queue: int = DEFAULT_MAX_QUEUE
     parallel: int = 1  # requests generated at once, a slot (KV cache) each: serve.engine
+    prefill_share: float = PREFILL_SHARE  # a cycle's prefill, at most, per its round: scheduler
     # one key's requests generated at once; None: all slots with one key, half with several
     max_running_per_key: int | None = None
     # one key's waiting requests, at most; None: half of max_queue with several keys (queue_per_key)

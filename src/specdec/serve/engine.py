@@ -202,6 +202,8 @@ class Engine:
         parallel: int = 1,
         # one tenant's requests generated at once, at most (None: all `parallel` slots)
         max_running_per_key: int | None = None,
+        # a cycle's prompt prefill may cost this times its round (scheduler.prefill_budget)
+        prefill_share: float = scheduler.PREFILL_SHARE,
         # what the scheduler times rounds and prefill passes with (a test's modelled time)
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -247,6 +249,7 @@ class Engine:
         self._active: list[_Active] = []  # the generations running, in their slots
         self._prefill_costs = PassCosts()  # the prefill passes run, timed (scheduler)
         self._clock = clock
+        self.prefill_share = prefill_share
         self._service_s = 1.0  # EMA of generation wall time, for Retry-After
         self._stopping = False
         self._thread = threading.Thread(target=self.run, name="specdec-engine", daemon=True)
@@ -270,6 +273,7 @@ class Engine:
             "draft_pool": cfg.pool_config(),
             "parallel": cfg.parallel,
             "max_running_per_key": cfg.running_per_key(),
+            "prefill_share": cfg.prefill_share,
         }
         return cls(target, draft, **(kw | overrides))
 
@@ -477,7 +481,7 @@ class Engine:
         newcomers = [a for a in self._active if a.state is State.PREFILLING]
         if not newcomers:
             return
-        budget = scheduler.prefill_budget(round_s, self._prefill_costs)
+        budget = scheduler.prefill_budget(round_s, self._prefill_costs, self.prefill_share)
         need = [(a, max(1, a.gen.prompt_left)) for a in newcomers]
         plan = scheduler.plan_prefill(need, budget, alone=round_s is not None)
         for a, n in plan.prefill.items():

@@ -11,8 +11,9 @@ K), then spends the cycle's prefill budget on the prompts still going in. This m
 The prefill budget is one for the cycle, whatever the number of newcomers, and it is priced in
 time: a cycle's prefill may cost what its round cost (PREFILL_SHARE), on the prefill passes the
 engine measured (`PassCosts`), so a running stream waits about two rounds a cycle however many
-prompts arrive; at least PREFILL_MIN tokens, so a prompt always moves (beside a round cheaper
-than PREFILL_MIN tokens, the wait is that round and those tokens). First come first served:
+prompts arrive; and at least the tokens that keep a prompt token within PREFILL_WASTE of its
+cheapest cost, so a prompt always moves (beside a round cheaper than those tokens, the wait is
+that round and those tokens). First come first served:
 the oldest newcomer starts first, and while streams run it goes alone (one pass). Nothing
 decoding, nobody waits: a full PREFILL_CHUNK. Why not a token budget (vLLM's
 max_num_batched_tokens): on a CPU a verify row and a prompt token cost about the same, and a
@@ -34,11 +35,15 @@ from specdec.core.cost import VerifyCurve
 from specdec.core.decode import PREFILL_CHUNK
 from specdec.core.drafters import common_prefix
 
-#: A cycle's prefill may cost this share of its round's wall time: a running stream's gap stays
-#: within (1 + PREFILL_SHARE) rounds while prompts arrive.
+#: A cycle's prefill may cost this share of its round's wall time (serve --prefill-share): a
+#: running stream's gap stays within (1 + share) rounds while prompts arrive, and the prompts
+#: get share / (1 + share) of the machine.
 PREFILL_SHARE = 1.0
-#: Prompt tokens a cycle prefills at least, whatever the round cost: a one-row round beside a
-#: long prompt would otherwise prefill a token or two a cycle.
+#: A cycle prefills at least the fewest prompt tokens whose pass costs at most PREFILL_WASTE
+#: times their cost in the cheapest pass measured (per token), and at most PREFILL_MIN: beside a
+#: one-row round, a token or two a cycle would mostly pay for reading the weights, and a long
+#: prompt would take hundreds of cycles. PREFILL_MIN until a pass is measured.
+PREFILL_WASTE = 2.0
 PREFILL_MIN = 16
 
 _K = TypeVar("_K", bound=Hashable)
@@ -110,6 +115,21 @@ class PassCosts:
             self.curve.add(tokens, seconds)
             self._points = sorted(self.curve.summary().items())
 
+    def fewest(self, waste: float, most: int) -> int:
+        """The fewest tokens (at most `most`) whose pass costs at most `waste` times their cost
+        in the cheapest pass measured, per token; `most` until a pass is measured."""
+        if not self._points:
+            return most
+        best = min(s / b for b, s in self._points)
+        lo, hi = 1, most  # cost(t) / t falls as t grows (a pass's fixed part spread thinner)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self(mid) / mid <= waste * best:  # type: ignore[operator]
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
     def __call__(self, tokens: int) -> float | None:
         """Estimated seconds to prefill `tokens`; None until a pass was measured."""
         pts = self._points
@@ -136,14 +156,20 @@ class Plan:
     prefill: dict = field(default_factory=dict)
 
 
-def prefill_budget(round_s: float | None, costs: PassCosts, chunk: int = PREFILL_CHUNK) -> int:
+def prefill_budget(
+    round_s: float | None,
+    costs: PassCosts,
+    share: float = PREFILL_SHARE,
+    chunk: int = PREFILL_CHUNK,
+) -> int:
     """Prompt tokens a cycle may prefill (module docstring): `chunk` when nothing decodes
-    (`round_s` None), else the most whose pass costs PREFILL_SHARE of the round, within
-    [PREFILL_MIN, chunk]."""
+    (`round_s` None), else the most whose pass costs `share` of the round (serve
+    --prefill-share), and at least the floor PassCosts.fewest gives (PREFILL_WASTE,
+    PREFILL_MIN)."""
     if round_s is None:
         return chunk
-    allowed = PREFILL_SHARE * round_s
-    lo, hi = PREFILL_MIN, chunk  # the answer lies in [lo, hi]; cost is nondecreasing
+    allowed = share * round_s
+    lo, hi = costs.fewest(PREFILL_WASTE, PREFILL_MIN), chunk  # the answer: in [lo, hi]
     if costs(lo) is None:
         return lo
     while lo < hi:
