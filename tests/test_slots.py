@@ -306,11 +306,22 @@ def test_llamacpp_refuses_slots_whose_caches_do_not_fit(smol_path, monkeypatch) 
     # 30 layers x 3 KV heads x 64 values x 4096 cells, K in q8_0 (34 / 32 bytes), V in f16
     assert per_seq == int(4096 * 30 * 3 * 64 * (34 / 32 + 2))
     monkeypatch.setattr(llamacpp, "_available_bytes", lambda: int(per_seq * 3))
-    with pytest.raises(SpecModelError, match=r"4 sequences .*\(--parallel\)"):
+    with pytest.raises(SpecModelError, match=r"4 sequences .*--parallel.*--ctx-size"):
         llamacpp.LlamaCppModel(smol_path, n_seq=4)
     two = llamacpp.LlamaCppModel(smol_path, n_seq=2)  # 2 of 2.4 that fit
     assert two.kv_bytes == 2 * per_seq
     two.close()
+    with pytest.raises(SpecModelError, match="at most 256 sequences"):
+        llamacpp.LlamaCppModel(smol_path, n_seq=257)  # llama.cpp's own limit, said up front
+    # a short context (serve --ctx-size 100) with slots: llama.cpp pads each sequence's cells
+    # to 256, so the model says 256 (once a batch sized by 100 failed an assertion in it)
+    short = llamacpp.LlamaCppModel(smol_path, n_ctx=100, n_seq=2)
+    try:
+        assert short.n_ctx == 256 and short.kv_bytes == 2 * per_seq // 16
+        a, b = short.slots(2)
+        assert extend_together([(a, [1, 2, 3]), (b, [4])])[0].shape[0] == 3
+    finally:
+        short.close()
 
 
 @pytest.mark.model

@@ -105,6 +105,11 @@ _log_callback: Any = None  # keeps the ctypes callback alive for as long as llam
 _log_sink: list[str] | None = None  # collects llama.cpp's INFO lines while a model loads
 
 
+#: A sequence's cells in a multi-sequence context come in multiples of this (llama.cpp pads)
+CELL_PAD = 256
+#: Sequences a llama.cpp context holds at most (LLAMA_MAX_SEQ, src/llama-cparams.h): past it
+#: the context fails to initialize with no reason given.
+MAX_SEQ = 256
 #: The share of the memory available at load that KV caches may take (the rest: the weights'
 #: pages, logits buffers, the process).
 KV_MEMORY_SHARE = 0.8
@@ -425,6 +430,11 @@ class LlamaCppModel(SpecModel):
     ) -> None:
         super().__init__()
         check_int("n_seq", n_seq, 1, error=SpecModelError)
+        if n_seq > MAX_SEQ:
+            raise SpecModelError(
+                f"llama.cpp holds at most {MAX_SEQ} sequences in a context, {n_seq} were asked "
+                f"for; run at most {MAX_SEQ} at once (specdec serve --parallel)"
+            )
         self.n_seq = n_seq
         llama = self._llama = _llama()
         path = Path(path)
@@ -489,8 +499,8 @@ class LlamaCppModel(SpecModel):
             raise SpecModelError(
                 f"{self.name}: {self.n_seq} sequences of {self.n_ctx} tokens need "
                 f"{self.kv_bytes / gib:.1f} GiB of KV cache, more than {KV_MEMORY_SHARE:.0%} of "
-                f"the {avail / gib:.1f} GiB available; run fewer at once (--parallel) or with "
-                "a shorter context (n_ctx)"
+                f"the {avail / gib:.1f} GiB available; run fewer at once (specdec serve "
+                "--parallel) or with a shorter context (n_ctx; specdec serve --ctx-size)"
             )
 
     def _load_weights(
@@ -541,6 +551,10 @@ class LlamaCppModel(SpecModel):
                 f"{self.name}: need 1 <= n_ctx <= {n_ctx_train} (the positions the model was "
                 f"trained for) and n_batch >= 1; got n_ctx={n_ctx}, n_batch={n_batch}"
             )
+        if self.n_seq > 1:
+            # llama.cpp pads each sequence's cells to a multiple of 256 (llama-context.cpp), and
+            # a batch sized by the unpadded count once failed an assertion there (n_ctx 128)
+            n_ctx = -(-n_ctx // CELL_PAD) * CELL_PAD
         return int(n_ctx), int(min(n_batch, n_ctx))
 
     def _context_params(

@@ -145,6 +145,16 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "mock: models)",
     )
     p.add_argument(
+        "--ctx-size",
+        "-c",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens of context per request (llama-server's -c per slot; int >= 16; default: "
+        "the backend's, 4096 for llama.cpp): a prompt plus max_tokens must fit; each --parallel "
+        "slot holds a KV cache this long",
+    )
+    p.add_argument(
         "--prefill-share",
         type=float,
         default=PREFILL_SHARE,
@@ -248,7 +258,8 @@ def _add_pool_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    lows = (("max_queue", 1), ("parallel", 1), ("max_body_bytes", 1), ("threads", 1), ("port", 0))
+    lows = (("max_queue", 1), ("parallel", 1), ("max_body_bytes", 1), ("threads", 1), ("port", 0),
+            ("ctx_size", 16))  # fmt: skip
     per = (("max_queue_per_key", 1), ("max_running_per_key", 1), ("max_connections_per_client", 1))
     for name, low in (*lows, ("max_connections", 1), *per):
         v = getattr(args, name)
@@ -284,6 +295,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_connections_per_client=args.max_connections_per_client,
             write_timeout=args.write_timeout,
             prefill_share=args.prefill_share,
+            ctx_size=args.ctx_size,
             draft_pool=args.draft_pool,
             draft_pool_tokens=args.draft_pool_tokens,
             draft_pool_scopes=args.draft_pool_scopes,

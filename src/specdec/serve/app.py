@@ -177,6 +177,7 @@ class ServeConfig:
     max_queue: int = DEFAULT_MAX_QUEUE
     parallel: int = 1  # requests generated at once, a slot (KV cache) each: serve.engine
     prefill_share: float = PREFILL_SHARE  # a cycle's prefill, at most, per its round: scheduler
+    ctx_size: int | None = None  # context per request (n_ctx); None: the backend's default
     # one key's requests generated at once; None: all slots with one key, half with several
     max_running_per_key: int | None = None
     # one key's waiting requests, at most; None: half of max_queue with several keys (queue_per_key)
@@ -652,6 +653,8 @@ def build_engine(cfg: ServeConfig) -> Engine:
 
     load_kw: dict[str, Any] = {"n_threads": cfg.threads} if cfg.threads else {}
     load_kw["deterministic"] = cfg.deterministic
+    if cfg.ctx_size is not None:
+        load_kw["n_ctx"] = cfg.ctx_size
 
     def load(spec: str) -> SpecModel:
         # a llama.cpp context holds the slots' sequences: made for them at load
