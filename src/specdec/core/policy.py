@@ -27,6 +27,7 @@ to and from a `CurveStore` (backends.costs.CurveFiles keeps them in JSON files).
 from __future__ import annotations
 
 import bisect
+import functools
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
@@ -410,20 +411,19 @@ def choose_together(wants: Sequence[tuple[KPolicy | None, str | None, int]]) -> 
     curve = autos[0][1]
     tokens = {i: p.expected_tokens(src, top) for i, p, src, top in autos}
     t_d = {i: p.draft_cost(src) for i, p, src, _ in autos}
-    top_rows = sum(k + 1 for k in ks) + sum(top for *_, top in autos)
-    v = [0.0, *(curve.v(b) for b in range(1, top_rows + 1))]  # v[b], priced once
+    v = functools.cache(curve.v)  # each v(b) priced once, and only the b asked for
 
     def rate() -> float:
         got = sum(tokens[i][ks[i]] for i in tokens) + len(ks) - len(tokens)
         drafting = sum(t_d[i] * ks[i] for i in tokens)
-        return got / (v[sum(k + 1 for k in ks)] + drafting)
+        return got / (v(sum(k + 1 for k in ks)) + drafting)
 
     for _ in range(JOINT_ITERATIONS):
         r, moved = rate(), False
         for i, _, _, top in autos:
             base = sum(k + 1 for k in ks) - ks[i] - 1  # the neighbours' rows
 
-            gains = [tokens[i][k] - r * (v[base + k + 1] - v[base] + t_d[i] * k)
+            gains = [tokens[i][k] - r * (v(base + k + 1) - v(base) + t_d[i] * k)
                      for k in range(top + 1)]  # fmt: skip
             best = max(range(top + 1), key=lambda k: (gains[k], -k))
             moved |= best != ks[i]
