@@ -331,6 +331,18 @@ def test_llamacpp_refuses_more_slots_than_its_context_holds(smol_llamacpp) -> No
 
 
 # ------------------------------------------------------------------------------ the server
+def _solo(e, body: dict) -> list[int]:
+    """generate()'s greedy answer alone to a /v1/completions `body` on engine `e`'s models, with
+    its `speculation` (the server's default, composite at k="auto", when it has none)."""
+    sp = body.get("speculation", {"drafter": "composite"})
+    drafter = None if sp["drafter"] == "none" else sp["drafter"]
+    draft = e.draft if drafter in ("model", "composite") else None
+    with e.lock:
+        return generate(e.target, body["prompt"], draft=draft, warp=GREEDY,
+                        spec=SpecConfig(drafter=drafter, k=sp.get("k", "auto")),
+                        max_new_tokens=body["max_tokens"], stop_ids=e.stop_ids).tokens  # fmt: skip
+
+
 def test_a_parallel_server_answers_each_request_as_if_alone() -> None:
     """--parallel 4, eight greedy requests of different lengths and drafters at once, and one
     with a vanishing top_p: each answer is generate()'s alone, the engine ran several at a
@@ -360,14 +372,7 @@ def test_a_parallel_server_answers_each_request_as_if_alone() -> None:
         assert most[0] > 1  # they ran together, not one after another
         for b, (status, _, out) in zip(bodies, outs, strict=True):
             assert status == 200, out
-            sp = b.get("speculation", {"drafter": "composite"})  # the server's default
-            drafter = None if sp["drafter"] == "none" else sp["drafter"]
-            draft = e.draft if drafter in ("model", "composite") else None
-            with e.lock:
-                want = generate(e.target, b["prompt"], draft=draft, warp=GREEDY,
-                                spec=SpecConfig(drafter=drafter, k=sp.get("k", "auto")),
-                                max_new_tokens=b["max_tokens"], stop_ids=e.stop_ids)  # fmt: skip
-            assert out["choices"][0]["token_ids"] == want.tokens
+            assert out["choices"][0]["token_ids"] == _solo(e, b)
         text = srv.metrics()
         assert metric(text, "specdec_slots") == 4 and metric(text, "specdec_running") == 0
     finally:
@@ -449,14 +454,9 @@ def test_neighbours_that_end_early_or_fail_leave_the_others_exact(monkeypatch) -
         for b, (status, _, out) in zip(good + hostile[1:], outs[:len(good)] + outs[len(good) + 1:],
                                        strict=True):  # fmt: skip
             assert status == 200, out
+            assert out["choices"][0]["token_ids"] == _solo(e, b), b
             sp = b.get("speculation", {"drafter": "composite", "k": "auto"})
             drafter = None if sp["drafter"] == "none" else sp["drafter"]
-            draft = e.draft if drafter in ("model", "composite") else None
-            with e.lock:
-                want = generate(e.target, b["prompt"], draft=draft, warp=GREEDY,
-                                spec=SpecConfig(drafter=drafter, k=sp.get("k", "auto")),
-                                max_new_tokens=b["max_tokens"], stop_ids=e.stop_ids)  # fmt: skip
-            assert out["choices"][0]["token_ids"] == want.tokens, b
             hist = out["usage"]["speculation"]["k_histogram"] if drafter else {}
             own = sp.get("k", 0) if drafter else 0  # its k_histogram: its own K only
             assert all(int(k) <= (own if isinstance(own, int) else 64) for k in hist), hist
