@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from loadtest_common import write_record
+from loadtest_common import connect, write_record
 
 
 def _post(port: int, body: dict) -> http.client.HTTPResponse:
@@ -66,9 +66,7 @@ def main() -> None:
     ap.add_argument("--label", default="", help="what this run is (e.g. the commit served)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=30)
-    conn.request("GET", "/v1/models")
-    model = json.loads(conn.getresponse().read())["data"][0]["id"]
+    model = connect(f"http://127.0.0.1:{args.port}", None, None).model  # its first model
     load = os.getloadavg()[0]  # the machine should be idle: said in the record
     rng = random.Random(0)
     times: list[float] = []
