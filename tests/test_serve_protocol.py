@@ -89,15 +89,10 @@ def test_stop_strings_are_capped() -> None:
 @pytest.mark.parametrize(
     "fields",
     [
-        {"logprobs": True},
-        {"logprobs": 0},  # an int asks for logprobs on /v1/completions, even 0
-        {"top_logprobs": 2},
-        {"response_format": {"type": "json_object"}},
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        {"logit_bias": {"1": 5}},
-        {"presence_penalty": 0.5},
-        {"echo": True},
         {"best_of": 2},
+        {"suffix": "tail"},
+        {"functions": [{"name": "f"}]},  # deprecated for tools, which are served
+        {"audio": {"voice": "x"}},
     ],
     ids=lambda f: next(iter(f)),
 )
@@ -110,6 +105,68 @@ def test_unsupported_openai_fields_are_refused(fields: dict) -> None:
     assert ei.value.param == name
 
 
+def test_new_sampling_fields_are_validated_into_params() -> None:
+    """Issue 43: penalties, logit_bias, min_p, logprobs, echo, n and response_format are served;
+    each out-of-range value is a 400 that names its field."""
+    p = validate_request(
+        _completion(
+            presence_penalty=0.5,
+            frequency_penalty=-1,
+            repetition_penalty=1.2,
+            logit_bias={"3": -100, "7": 2.5},
+            min_p=0.1,
+            logprobs=2,
+            n=3,
+            seed=5,
+            response_format={"type": "json_object"},
+        ),
+        N_CTX,
+        V,
+    )
+    assert p.penalties is not None and p.penalties.bias == ((3, -100.0), (7, 2.5))
+    assert (p.penalties.presence, p.penalties.frequency, p.penalties.repetition) == (0.5, -1, 1.2)
+    assert p.warp.min_p == 0.1 and p.logprobs == 2 and p.n == 3
+    assert p.structure is not None and p.structure.schema is None  # any JSON object
+    plain = validate_request(_completion(presence_penalty=0, logit_bias={}), N_CTX, V)
+    assert plain.penalties is None and plain.logprobs is None and plain.structure is None
+    for fields, param in [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {str(V): 1}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": 1, "echo": True}, "echo"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+    ]:
+        _refused(fields, param)
+
+
+def test_chat_logprobs_and_tool_choice_rules() -> None:
+    def chat(**fields: object) -> ChatRequest:
+        msgs = [{"role": "user", "content": "hi"}]
+        return parse_request(ChatRequest, {"model": "m", "messages": msgs, **fields})
+
+    def refused(param: str, **fields: object) -> None:
+        with pytest.raises(ApiError) as ei:
+            validate_request(chat(**fields), N_CTX, V, [1, 2])
+        assert ei.value.status == 400 and ei.value.param == param, ei.value
+
+    assert validate_request(chat(logprobs=True, top_logprobs=3), N_CTX, V, [1]).logprobs == 3
+    assert validate_request(chat(logprobs=True), N_CTX, V, [1]).logprobs == 0
+    refused("top_logprobs", top_logprobs=2)  # needs logprobs: true
+    refused("top_logprobs", logprobs=True, top_logprobs=21)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    refused("tools", tools=tools)  # no tool format known for this model
+    refused("tool_choice", tool_choice="required")  # no tools
+    # tool_choice "none": the tools are neither rendered nor read, so no format is needed
+    assert validate_request(chat(tools=tools, tool_choice="none"), N_CTX, V, [1]).tools is None
+
+
 def test_fields_that_ask_for_nothing_are_accepted_and_stream_null_is_false() -> None:
     req = _completion(
         logprobs=None,
@@ -118,7 +175,7 @@ def test_fields_that_ask_for_nothing_are_accepted_and_stream_null_is_false() -> 
         frequency_penalty=0.0,
         logit_bias={},
         response_format={"type": "text"},
-        tools=[],
+        best_of=1,
         stream=None,
         user="someone",
     )

@@ -241,7 +241,7 @@ BAD_INPUTS = [
     ("top-k-zero", "/v1/completions", {**GOOD, "top_k": 0}, AUTH, 400, "top_k"),
     ("token-outside-vocab", "/v1/completions", {**GOOD, "prompt": [1, V]}, AUTH, 400, "prompt"),
     ("empty-prompt", "/v1/completions", {**GOOD, "prompt": []}, AUTH, 400, "prompt"),
-    ("n-two", "/v1/completions", {**GOOD, "n": 2}, AUTH, 400, "n"),
+    ("n-too-many", "/v1/completions", {**GOOD, "n": 17}, AUTH, 400, "n"),
     ("empty-stop", "/v1/completions", {**GOOD, "stop": [""]}, AUTH, 400, "stop"),
     ("batched-prompts", "/v1/completions", {**GOOD, "prompt": [[1], [2]]}, AUTH, 400, "prompt"),
     (
@@ -296,7 +296,7 @@ BAD_INPUTS = [
         400,
         None,
     ),
-    ("logprobs", "/v1/completions", {**GOOD, "logprobs": 2}, AUTH, 400, "logprobs"),
+    ("logprobs", "/v1/completions", {**GOOD, "logprobs": 9}, AUTH, 400, "logprobs"),
     ("tools", "/v1/completions", {**GOOD, "tools": [{"type": "function"}]}, AUTH, 400, "tools"),
     (
         "response-format",
@@ -306,7 +306,7 @@ BAD_INPUTS = [
         400,
         "response_format",
     ),
-    ("logit-bias", "/v1/completions", {**GOOD, "logit_bias": {"1": 100}}, AUTH, 400, "logit_bias"),
+    ("logit-bias", "/v1/completions", {**GOOD, "logit_bias": {"1": 101}}, AUTH, 400, "logit_bias"),
 ]
 
 

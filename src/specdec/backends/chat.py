@@ -18,8 +18,11 @@ class NoChatTemplateError(ValueError):
     """The tokenizer has no chat template (a mock or a base model): send raw text instead."""
 
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` rendered by the model's chat template, ready for the assistant.
+def encode_messages(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """Token ids of `messages` rendered by the model's chat template, ready for the assistant;
+    `tools` (OpenAI's function definitions) rendered by the template too.
 
     The one chat encoding of the project: the CLI, the bench and the server all use it.
     NoChatTemplateError when there is no template; ValueError when the template rejects the
@@ -29,7 +32,7 @@ def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
         raise NoChatTemplateError("this model has no chat template (a mock or base model)")
     try:
         rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=False
         )
     except Exception as e:
         raise ValueError(f"the chat template rejected the messages: {e}") from e

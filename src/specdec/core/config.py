@@ -1,7 +1,8 @@
 """What one generation is asked to do, validated once, on construction.
 
-    Warp        how logits become a distribution: temperature, top-k, top-p. Applied identically
-                to the draft and the target, so the output is exactly the warped target.
+    Warp        how logits become a distribution: temperature, top-k, top-p, min-p. Applied
+                identically to the draft and the target, so the output is exactly the warped
+                target.
     SpecConfig  how speculation runs: drafter, K (an int, "auto", "schedule" or a KPolicy),
                 k_max, p_min. Everything in it looks only at the draft side and at costs, so no
                 setting changes the output distribution.
@@ -91,6 +92,7 @@ class Warp:
     temperature: float = 0.8
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -103,6 +105,11 @@ class Warp:
             isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1
         ):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        m = self.min_p
+        if m is not None and (
+            isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1
+        ):
+            raise ValueError(f"min_p must be in [0, 1], got {m!r}")
 
     @property
     def greedy(self) -> bool:

@@ -45,9 +45,23 @@ from specdec.core.drafters import (
 from specdec.core.metrics import GenerationResult, GenerationStats, Round
 from specdec.core.model import SpecModel, TokenIds, as_token_list, extend_together
 from specdec.core.pair import check_pair
-from specdec.core.policy import AutoPolicies, CostModelK, KPolicy, choose_together, make_policy
+from specdec.core.policy import (
+    AutoPolicies,
+    CostModelK,
+    FixedK,
+    KPolicy,
+    choose_together,
+    make_policy,
+)
 from specdec.core.pool import DraftPool, PoolDrafter
-from specdec.core.sampling import greedy_verify, probs_from_logits, rejection_sample
+from specdec.core.processing import FORCED, Constraint, Penalties, Processor
+from specdec.core.sampling import (
+    TokenLogprob,
+    greedy_verify,
+    rejection_sample,
+    token_logprobs,
+    warped,
+)
 
 #: Prompt prefill runs in chunks of this many tokens, with the cancellation check between them,
 #: so a request abandoned during a long prefill frees the engine within one chunk. 512 is
@@ -109,13 +123,17 @@ class Generation:
     on_round: Callable[[Round], None] | None = None  # told every round's record, after the policy
     clock: Clock | None = None  # None: wall time (Clock)
     policies: AutoPolicies | None = None  # told when the generation ends, if `policy` is theirs
+    processor: Processor | None = None  # penalties and a grammar (core.processing); None: none
+    top_logprobs: int | None = None  # None: no logprobs; n: each token's, and the n likeliest
     tokens: list[int] = field(default_factory=list)  # generated ids
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked
     stop_reason: str = "length"
     seq: list[int] = field(default_factory=list)  # the committed sequence: prompt + tokens
     last_prefill: int = 0  # prompt tokens the latest `prefill` call put in the cache
     _prefilled: int = -1  # prompt tokens in the target's cache; -1: the prefill has not begun
     _t_start: float = 0.0  # clock.now() when the prefill began
     _draft: tuple[str | None, int, torch.Tensor, torch.Tensor | None, float] | None = None
+    _forced: list[int] = field(default_factory=list)  # the grammar's forced tokens, from `want`
 
     def __post_init__(self) -> None:
         model = self.drafter.model if _has_model(self.drafter) else None  # type: ignore[union-attr]
@@ -168,9 +186,16 @@ class Generation:
 
     def want(self) -> tuple[KPolicy | None, str | None, int]:
         """What the next round's K is chosen from: the K policy, the draft source it judges
-        (None: nothing to draft) and the room left (a round emits at most K + 1 tokens)."""
+        (None: nothing to draft) and the room left (a round emits at most K + 1 tokens).
+        Tokens a grammar forces are drafted first, all of them: they cost nothing to make and
+        are near certain (source FORCED)."""
         room = self.max_new_tokens - len(self.tokens) - 1
         drafter = self.drafter
+        if drafter is not None and room > 0 and self.processor is not None:
+            forced = self.processor.forced()
+            if forced:
+                self._forced = forced
+                return FixedK(len(forced)), FORCED, room
         source = drafter.source(self.seq) if drafter is not None and room > 0 else None
         return self.policy, source, room
 
@@ -179,9 +204,14 @@ class Generation:
         [last committed, x_1..x_k] (the drafter may propose fewer than k)."""
         x, q, catchup_s = torch.empty(0, dtype=torch.long), None, 0.0  # [k], [k, V] | None
         self.clock.last["draft_s"] = 0.0
-        if k > 0 and self.drafter is not None:
+        if k > 0 and source == FORCED:
+            x = torch.tensor(self._forced[:k], dtype=torch.long)
+        elif k > 0 and self.drafter is not None:
             with self.clock.phase("draft_s"):
                 x, q, catchup_s = self.drafter.propose(self.seq, k)
+            if self.processor is not None:  # a token the grammar forbids would be rejected
+                keep = self.processor.valid(x.tolist())
+                x, q = x[:keep], q[:keep] if q is not None else None
         self._draft = (source, x.numel(), x, q, catchup_s)
         return [self.seq[-1], *x.tolist()]
 
@@ -194,23 +224,28 @@ class Generation:
         source, k, x, q, catchup_s = self._draft
         self._draft = None
         clock, stats, warp = self.clock, self.stats, self.warp
-        logits = logits[:, : self.width]  # [k+1, V]
+        raw = logits[:, : self.width]  # [k+1, V] the model's own rows
         with clock.phase("sampling_s"):
+            # each row adjusted from its own prefix: the rule then samples the adjusted p
+            logits = raw if self.processor is None else self.processor.rows(raw, x.tolist())
             if warp.greedy:
                 emitted, n_acc = greedy_verify(x, logits)
             else:
-                p = probs_from_logits(logits, warp.temperature, warp.top_k, warp.top_p)
-                emitted, n_acc = rejection_sample(x, q, p, self.generator)
+                emitted, n_acc = rejection_sample(x, q, warped(logits, warp), self.generator)
         new = self._commit(emitted.tolist())
+        if self.top_logprobs is not None:
+            self.logprobs += token_logprobs(raw[: len(new)], new, self.top_logprobs)
+        if self.processor is not None:
+            self.processor.commit(new)
         self.seq += new
         self.target.truncate(len(self.seq) - 1)
-        if k > 0:
+        if k > 0 and source != FORCED:  # forced tokens are not the drafter's nor its policy's
             self.drafter.observe(n_acc)  # type: ignore[union-attr]
         draft_s = max(0.0, clock.last["draft_s"] - catchup_s)  # per-token cost, no catch-up
         r = Round(source or "none", k, n_acc, len(new), draft_s, clock.last["verify_s"], rows)
         stats.catchup_s += catchup_s
         stats.record(r)
-        if self.policy is not None:
+        if self.policy is not None and source != FORCED:
             self.policy.observe(r)
         if self.on_round is not None:
             self.on_round(r)
@@ -256,7 +291,7 @@ class SpecStream:
             return next(self._chunks)
         except StopIteration:
             g = self.generation
-            self.result = GenerationResult(g.tokens, g.stop_reason, g.stats)
+            self.result = GenerationResult(g.tokens, g.stop_reason, g.stats, g.logprobs)
             raise
 
     def close(self) -> None:
@@ -276,8 +311,12 @@ def generate(
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     spec: SpecConfig | None = None,
     warp: Warp | None = None,
+    penalties: Penalties | None = None,
+    constraint: Constraint | None = None,
+    logprobs: int | None = None,
     max_new_tokens: int = 128,
     seed: int = 0,
     stop_ids: Iterable[int] | None = None,
@@ -298,9 +337,15 @@ def generate(
     drafter, k, k_max, p_min   how speculation runs (core.config.SpecConfig: "model", "lookup",
                  "composite", "prediction" or a Drafter; K an int, "auto" or "schedule"), or
                  spec=SpecConfig(...)
-    temperature, top_k, top_p  how logits become a distribution (core.config.Warp; temperature
-                 0 is greedy, default 0.8), or warp=Warp(...); a config and its keywords
-                 together are an error
+    temperature, top_k, top_p, min_p  how logits become a distribution (core.config.Warp;
+                 temperature 0 is greedy, default 0.8), or warp=Warp(...); a config and its
+                 keywords together are an error
+    penalties    presence, frequency, repetition penalties and logit bias (core.processing.
+                 Penalties), applied to every row from its own prefix: exact under speculation
+    constraint   a grammar (core.processing.Constraint, e.g. backends.grammar): p is masked to
+                 what it allows at every row; the tokens it forces are drafted for free
+    logprobs     None: none; n >= 0: each token's log-probability under the model's own
+                 distribution, and the n likeliest (core.sampling.token_logprobs)
     seed         the per-generation torch.Generator's seed
     stop_ids     token ids that end the generation (the stop id is the last token returned)
     prediction   token ids the output is expected to mostly repeat (e.g. the file an edit
@@ -347,8 +392,12 @@ def stream(
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     spec: SpecConfig | None = None,
     warp: Warp | None = None,
+    penalties: Penalties | None = None,
+    constraint: Constraint | None = None,
+    logprobs: int | None = None,
     max_new_tokens: int = 128,
     seed: int = 0,
     stop_ids: Iterable[int] | None = None,
@@ -367,13 +416,23 @@ def stream(
     spec = config_from(
         spec, SpecConfig, "spec", dict(drafter=drafter, k=k, k_max=k_max, p_min=p_min)
     )
-    warp = config_from(warp, Warp, "warp", dict(temperature=temperature, top_k=top_k, top_p=top_p))
+    warp = config_from(
+        warp, Warp, "warp", dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    )
     prompt = as_token_list(prompt_ids, "prompt_ids")
     kind = spec.drafter_for(draft is not None)
     used = draft if kind in MODEL_DRAFTERS else None
     width = _check_budget(target, used, prompt, max_new_tokens)
+    if logprobs is not None:
+        check_int("logprobs", logprobs, 0, width)
+    adjusted = (penalties is not None and penalties.active) or constraint is not None
+    processor = Processor(penalties, constraint, prompt, width) if adjusted else None
     generator = torch.Generator().manual_seed(seed)
-    model = ModelDrafter(used, warp, generator, width, spec.p_min) if used is not None else None
+    model = (
+        ModelDrafter(used, warp, generator, width, spec.p_min, processor and processor.row)
+        if used is not None
+        else None
+    )
     made, key = make_drafter(kind, model, _prediction(prediction, width), len(prompt), pool)
     policy = _policy(spec, target, made, key, policies) if made is not None else None
     gen = Generation(
@@ -393,6 +452,8 @@ def stream(
         on_round=on_round,
         clock=clock,
         policies=policies,
+        processor=processor,
+        top_logprobs=logprobs,
     )
     return SpecStream(gen)
 

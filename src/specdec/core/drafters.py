@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -30,7 +30,7 @@ from specdec.core.config import Warp
 from specdec.core.device import synchronize
 from specdec.core.edits import Rewrite, Rewrites
 from specdec.core.model import SpecModel
-from specdec.core.sampling import probs_from_logits, sample
+from specdec.core.sampling import sample, warped
 
 
 class Proposal(NamedTuple):
@@ -80,12 +80,15 @@ class ModelDrafter:
         generator: torch.Generator,
         width: int,
         p_min: float | None = None,
+        adjust: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
         self.warp = warp
         self.generator = generator
         self.width = width  # shared sampling width V (core.pair.check_pair)
         self.p_min = p_min
+        # the target's adjustments (core.processing.Processor.row): q adjusted as p will be
+        self.adjust = adjust
         self._base = 0  # len(context) at the last propose
 
     def source(self, context: list[int]) -> str | None:
@@ -112,13 +115,14 @@ class ModelDrafter:
         qs: list[torch.Tensor] = []
         for i in range(k):
             row = logits[: self.width]  # [V]
+            if self.adjust is not None:
+                row = self.adjust(row, xs)
             if self.warp.greedy:
                 if self.p_min is not None and float(torch.softmax(row, -1).max()) < self.p_min:
                     break
                 xs.append(int(row.argmax()))
             else:
-                w = self.warp
-                q_i = probs_from_logits(row, w.temperature, w.top_k, w.top_p)  # [V]: x_i ~ q_i
+                q_i = warped(row, self.warp)  # [V]: x_i ~ q_i
                 if self.p_min is not None and float(q_i.max()) < self.p_min:
                     break
                 xs.append(sample(q_i, self.generator))

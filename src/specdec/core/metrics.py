@@ -199,3 +199,4 @@ class GenerationResult:
     tokens: list[int]  # generated ids only (a stop id, if hit, is the last one)
     stop_reason: str  # "stop" (a stop id was emitted) or "length" (max_new_tokens reached)
     stats: GenerationStats
+    logprobs: list = field(default_factory=list)  # core.sampling.TokenLogprob per token, if asked

@@ -15,6 +15,8 @@ the CPU in float32: bit-reproducible across devices and free of fp16 underflow i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specdec.core.config import Warp
@@ -37,14 +39,16 @@ def probs_from_logits(
     temperature: float,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
-    """Warp logits [..., V] into probabilities [..., V] float32 CPU: temperature, top-k, top-p.
+    """Warp logits [..., V] into probabilities [..., V] float32 CPU: temperature, top-k, top-p,
+    min-p (llama.cpp's order; min-p keeps tokens with p >= min_p x the most likely one's).
 
     Apply the same warping to the target and the draft: the output of speculative decoding is
     then exactly the warped target distribution. temperature == 0 is greedy decoding, which is
     not a distribution: use `greedy_verify` / argmax for it.
     """
-    if Warp(temperature, top_k, top_p).greedy:  # Warp checks the three values
+    if Warp(temperature, top_k, top_p, min_p).greedy:  # Warp checks the three values
         raise ValueError(
             f"temperature {temperature} is greedy decoding: take the argmax, not a distribution"
         )
@@ -64,6 +68,9 @@ def probs_from_logits(
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
+    if min_p:  # the most likely token always stays: p_max >= min_p x p_max for min_p <= 1
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     # One check on the output instead of three on the input (this runs once per round on
     # [K+1, 151936] rows): NaN or +inf logits, and rows with every logit -inf, all give NaN here.
     if torch.isnan(probs.sum()):
@@ -71,6 +78,37 @@ def probs_from_logits(
             raise ValueError("logits contain NaN or +inf; the model produced invalid numbers")
         raise ValueError("every logit is -inf in some row; there is nothing to sample")
     return probs
+
+
+def warped(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
+    """`probs_from_logits` with a Warp's settings."""
+    return probs_from_logits(logits, warp.temperature, warp.top_k, warp.top_p, warp.min_p)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability, and the `top` likeliest tokens' ((id, logprob), ...,
+    most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of `tokens` under the rows [n, V] that emitted them (row i emitted
+    tokens[i]), with each row's `top` likeliest. Of the model's own distribution: before
+    temperature, penalties and a grammar (vLLM's default, "raw_logprobs"), so they are the same
+    whatever the sampling settings, and, rows being bit-identical, with speculation on or off."""
+    lp = torch.log_softmax(logits[: len(tokens)].to("cpu", torch.float32), -1)  # [n, V]
+    got = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    if top > 0:
+        values, ids = torch.topk(lp, top, dim=-1)  # [n, top]
+        pairs = zip(ids.tolist(), values.tolist(), strict=True)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(t, g, tp) for t, g, tp in zip(tokens, got, tops, strict=True)]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -95,7 +95,6 @@ import asyncio
 import contextlib
 import dataclasses
 import ipaddress
-import json
 import logging
 import os
 import signal
@@ -107,34 +106,34 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdec.core.config import MODEL_DRAFTERS, SpecConfig
 from specdec.core.model import SpecModel
-from specdec.serve import playground
+from specdec.serve import answers, playground
+from specdec.serve.answers import Reply, sample_params
 from specdec.serve.connections import (
     DEFAULT_WRITE_TIMEOUT_S,
     GRACEFUL_SHUTDOWN_S,  # noqa: F401 - re-exported: the tests read the shutdown bound here
     uvicorn_server,
 )
 from specdec.serve.draft_pools import DEFAULT_POOL_SCOPES, DEFAULT_POOL_TOKENS, PoolConfig
-from specdec.serve.engine import DEFAULT_MAX_QUEUE, Delta, Done, Engine, Event, Failed, Job
-from specdec.serve.errors import ApiError, timeout_error
-from specdec.serve.job_queue import Slot
+from specdec.serve.engine import DEFAULT_MAX_QUEUE, Engine, Job
+from specdec.serve.errors import ApiError
 from specdec.serve.keys import KeyRing, unauthorized
 from specdec.serve.protocol import (
+    MAX_N,
     ChatRequest,
     CompletionRequest,
-    GenParams,
-    Reply,
     parse_json,
     parse_request,
     validate_request,
 )
 from specdec.serve.scheduler import PREFILL_SHARE
 from specdec.serve.speculation import MAX_REQUEST_K, SPEC_DRAFTERS
+from specdec.serve.tools import ToolFormat
 
 log = logging.getLogger(__name__)
 
@@ -373,104 +372,6 @@ def _parse(kind: type[ChatRequest] | type[CompletionRequest], body: bytes) -> An
     return parse_request(kind, parse_json(body))
 
 
-# ------------------------------------------------------------------------------ generation
-async def _next_event(engine: Engine, job: Job) -> Event:
-    remaining = job.deadline - time.perf_counter()
-    try:
-        return await asyncio.wait_for(job.events.get(), timeout=max(remaining, 0.0))
-    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-        engine.withdraw(job, "timeout")
-        raise timeout_error() from None
-
-
-async def _watch_disconnect(request: Request, engine: Engine, job: Job) -> None:
-    """Withdraw the job when the client goes away. After the body is read, the next ASGI message
-    on this connection is `http.disconnect`, so this waits on an event, it does not poll."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            engine.withdraw(job, "cancelled")
-            return
-
-
-async def _generate(
-    request: Request,
-    ctx: _Context,
-    req: ChatRequest | CompletionRequest,
-    params: GenParams,
-    arrived: float,
-    slot: Slot,
-    tenant: str,
-) -> Response:
-    """Queue the job in its slot, then answer with the whole completion or an SSE stream."""
-    engine = ctx.engine
-    deadline = arrived + ctx.cfg.request_timeout
-    job = Job(params, asyncio.get_running_loop(), arrived, deadline, tenant=tenant)
-    engine.submit(job, slot)
-    watcher = asyncio.create_task(_watch_disconnect(request, engine, job))
-    streaming = False
-    try:
-        first = await _next_event(engine, job)  # Start, or Failed while queued or in stream()
-        if isinstance(first, Failed):
-            raise first.error
-        chat = isinstance(req, ChatRequest)
-        reply = Reply(ctx.public_id, chat, req, params.prompt_ids, params.speculation)
-        if req.streaming:
-            streaming = True
-            engine.metrics.count_request(request.url.path, 200)
-            events = _sse_events(engine, job, watcher, reply)
-            headers = {"Cache-Control": "no-cache"}
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        text: list[str] = []
-        ids: list[int] = []
-        while not isinstance(ev := await _next_event(engine, job), Done):
-            if isinstance(ev, Failed):
-                raise ev.error
-            if isinstance(ev, Delta):
-                text.append(ev.text)
-                ids += ev.token_ids
-        engine.metrics.count_request(request.url.path, 200)
-        return JSONResponse(reply.completion("".join(text), ids, ev.finish_reason, ev.stats))
-    finally:
-        if not streaming:  # the SSE generator owns the job from here on
-            engine.withdraw(job, "cancelled")  # a no-op for a finished job
-            watcher.cancel()
-
-
-async def _sse_events(
-    engine: Engine, job: Job, watcher: asyncio.Task, reply: Reply
-) -> AsyncIterator[str]:
-    try:
-        if reply.chat:
-            yield _sse(reply.first_chunk())
-        while True:
-            try:
-                ev = await _next_event(engine, job)
-            except ApiError as e:
-                yield _sse(e.body())
-                return
-            if isinstance(ev, Delta):
-                wanted = ev.origins is not None or (reply.req.return_token_ids and ev.token_ids)
-                if ev.text or wanted:
-                    yield _sse(reply.chunk(ev.text, ev.token_ids, origins=ev.origins))
-            elif isinstance(ev, Failed):
-                yield _sse(ev.error.body())
-                return
-            elif isinstance(ev, Done):
-                yield _sse(reply.last_chunk(ev.finish_reason, ev.stats))
-                if reply.req.include_usage:
-                    yield _sse(reply.usage_chunk(ev.stats))
-                yield "data: [DONE]\n\n"
-                return
-    finally:  # normal end, or the client went away (this generator is then cancelled)
-        engine.withdraw(job, "cancelled")
-        watcher.cancel()
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
 # ------------------------------------------------------------------------------ routes
 async def chat_completions(request: Request) -> Response:
     return await _completion(request, ChatRequest)
@@ -492,24 +393,71 @@ async def _completion(
     # JSON and validation off the event loop; the bounds in parse_json keep both short.
     req = await asyncio.to_thread(_parse, kind, body)
     _check_model(ctx, req.model)
-    with engine.reserve(tenant) as slot:  # 429 / 503 now, before any tokenizing
+    with contextlib.ExitStack() as held:
+        # 429 / 503 now, before any tokenizing: a place for each of the n samples
+        slots = [held.enter_context(engine.reserve(tenant)) for _ in range(_samples(req))]
         # Templating and tokenizing up to --max-body-bytes of text takes a while: in a thread.
+        echo = ""
         if isinstance(req, ChatRequest):
-            prompt = await asyncio.to_thread(engine.tokens.encode_chat, req.chat_messages())
+            tools = _rendered_tools(req)
+            prompt = await asyncio.to_thread(engine.tokens.encode_chat, req.chat_messages(), tools)
         else:
             prompt = req.single_prompt()
             if isinstance(prompt, str):
+                echo = prompt
                 prompt = await asyncio.to_thread(engine.tokens.encode_text, prompt)
+            elif req.echo:
+                echo = await asyncio.to_thread(engine.tokens.text_of, prompt)
         pred = None
         if req.prediction is not None:
             pred = await asyncio.to_thread(engine.tokens.encode_prediction, req.prediction.text())
         vocab = engine.target.vocab_size
-        params = validate_request(req, engine.n_ctx, vocab, prompt, pred, engine.defaults)
+        params = validate_request(
+            req, engine.n_ctx, vocab, prompt, pred, engine.defaults, _tool_format(engine, req)
+        )
+        if params.structure is not None:  # checked now, a 400 before the queue
+            grammar = await asyncio.to_thread(engine.grammar, params.structure)
+            params = dataclasses.replace(params, grammar=grammar)
         if params.prediction:  # its hints, and its index if it may be built ahead (engine)
             params = await asyncio.to_thread(
                 engine.tokens.prepare_prediction, params, _instruction(req)
             )
-        return await _generate(request, ctx, req, params, arrived, slot, tenant)
+        reply = Reply(
+            ctx.public_id,
+            isinstance(req, ChatRequest),
+            req,
+            params.prompt_ids,
+            params.speculation,
+            logprobs=params.logprobs is not None,
+            echo=echo if params.echo else "",
+        )
+        loop = asyncio.get_running_loop()
+        deadline = arrived + ctx.cfg.request_timeout
+        jobs = [
+            Job(sample_params(params, i), loop, arrived, deadline, tenant=tenant)
+            for i in range(params.n)
+        ]
+        response = await answers.generate(request, engine, reply, params, jobs, slots)
+        engine.metrics.count_request(request.url.path, 200)
+        return response
+
+
+def _samples(req: ChatRequest | CompletionRequest) -> int:
+    """The samples a request asks for (validate_request checks the range; a place is held for
+    at most MAX_N)."""
+    return req.n if isinstance(req.n, int) and 1 <= req.n <= MAX_N else 1
+
+
+def _rendered_tools(req: ChatRequest) -> list[dict[str, Any]] | None:
+    """The tools the chat template renders: none with tool_choice "none" (the model is not to
+    call them, so it is not told of them)."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def _tool_format(engine: Engine, req: ChatRequest | CompletionRequest) -> ToolFormat | None:
+    return engine.tokens.tool_format if isinstance(req, ChatRequest) and req.tools else None
 
 
 def _instruction(req: ChatRequest | CompletionRequest) -> str:

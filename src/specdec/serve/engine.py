@@ -25,9 +25,10 @@ hands each job typed events through the job's asyncio.Queue (`loop.call_soon_thr
 order:
 
     Start                   generation began (the request left the queue)
-    Delta(text, token_ids, origins)  one round's committed tokens and the text now safe to
-                            send; `origins` (stream_options.include_speculation only) says where
-                            each token came from (serve.origins)
+    Delta(text, token_ids, origins, logprobs)  one round's committed tokens and the text now
+                            safe to send; `origins` (stream_options.include_speculation only)
+                            says where each token came from (serve.origins); `logprobs` each
+                            token's (serve.tokens.TokenEntry), when asked
     Done(finish_reason, stats)
     Failed(error)           at any point instead of the rest; an ApiError for the client
 
@@ -67,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 
 from specdec.backends import chat as prompting
 from specdec.backends.costs import CurveFiles
+from specdec.backends.grammar import Grammars
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import Generation, rounds_together, stream
 from specdec.core.metrics import GenerationStats
@@ -85,12 +87,12 @@ from specdec.serve.job_queue import JobQueue, QueueFull, Slot
 from specdec.serve.keys import ANONYMOUS
 from specdec.serve.metrics import Metrics, RoundMark
 from specdec.serve.origins import OriginTracker
-from specdec.serve.protocol import GenParams
+from specdec.serve.protocol import GenParams, Structure
 from specdec.serve.scheduler import PassCosts, SlotView, State
 from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
 from specdec.serve.tenant_policies import TenantPolicies
 from specdec.serve.text import TextAssembler
-from specdec.serve.tokens import Tokens
+from specdec.serve.tokens import TokenEntry, Tokens
 
 if TYPE_CHECKING:
     from specdec.serve.app import ServeConfig
@@ -117,6 +119,7 @@ class Delta:
     text: str  # may be empty: text held back (a possible stop string, a partial character)
     token_ids: tuple[int, ...]  # the round's committed tokens (empty for the final flush)
     origins: dict | None = None  # the round's token origins, when the request asked for them
+    logprobs: tuple[TokenEntry, ...] = ()  # one per token, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -237,6 +240,8 @@ class Engine:
         # Prompts in, text out (serve.tokens): request threads encode, the worker decodes
         self.tokens = Tokens(target.tokenizer or getattr(draft, "tokenizer", None), self.model_id)
         self.stop_ids = prompting.stop_ids(self.tokens.tokenizer)
+        self._grammars: Grammars | None = None  # built on the first request with a structure
+        self._grammars_lock = threading.Lock()
         # Every model the prompt must fit, for max_tokens validation.
         self.n_ctx = min(m.n_ctx for m in (target, draft) if m is not None)
         self.max_queue = max_queue
@@ -284,6 +289,30 @@ class Engine:
     @tokenizer.setter
     def tokenizer(self, tokenizer: object | None) -> None:
         self.tokens.tokenizer = tokenizer
+
+    def grammar(self, structure: Structure) -> str:
+        """The grammar of a request's structure (protocol.Structure), checked against the
+        model's tokenizer: ApiError 400 naming the problem. Call off the event loop: the first
+        call builds llguidance's token trie (~2 s for 150k tokens)."""
+        try:
+            grammars = self._grammars_for_model()
+            if structure.functions:
+                fmt = self.tokens.tool_format
+                assert fmt is not None, "protocol.validate_request checked the tool format"
+                return grammars.lark(fmt.grammar(list(structure.functions), structure.parallel))
+            return grammars.json_schema(structure.schema)
+        except ValueError as e:
+            raise bad(str(e), "tools" if structure.functions else "response_format") from None
+
+    def _grammars_for_model(self) -> Grammars:
+        with self._grammars_lock:
+            if self._grammars is None:
+                tokenizer = self.tokens.tokenizer
+                if tokenizer is None:
+                    raise ValueError(f"{self.model_id} has no tokenizer to build a grammar with")
+                with self.tokens.lock:
+                    self._grammars = Grammars(tokenizer, self.target.vocab_size, self.stop_ids)
+            return self._grammars
 
     # -------------------------------------------------------------------------- lifecycle
     def warm_up(self) -> None:
@@ -537,6 +566,8 @@ class Engine:
         started = time.perf_counter()
         use = self.pools.begin(job.tenant)
         try:  # stream() checks every argument before any model work
+            grammar = p.grammar
+            constraint = self._grammars_for_model().constraint(grammar) if grammar else None
             s = stream(
                 self._targets[slot],
                 p.prompt_ids,
@@ -548,6 +579,9 @@ class Engine:
                     slot=slot,
                 ),
                 warp=p.warp,
+                penalties=p.penalties,
+                constraint=constraint,
+                logprobs=p.logprobs,
                 max_new_tokens=p.max_tokens,
                 seed=p.seed,
                 stop_ids=self.stop_ids,
@@ -604,7 +638,9 @@ class Engine:
         a.rounds.append(RoundMark(time.perf_counter(), len(ids), g.stats.drafted - a.drafted))
         a.drafted = g.stats.drafted
         record = a.origins.record(ids) if a.origins is not None else None
-        job.emit(Delta(a.text.push(ids), tuple(ids), record))
+        asked = job.params.logprobs is not None and ids
+        entries = self.tokens.entries(g.logprobs[-len(ids) :]) if asked else ()
+        job.emit(Delta(a.text.push(ids), tuple(ids), record, entries))
         if not a.text.stopped and not g.done:
             reason = job.stopped()
             if reason is not None:

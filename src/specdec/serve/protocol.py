@@ -20,18 +20,18 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from specdec.core.config import Warp
+from specdec.backends.grammar import schema_of
+from specdec.core.config import Warp, shown
 from specdec.core.drafters import PredictionIndex
-from specdec.core.metrics import GenerationStats
+from specdec.core.processing import Penalties
 from specdec.serve.errors import bad
 from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
+from specdec.serve.tools import ToolFormat, tool_call_for_template
 
 DEFAULT_MAX_TOKENS = 512  # when a request names none (capped by the room left in the context)
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
@@ -47,27 +47,19 @@ MAX_STOP_CHARS = 256
 #: implement, with the values that ask for nothing (clients often send those explicitly). Any
 #: other value is refused rather than silently ignored.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
-    "logit_bias": ({},),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "audio": (),
     "modalities": (["text"],),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
 }
+#: OpenAI's caps: top_logprobs <= 20 on chat, logprobs <= 5 on completions (vLLM allows more;
+#: each costs a top-k over the vocabulary per token). n: OpenAI allows 128; each sample is a
+#: generation of its own here, so the cap is the queue's scale.
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+MAX_N = 16
 
 
 # ------------------------------------------------------------------------------ the JSON body
@@ -186,13 +178,60 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         c = self.content
         return c if isinstance(c, str) else "".join(p.text for p in c or ())
+
+    def rendered(self) -> dict[str, Any]:
+        """As a chat template takes it (transformers' convention: a call's arguments as an
+        object; serve.tools)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [tool_call_for_template(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class ToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class PredictionContent(_Strict):
@@ -227,6 +266,12 @@ class _Request(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = None
     return_token_ids: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's and transformers'
+    min_p: float | None = None  # vLLM's and llama.cpp's
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     prediction: PredictionContent | None = None
     # extension: {"drafter", "k", "k_max"}; checked by resolve_speculation, which names the
     # allowed values (pydantic's own messages for a free-form object would not)
@@ -248,16 +293,24 @@ class _Request(_Strict):
 class ChatRequest(_Request):
     messages: list[Message]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         """The messages as backends.chat.encode_messages takes them; 400 when there are none."""
         if not self.messages:
             raise bad("messages must hold at least one message", "messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.rendered() for m in self.messages]
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    tools: Any = None  # a chat field: refused here rather than ignored (`validate_request`)
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: text, or token ids. A list of one prompt is that prompt; batches are
@@ -321,6 +374,23 @@ class GenParams:
     prediction_hints: tuple[tuple[tuple[int, ...], ...], ...] = ()
     speculation: Speculation = Speculation()  # noqa: RUF009 - frozen; the server's defaults applied
     origins: bool = False  # stream_options.include_speculation: token origins per chunk
+    penalties: Penalties | None = None  # presence/frequency/repetition penalties, logit_bias
+    logprobs: int | None = None  # None: none; n: each token's and the n likeliest
+    n: int = 1  # samples of the prompt, sample i seeded with seed + i
+    echo: bool = False  # completions: the prompt's text before the answer's
+    structure: Structure | None = None  # what the output must match (response_format, tools)
+    tools: ToolFormat | None = None  # read tool calls out of the text in this format
+    grammar: str | None = None  # the structure's grammar (backends.grammar), built by the app
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What the output must match: JSON by a schema (None: any object), or, with `functions`
+    ({"name", "parameters"} each), one tool call of them (or several, `parallel`)."""
+
+    schema: dict[str, Any] | None = None
+    functions: tuple[dict[str, Any], ...] = ()
+    parallel: bool = True
 
 
 def validate_request(
@@ -330,13 +400,15 @@ def validate_request(
     prompt_ids: list[int] | None = None,
     prediction_ids: list[int] | None = None,
     defaults: SpecDefaults = SpecDefaults(),  # noqa: B008 - frozen
+    tool_format: ToolFormat | None = None,
 ) -> GenParams:
     """Check `req` against a context window of `n_ctx` tokens and a vocabulary of `vocab`.
 
     `prompt_ids` is the tokenized prompt; it may be left out for a completion whose prompt is
     already token ids. `prediction_ids`: the request's prediction, tokenized (required when it
     has one). `defaults`: the server's speculation flags, which the request's `speculation`
-    overrides. Raises ApiError 400 naming the offending field.
+    overrides. `tool_format`: the chat template's (serve.tools; None: it has none). Raises
+    ApiError 400 naming the offending field.
     """
     if prompt_ids is None:
         prompt = req.single_prompt() if isinstance(req, CompletionRequest) else None
@@ -344,8 +416,11 @@ def validate_request(
             raise TypeError("a text or chat prompt must be tokenized first: pass prompt_ids")
         prompt_ids = prompt
     prompt_param = "messages" if isinstance(req, ChatRequest) else "prompt"
-    if req.n not in (None, 1):
-        raise bad("only n=1 is supported", "n")
+    if isinstance(req, CompletionRequest) and req.tools not in (None, []):
+        raise bad("tools are served on /v1/chat/completions, not on /v1/completions", "tools")
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise bad(f"n must be in [1, {MAX_N}], got {n}", "n")
     warp = _warp(req, vocab)
     if req.seed is not None and not SEED_RANGE[0] <= req.seed < SEED_RANGE[1]:
         raise bad(f"seed must be in [-2**63, 2**64), got {req.seed}", "seed")
@@ -362,6 +437,7 @@ def validate_request(
         )
     # No seed: a fresh one per request (OpenAI's behaviour), never a fixed default.
     seed = req.seed if req.seed is not None else secrets.randbits(63)
+    structure, tools = _structure(req, tool_format)
     return GenParams(
         list(prompt_ids),
         max_tokens,
@@ -371,7 +447,98 @@ def validate_request(
         prediction,
         speculation=speculation,
         origins=req.include_speculation,
+        penalties=_penalties(req, vocab),
+        logprobs=_logprobs(req),
+        n=n,
+        echo=bool(getattr(req, "echo", False)),
+        structure=structure,
+        tools=tools,
     )
+
+
+def _penalties(req: ChatRequest | CompletionRequest, vocab: int) -> Penalties | None:
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad(f"logit_bias keys are token ids, got {shown(key)}", "logit_bias") from None
+        if not 0 <= token < vocab:
+            raise bad(f"logit_bias token id {token} is outside [0, {vocab})", "logit_bias")
+        bias[token] = value
+    try:
+        pen = Penalties.of(
+            req.presence_penalty, req.frequency_penalty, req.repetition_penalty, bias
+        )
+    except ValueError as e:  # Penalties' message starts with the field it rejects
+        raise bad(str(e), str(e).split()[0].split("[")[0]) from None
+    return pen if pen.active else None
+
+
+def _logprobs(req: ChatRequest | CompletionRequest) -> int | None:
+    """None, or how many likeliest tokens each position lists (chat: top_logprobs, which needs
+    logprobs: true; completions: logprobs itself)."""
+    if isinstance(req, ChatRequest):
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+        if not req.logprobs:
+            if top:
+                raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return top or 0
+    if req.logprobs is None:
+        return None
+    if not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise bad(
+            f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}", "logprobs"
+        )
+    if req.echo:
+        raise bad(
+            "echo with logprobs would need the prompt's logprobs, which this server does not "
+            "compute; leave out echo or logprobs",
+            "echo",
+        )
+    return req.logprobs
+
+
+def _structure(
+    req: ChatRequest | CompletionRequest, fmt: ToolFormat | None
+) -> tuple[Structure | None, ToolFormat | None]:
+    """What the output must match, and the format tool calls are read in (None: not read)."""
+    structure = None
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        try:
+            structure = Structure(schema_of(req.response_format))
+        except ValueError as e:
+            raise bad(str(e), "response_format") from None
+    if not isinstance(req, ChatRequest) or not req.tools or req.tool_choice == "none":
+        if isinstance(req, ChatRequest) and req.tool_choice not in (None, "none") and not req.tools:
+            raise bad("tool_choice needs tools", "tool_choice")
+        return structure, None
+    if fmt is None:
+        raise bad(
+            "this model's chat template has no tool-call format the server reads (it reads "
+            "the Hermes <tool_call> format: Qwen2.5 and others); leave out tools",
+            "tools",
+        )
+    functions = [{"name": t.function.name, "parameters": t.function.parameters} for t in req.tools]
+    choice = req.tool_choice
+    if isinstance(choice, ToolChoice):
+        functions = [f for f in functions if f["name"] == choice.function.name]
+        if not functions:
+            raise bad(
+                f"tool_choice names {shown(choice.function.name)}, not in tools", "tool_choice"
+            )
+    if choice is None or choice == "auto":
+        return structure, fmt
+    if structure is not None:
+        raise bad("a required tool call and response_format cannot both be asked", "tool_choice")
+    # One call unless asked for more: a grammar that allows another call after each one lets a
+    # model that prefers a newline to its end token repeat calls until max_tokens (seen with
+    # Qwen2.5-Coder 0.5B); with tool_choice "auto" the model decides, unconstrained.
+    parallel = req.parallel_tool_calls is True and not isinstance(choice, ToolChoice)
+    return Structure(functions=tuple(functions), parallel=parallel), fmt
 
 
 def _prediction(
@@ -398,10 +565,11 @@ def _warp(req: ChatRequest | CompletionRequest, vocab: int) -> Warp:
     # top_k >= V keeps every token: the same distribution, without a top-k over too many.
     top_k = req.top_k if req.top_k is None or req.top_k < vocab else vocab
     try:
-        warp = Warp(t, top_k, req.top_p)
+        warp = Warp(t, top_k, req.top_p, req.min_p)
     except ValueError as e:  # Warp's message starts with the field it rejects
         field = str(e).split()[0]
-        raise bad(str(e), field if field in ("temperature", "top_k", "top_p") else None) from None
+        named = ("temperature", "top_k", "top_p", "min_p")
+        raise bad(str(e), field if field in named else None) from None
     if t > TEMPERATURE_MAX:
         raise bad(f"temperature must be in [0, {TEMPERATURE_MAX:g}], got {t}", "temperature")
     return warp
@@ -452,149 +620,3 @@ def _max_tokens(
             "context_length_exceeded",
         )
     return max_tokens
-
-
-# ------------------------------------------------------------------------------ response records
-def _counts(st: GenerationStats) -> dict[str, Any]:
-    """GenerationStats' per-request counts, as responses carry them (core.metrics defines them)."""
-    return {
-        "drafted": st.drafted,
-        "accepted": st.accepted,
-        "acceptance_rate": st.acceptance_rate,
-        "rounds": st.rounds,
-        "drafting_rounds": st.drafting_rounds,
-        "tokens_per_round": st.tokens_per_round,
-        "mean_acceptance_length": st.mean_acceptance_length,
-        "drafted_per_position": list(st.drafted_per_pos),
-        "accepted_per_position": list(st.accepted_per_pos),
-    }
-
-
-def spec_record(st: GenerationStats) -> dict[str, Any]:
-    """The per-response `spec` object: GenerationStats' numbers (core.metrics defines them)."""
-    return {**_counts(st), "ttft_s": st.ttft_s, "wall_s": st.wall_s}
-
-
-def speculation_usage(st: GenerationStats, sp: Speculation) -> dict[str, Any]:
-    """usage.speculation: the settings the request ran with and what its speculation did.
-
-    Beyond `spec_record`'s counts: `by_source` {source: {drafted, accepted}} (the drafters'
-    source names: "model", "lookup3", "lookup8+", "prediction", ...) and `k_histogram`
-    {K: rounds that verified K drafted tokens} (K = 0: plain target steps; keys are strings, as
-    JSON's are)."""
-    by_source = {
-        src: {"drafted": n, "accepted": st.accepted_by_source.get(src, 0)}
-        for src, n in sorted(st.drafted_by_source.items())
-    }
-    return {
-        **sp.settings(),
-        **_counts(st),
-        "by_source": by_source,
-        "k_histogram": {str(k): n for k, n in sorted(st.k_histogram.items())},
-    }
-
-
-def usage(st: GenerationStats, sp: Speculation | None = None) -> dict[str, Any]:
-    """OpenAI's usage object; the prediction counts are core.metrics' definitions (0 without
-    a prediction, as OpenAI reports them). With `sp`, the extension `speculation` too."""
-    out = {
-        "prompt_tokens": st.prompt_tokens,
-        "completion_tokens": st.generated,
-        "total_tokens": st.prompt_tokens + st.generated,
-        # prompt tokens whose KV came from the previous request (the engine's prompt cache)
-        "prompt_tokens_details": {"cached_tokens": st.cached_prompt_tokens},
-        "completion_tokens_details": {
-            "accepted_prediction_tokens": st.accepted_prediction_tokens,
-            "rejected_prediction_tokens": st.rejected_prediction_tokens,
-        },
-    }
-    if sp is not None:
-        out["speculation"] = speculation_usage(st, sp)
-    return out
-
-
-@dataclass
-class Reply:
-    """The response objects of one request: the whole completion, or its SSE chunks."""
-
-    model: str  # the id responses carry (the target spec the server was started with)
-    chat: bool
-    req: ChatRequest | CompletionRequest
-    prompt_ids: list[int]
-    speculation: Speculation | None = None  # usage.speculation's settings
-    id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-
-    def _usage(self, st: GenerationStats, streamed: bool) -> dict[str, Any]:
-        # usage.speculation in a stream only when asked (include_speculation): the default
-        # stream stays byte for byte what it was before the extension
-        opted = not streamed or self.req.include_speculation
-        return usage(st, self.speculation if opted else None)
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def completion(
-        self, text: str, ids: list[int], finish: str, st: GenerationStats
-    ) -> dict[str, Any]:
-        """The non-streamed response."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        body.update(usage=self._usage(st, streamed=False), spec=spec_record(st))
-        if self.req.return_token_ids:
-            choice["token_ids"] = ids
-            body["prompt_token_ids"] = self.prompt_ids
-        return body
-
-    def chunk(
-        self,
-        text: str | None,
-        ids: list[int] | tuple[int, ...],
-        finish: str | None = None,
-        origins: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """One streamed chunk (text None: a chat chunk with an empty delta); `origins`: its
-        round's token origins (serve.origins), for stream_options.include_speculation."""
-        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if self.chat:
-            c["delta"] = {} if text is None else {"content": text}
-        else:
-            c["text"] = text or ""
-        if self.req.return_token_ids:
-            c["token_ids"] = list(ids)
-        if origins is not None:
-            c["speculation"] = origins
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [c])
-
-    def first_chunk(self) -> dict[str, Any]:
-        """A chat stream's opening chunk: the assistant role (and the prompt ids, if asked)."""
-        first = self.chunk("", [])
-        first["choices"][0]["delta"]["role"] = "assistant"
-        if self.req.return_token_ids:
-            first["prompt_token_ids"] = self.prompt_ids
-        return first
-
-    def last_chunk(self, finish: str, st: GenerationStats) -> dict[str, Any]:
-        last = self.chunk(None, [], finish)
-        last.update(usage=self._usage(st, streamed=True), spec=spec_record(st))
-        return last
-
-    def usage_chunk(self, st: GenerationStats) -> dict[str, Any]:
-        """stream_options.include_usage: a last chunk with no choices."""
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        body = self._envelope(obj, [])
-        body.update(usage=self._usage(st, streamed=True), spec=spec_record(st))
-        return body

@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import threading
 import weakref
+from dataclasses import dataclass
+from typing import Any
 
 from specdec.backends import chat as prompting
 from specdec.core.drafters import PredictionDrafter, PredictionIndex
+from specdec.core.sampling import TokenLogprob
 from specdec.serve.errors import bad
 from specdec.serve.protocol import GenParams
+from specdec.serve.tools import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,34 @@ def _copy_tokenizer(tokenizer: object) -> object | None:
         return None
 
 
+@dataclass(frozen=True)
+class TokenEntry:
+    """One token's logprob as responses carry it: its text, its bytes (a token may hold part
+    of a character), its log-probability, and the likeliest tokens ((text, bytes, logprob))."""
+
+    text: str
+    bytes: bytes
+    logprob: float
+    top: tuple[tuple[str, bytes, float], ...] = ()
+
+
+def _byte_symbols() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable symbol that stands for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF = _byte_symbols()
+
+
 class Tokens:
     """The served model's tokenizer (None: a mock without one; prompts come as ids)."""
 
@@ -85,6 +118,44 @@ class Tokens:
         self._tokenizer = tokenizer
         self._decoder = _copy_tokenizer(tokenizer)  # the worker's own
 
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat | None:
+        """How the chat template writes tool calls (serve.tools; None: no format known)."""
+        if self._tokenizer is None:
+            return None
+        with self.lock:
+            return tool_format(self._tokenizer)
+
+    def text_of(self, ids: list[int]) -> str:
+        """Text of `ids`, for a request thread (e.g. a completion's echo)."""
+        with self.lock:
+            return prompting.decode(self._tokenizer, ids)
+
+    def entries(self, logprobs: list[TokenLogprob]) -> tuple[TokenEntry, ...]:
+        """Logprobs as responses carry them (the worker's tokenizer)."""
+
+        def one(t: int) -> tuple[str, bytes]:
+            raw = self._token_bytes(t)
+            return raw.decode("utf-8", errors="replace"), raw
+
+        return tuple(
+            TokenEntry(*one(e.token), e.logprob, tuple((*one(t), lp) for t, lp in e.top))
+            for e in logprobs
+        )
+
+    def _token_bytes(self, t: int) -> bytes:
+        """The bytes token `t` stands for: byte-level BPE's symbols mapped back to bytes; the
+        text of a token outside that alphabet (an added token) as UTF-8."""
+        tok = self._decoder if self._decoder is not None else self._tokenizer
+        if tok is None:
+            return str(t).encode()
+        piece = tok.convert_ids_to_tokens(t)
+        if piece is None:
+            return b""
+        if all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return prompting.decode(tok, [t]).encode("utf-8")
+
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, for the worker (its own tokenizer: no lock shared with requests)."""
         if self._decoder is not None:
@@ -92,11 +163,14 @@ class Tokens:
         with self.lock:
             return prompting.decode(self._tokenizer, ids)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template's rendering of `messages` (backends.chat.encode_messages)."""
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The chat template's rendering of `messages` and `tools` (backends.chat.
+        encode_messages)."""
         with self.lock:
             try:
-                return prompting.encode_messages(self._tokenizer, messages)
+                return prompting.encode_messages(self._tokenizer, messages, tools)
             except prompting.NoChatTemplateError as e:
                 raise bad(
                     f"{self.model_id} has no chat template (a mock or base model); use "
