@@ -320,6 +320,12 @@ def test_origins_follow_from_each_round() -> None:
         assert rec["source"] == (r.source if r.k else None)
     with pytest.raises(RuntimeError, match="on_round"):
         tracker.record([1])  # a chunk whose round was never heard
+    # a round whose first 2 drafts a grammar forced, then lookup's: each accepted token says
+    # which source it came from (the playground colours them apart)
+    tracker.observe(Round("lookup3", 5, 3, 4, forced=2))
+    rec = tracker.record([1, 2, 3, 4])
+    assert [t.get("source") for t in rec["tokens"]] == ["grammar", "grammar", "lookup3", None]
+    assert rec["forced"] == 2
 
 
 # ---------------------------------------------------------------------------- CLI: the API key

@@ -22,6 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
+#: JSON as OpenAI's structured outputs write it: compact, no whitespace between tokens. Why:
+#: the grammar then forces every key with its quotes, colon and comma, which are drafted for
+#: free (core.processing); flexible whitespace leaves only the key's own token forced. A
+#: schema's "x-guidance" {"whitespace_flexible": true} asks for the other.
+JSON_OPTIONS = {"whitespace_flexible": False}
 #: Any JSON object: OpenAI's response_format {"type": "json_object"}.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -47,7 +52,7 @@ class Grammars:
 
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema if schema is not None else ANY_OBJECT
+                schema if schema is not None else ANY_OBJECT, defaults=JSON_OPTIONS
             )
         except (ValueError, TypeError) as e:
             raise ValueError(f"the JSON schema is not valid: {e}") from None
@@ -78,6 +83,7 @@ class LLConstraint:
 
     def __init__(self, matcher: Any, grammars: Grammars) -> None:
         self._m = matcher
+        self._tokenize = grammars._tok.tokenize_bytes
         self._width = grammars.width
         self._stops = torch.tensor(grammars.stop_ids, dtype=torch.long)
 
@@ -96,7 +102,12 @@ class LLConstraint:
             self._m.rollback(n)
 
     def forced(self) -> list[int]:
-        return list(self._m.compute_ff_tokens())
+        """The bytes the grammar forces, tokenized. llguidance's own forced tokens stop before
+        the last token that could merge with what follows (`name` of `name":"`); the whole
+        bytes' tokens are a better guess (`name`, `":"`), and a guess is all a draft needs: a
+        token the model would not emit is rejected by the accept rule."""
+        raw = self._m.compute_ff_bytes()
+        return list(self._tokenize(raw)) if raw else []
 
 
 def schema_of(response_format: dict[str, Any]) -> dict[str, Any] | None:

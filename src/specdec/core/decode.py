@@ -48,7 +48,6 @@ from specdec.core.pair import check_pair
 from specdec.core.policy import (
     AutoPolicies,
     CostModelK,
-    FixedK,
     KPolicy,
     choose_together,
     make_policy,
@@ -133,7 +132,7 @@ class Generation:
     _prefilled: int = -1  # prompt tokens in the target's cache; -1: the prefill has not begun
     _t_start: float = 0.0  # clock.now() when the prefill began
     _draft: tuple[str | None, int, torch.Tensor, torch.Tensor | None, float] | None = None
-    _forced: list[int] = field(default_factory=list)  # the grammar's forced tokens, from `want`
+    _forced: list[int] = field(default_factory=list)  # the grammar's forced tokens (`want`)
 
     def __post_init__(self) -> None:
         model = self.drafter.model if _has_model(self.drafter) else None  # type: ignore[union-attr]
@@ -187,31 +186,36 @@ class Generation:
     def want(self) -> tuple[KPolicy | None, str | None, int]:
         """What the next round's K is chosen from: the K policy, the draft source it judges
         (None: nothing to draft) and the room left (a round emits at most K + 1 tokens).
-        Tokens a grammar forces are drafted first, all of them: they cost nothing to make and
-        are near certain (source FORCED)."""
+        With a drafter, the tokens a grammar forces go first, all of them, on top of K: they
+        cost nothing to make and are near certain; the policy judges what follows them."""
         room = self.max_new_tokens - len(self.tokens) - 1
-        drafter = self.drafter
+        drafter, forced = self.drafter, []
         if drafter is not None and room > 0 and self.processor is not None:
-            forced = self.processor.forced()
-            if forced:
-                self._forced = forced
-                return FixedK(len(forced)), FORCED, room
-        source = drafter.source(self.seq) if drafter is not None and room > 0 else None
+            forced = self.processor.forced()[:room]
+        self._forced = forced
+        room -= len(forced)
+        source = drafter.source(self.seq + forced) if drafter is not None and room > 0 else None
         return self.policy, source, room
 
     def propose(self, k: int, source: str | None) -> list[int]:
-        """Draft up to k tokens x_1..x_k (1. draft); the tokens of the round's target pass:
-        [last committed, x_1..x_k] (the drafter may propose fewer than k)."""
+        """Draft up to k tokens x_1..x_k after the grammar's forced ones (1. draft); the tokens
+        of the round's target pass: [last committed, forced..., x_1..x_k] (the drafter may
+        propose fewer than k)."""
+        forced = self._forced
         x, q, catchup_s = torch.empty(0, dtype=torch.long), None, 0.0  # [k], [k, V] | None
         self.clock.last["draft_s"] = 0.0
-        if k > 0 and source == FORCED:
-            x = torch.tensor(self._forced[:k], dtype=torch.long)
-        elif k > 0 and self.drafter is not None:
+        if k > 0 and self.drafter is not None:
             with self.clock.phase("draft_s"):
-                x, q, catchup_s = self.drafter.propose(self.seq, k)
-            if self.processor is not None:  # a token the grammar forbids would be rejected
-                keep = self.processor.valid(x.tolist())
-                x, q = x[:keep], q[:keep] if q is not None else None
+                if self.processor is not None:
+                    self.processor.ahead = forced  # a draft model's q adjusted after them
+                x, q, catchup_s = self.drafter.propose(self.seq + forced, k)
+        if forced:  # deterministic drafts: one-hot rows where q is kept
+            x = torch.cat([torch.tensor(forced, dtype=torch.long), x])
+            if q is not None:
+                q = torch.cat([torch.eye(q.shape[-1])[forced], q])
+        if self.processor is not None and x.numel():  # a forbidden draft would be rejected
+            keep = self.processor.valid(x.tolist())
+            x, q = x[:keep], q[:keep] if q is not None else None
         self._draft = (source, x.numel(), x, q, catchup_s)
         return [self.seq[-1], *x.tolist()]
 
@@ -222,6 +226,7 @@ class Generation:
         committed tokens."""
         assert self._draft is not None, "settle() follows propose()"
         source, k, x, q, catchup_s = self._draft
+        f = min(len(self._forced), k)  # the first f drafts were forced by the grammar
         self._draft = None
         clock, stats, warp = self.clock, self.stats, self.warp
         raw = logits[:, : self.width]  # [k+1, V] the model's own rows
@@ -239,14 +244,21 @@ class Generation:
             self.processor.commit(new)
         self.seq += new
         self.target.truncate(len(self.seq) - 1)
-        if k > 0 and source != FORCED:  # forced tokens are not the drafter's nor its policy's
-            self.drafter.observe(n_acc)  # type: ignore[union-attr]
+        if k > f:  # the drafter's own drafts followed the forced ones
+            self.drafter.observe(max(0, n_acc - f))  # type: ignore[union-attr]
+            if n_acc < f and _has_model(self.drafter):  # it drafted after a rejected token
+                m = self.drafter.model  # type: ignore[union-attr]
+                m.truncate(common_prefix(m.cached_tokens, self.seq))
         draft_s = max(0.0, clock.last["draft_s"] - catchup_s)  # per-token cost, no catch-up
-        r = Round(source or "none", k, n_acc, len(new), draft_s, clock.last["verify_s"], rows)
+        name = source or (FORCED if f else "none")
+        verify_s = clock.last["verify_s"]
+        r = Round(name, k, n_acc, len(new), draft_s, verify_s, rows, forced=f)
         stats.catchup_s += catchup_s
         stats.record(r)
-        if self.policy is not None and source != FORCED:
-            self.policy.observe(r)
+        if self.policy is not None and source is not None and n_acc >= f:
+            # the policy judged the drafts after the forced ones: its own round, the pass's rows
+            own = Round(source, k - f, n_acc - f, len(new) - f, draft_s, verify_s, rows or k + 1)
+            self.policy.observe(own)
         if self.on_round is not None:
             self.on_round(r)
         if self.debug:

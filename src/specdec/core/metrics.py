@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+#: The draft source of the tokens a grammar forces (core.processing: drafted on top of K).
+FORCED = "grammar"
+
 #: Draft sources whose name starts with this draft from the request's prediction (drafters.py).
 PREDICTION_SOURCE = "prediction"
 
@@ -25,6 +28,8 @@ class Round:
     verify_s    seconds of the target pass over k + 1 tokens
     rows        rows of that pass: k + 1 alone (0 says so), more when it verified other
                 sequences' rounds too (decode.rounds_together): what v(rows) was measured at
+    forced      of the k, the first ones a grammar forced (FORCED);
+                the rest are `source`'s
     """
 
     source: str
@@ -34,6 +39,7 @@ class Round:
     draft_s: float = 0.0
     verify_s: float = 0.0
     rows: int = 0
+    forced: int = 0
 
     @property
     def pass_rows(self) -> int:
@@ -164,11 +170,14 @@ class GenerationStats:
         self.accepted += n_accepted
         self.generated += r.n_emitted
         self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
-        if k:
-            self.drafted_by_source[r.source] = self.drafted_by_source.get(r.source, 0) + k
-            self.accepted_by_source[r.source] = (
-                self.accepted_by_source.get(r.source, 0) + n_accepted
-            )
+        f = r.forced
+        for source, drafted, accepted in (
+            (FORCED, f, min(n_accepted, f)),
+            (r.source, k - f, max(0, n_accepted - f)),
+        ):
+            if drafted:
+                self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + drafted
+                self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + accepted
         grow = k - len(self.drafted_per_pos)
         if grow > 0:
             self.drafted_per_pos += [0] * grow

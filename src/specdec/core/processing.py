@@ -28,12 +28,13 @@ from typing import Protocol
 
 import torch
 
+from specdec.core.metrics import FORCED
+
+__all__ = ["FORCED", "Constraint", "Penalties", "Processor"]
 #: OpenAI's bounds: penalties in [-2, 2], a logit bias in [-100, 100]. repetition_penalty is
 #: transformers'/vLLM's: > 0, 1 is none.
 PENALTY_RANGE = (-2.0, 2.0)
 BIAS_RANGE = (-100.0, 100.0)
-#: The draft source of a round that drafts the tokens a grammar forces (core.decode).
-FORCED = "grammar"
 
 
 def _number(what: str, v: object, lo: float, hi: float, *, open_lo: bool = False) -> float:
@@ -151,6 +152,9 @@ class Processor:
             self.penalties.check_ids(width)
         self.constraint = constraint
         self.width = width
+        # proposed tokens ahead of the committed ones that a draft step's `row` comes after
+        # (the grammar's forced tokens, drafted before the drafter's own)
+        self.ahead: list[int] = []
         self._counts = torch.zeros(width)  # [V] times each token was generated
         self._seen = torch.zeros(width, dtype=torch.bool)  # [V] in the prompt or generated
         if self.penalties is not None and self.penalties.repetition != 1:
@@ -177,6 +181,7 @@ class Processor:
     def row(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
         """One draft step's row [V] adjusted as if `drafted` had been committed (a draft model
         drafting from the adjusted q drafts what the adjusted p accepts)."""
+        drafted = [*self.ahead, *drafted]
         out = logits.to("cpu", torch.float32).reshape(1, -1)
         if self.penalties is not None:
             counts, seen = self._counted(drafted)
@@ -202,6 +207,7 @@ class Processor:
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The committed tokens: counted, and consumed by the grammar."""
+        self.ahead = []
         if self.penalties is not None:
             for t in tokens:
                 self._counts[t] += 1

@@ -15,12 +15,16 @@ Endpoints
 
 Request fields honoured by both POST endpoints: model, max_tokens (chat also accepts
 max_completion_tokens), temperature (default 1, in [0, 2]; below 1e-5 it is greedy), top_p,
-top_k (extension), stop (a string or a list of up to 16, each up to 256 characters), seed,
-stream, stream_options.include_usage, n (must be 1) and return_token_ids (extension, after
-vLLM: each choice also carries its generated token ids, so a client can check exactness token
-for token). Fields that would change the output and are not implemented (logprobs, tools,
-response_format, logit_bias, penalties, ...) are refused with 400 unsupported_parameter unless
-they ask for nothing (null, false, 0, {}); other unknown fields are ignored. Extensions for
+top_k and min_p (extensions), presence/frequency/repetition penalties, logit_bias, stop (a
+string or a list of up to 16, each up to 256 characters), seed, n (up to 16: serve.answers),
+response_format (json_object, json_schema: a grammar, backends.grammar), logprobs, stream,
+stream_options.include_usage and return_token_ids (extension, after vLLM: each choice also
+carries its generated token ids, so a client can check exactness token for token); chat adds
+tools, tool_choice and parallel_tool_calls (serve.tools), completions echo. Each is exact
+under speculation (core.processing; docs/requests.md). Fields that would change the output and
+are not implemented (best_of, suffix, functions, ...) are refused with 400
+unsupported_parameter unless they ask for nothing (null, false, 0, {}); other unknown fields
+are ignored. Extensions for
 speculation (protocol; docs/api-extensions.md): `speculation` {"drafter", "k", "k_max"} per
 request, over the server's start-up flags; `usage.speculation`, what it did (in a stream only
 with stream_options.include_speculation, which also gives each chunk its tokens' origins:
@@ -64,7 +68,7 @@ server keeps serving.
                                 out-of-range numbers, over-long lists, wrong types (protocol.
                                 parse_json and check_shape, on the raw JSON), temperature
                                 outside [0, 2], top_p outside (0, 1], max_tokens beyond the
-                                context window, n != 1, unsupported parameters, a Host header
+                                context window, n > 16, unsupported parameters, a Host header
                                 not allowed (invalid_host), ...
     401 invalid_api_key         API keys are set and the Bearer token is none of them (on /v1
                                 and /metrics; /health needs none and says no more than ok)

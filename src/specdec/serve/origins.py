@@ -1,8 +1,9 @@
 """Token origins: where each committed token came from (stream_options.include_speculation).
 
 Glossary (after vLLM's rejection sampler, whose "recovered" token is called "corrected" here):
-    accepted   a drafted token the accept rule kept; its round's `source` names the draft source
-               ("model", "lookup3", "lookup8+", "prediction", ...: the drafters' names)
+    accepted   a drafted token the accept rule kept; its `source` names the draft source
+               ("model", "lookup3", "lookup8+", "prediction", ...: the drafters' names; "grammar"
+               for the tokens a grammar forced, drafted ahead of the drafter's own)
     corrected  the target's token at the first rejected draft position (resampled from the
                residual max(0, p - q); the target's argmax when greedy)
     bonus      the target's extra token after a round whose K drafts were all accepted
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from specdec.core.metrics import Round
+from specdec.core.metrics import FORCED, Round
 from specdec.serve.text import TextAssembler
 
 ORIGINS = ("accepted", "corrected", "bonus", "target")
@@ -55,19 +56,23 @@ class OriginTracker:
 
     def record(self, ids: Sequence[int]) -> dict[str, Any]:
         """The `speculation` object of the chunk carrying this round's committed `ids`:
-        {round, k, source, accepted, tokens: [{id, text, origin}]}."""
+        {round, k, source, forced, accepted, tokens: [{id, text, origin, source (accepted
+        ones)}]}."""
         r, self._round = self._round, None
         if r is None or r.n_emitted != len(ids):
             raise RuntimeError("a chunk without its round: decode.stream's on_round was not heard")
         self._index += 1
-        tokens = [
-            {"id": t, "text": self._pieces.push([t]), "origin": origin(r, i)}
-            for i, t in enumerate(ids)
-        ]
+        tokens = []
+        for i, t in enumerate(ids):
+            token = {"id": t, "text": self._pieces.push([t]), "origin": origin(r, i)}
+            if i < r.n_accepted:
+                token["source"] = FORCED if i < r.forced else r.source
+            tokens.append(token)
         return {
             "round": self._index,
             "k": r.k,
             "source": r.source if r.k else None,
+            "forced": r.forced,
             "accepted": r.n_accepted,
             "tokens": tokens,
         }

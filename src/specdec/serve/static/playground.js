@@ -111,6 +111,13 @@ function buildRequest(message) {
   };
   const prediction = $("prediction").value;
   if (prediction) body.prediction = { type: "content", content: prediction };
+  const schema = $("schema").value.trim();
+  if (schema) {
+    // the server names what is wrong with a schema that is not JSON or not a schema
+    let parsed = schema;
+    try { parsed = JSON.parse(schema); } catch (e) { /* sent as text: the 400 says why */ }
+    body.response_format = { type: "json_schema", json_schema: { name: "answer", schema: parsed } };
+  }
   const spec = speculationFromControls();
   if (spec) body.speculation = spec;
   if ($("api").value === "chat") {
@@ -224,15 +231,17 @@ function sourceClass(source) {
   if (source === "model") return "model";
   if (source && source.startsWith("lookup")) return "lookup";
   if (source && source.startsWith("prediction")) return "prediction";
+  if (source === "grammar") return "grammar";
   return "other";
 }
 
 function tokenSpan(t, r) {
   const span = document.createElement("span");
   span.className = "tok " + t.origin;
-  if (t.origin === "accepted") span.classList.add("src-" + sourceClass(r.source));
+  const source = t.source || r.source; // a grammar's forced tokens lead their round
+  if (t.origin === "accepted") span.classList.add("src-" + sourceClass(source));
   span.textContent = t.text;
-  const what = t.origin === "accepted" ? "accepted draft from " + r.source : t.origin;
+  const what = t.origin === "accepted" ? "accepted draft from " + source : t.origin;
   span.title = "round " + r.round + ", K = " + r.k + ", " + r.accepted + " accepted: " + what;
   return span;
 }
