@@ -142,6 +142,10 @@ def test_new_sampling_fields_are_validated_into_params() -> None:
         ({"n": 0}, "n"),
         ({"n": 17}, "n"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ]:
         _refused(fields, param)
 

@@ -216,3 +216,25 @@ def test_completions_logprobs_and_echo(srv: Server) -> None:
         model=TARGET, prompt="def fib(n):", echo=True, temperature=0, max_tokens=6
     )
     assert echoed.choices[0].text == "def fib(n):" + r.choices[0].text
+
+
+def test_vllms_guided_fields(srv: Server) -> None:
+    """vLLM's guided_choice, guided_regex and guided_json, each exact under speculation."""
+    msgs = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    r = _same_without_speculation(srv, msgs, extra_body={"guided_choice": ["Yes", "No"]})
+    assert r.choices[0].message.content in ("Yes", "No")
+    r = _same_without_speculation(srv, msgs, extra_body={"guided_regex": "[0-9]{3}"})
+    assert len(r.choices[0].message.content) == 3 and r.choices[0].message.content.isdigit()
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "boolean"}},
+        "required": ["answer"],
+    }
+    r = _same_without_speculation(srv, msgs, extra_body={"guided_json": schema})
+    assert isinstance(json.loads(r.choices[0].message.content)["answer"], bool)
+    status, _, body = srv.request(
+        "POST",
+        "/v1/chat/completions",
+        {"model": TARGET, "messages": msgs, "guided_regex": "(unclosed"},
+    )
+    assert status == 400 and body["error"]["param"] == "guided_regex", body

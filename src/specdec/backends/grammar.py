@@ -9,7 +9,8 @@ the first token), and gives what speculation needs: rollback, a check of a draft
 moving, and the tokens a grammar forces.
 
     Grammars(tokenizer, width, stop_ids)   once per model (building the token trie takes ~2 s)
-    .json_schema(schema) / .lark(text)     a grammar, checked (ValueError names the problem)
+    .json_schema(schema) / .regex(pattern) / .lark(text)
+                                           a grammar, checked (ValueError names the problem)
     .constraint(grammar)                   a fresh matcher: core.processing's Constraint
 """
 
@@ -63,6 +64,12 @@ class Grammars:
         import llguidance
 
         return self._checked(llguidance.LLMatcher.grammar_from_lark(text), "grammar")
+
+    def regex(self, pattern: str) -> str:
+        """A grammar for text matching the regular expression `pattern` (whole)."""
+        import llguidance
+
+        return self._checked(llguidance.LLMatcher.grammar_from_regex(pattern), "regex")
 
     def constraint(self, grammar: str) -> LLConstraint:
         import llguidance

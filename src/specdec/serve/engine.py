@@ -300,9 +300,13 @@ class Engine:
                 fmt = self.tokens.tool_format
                 assert fmt is not None, "protocol.validate_request checked the tool format"
                 return grammars.lark(fmt.grammar(list(structure.functions), structure.parallel))
+            if structure.regex is not None:
+                return grammars.regex(structure.regex)
+            if structure.lark is not None:
+                return grammars.lark(structure.lark)
             return grammars.json_schema(structure.schema)
         except ValueError as e:
-            raise bad(str(e), "tools" if structure.functions else "response_format") from None
+            raise bad(str(e), _structure_param(structure)) from None
 
     def _grammars_for_model(self) -> Grammars:
         with self._grammars_lock:
@@ -675,6 +679,15 @@ class Engine:
             if m is not None:
                 with contextlib.suppress(Exception):
                     m.reset()
+
+
+def _structure_param(s: Structure) -> str:
+    """The request field a structure came from, for its 400."""
+    if s.functions:
+        return "tools"
+    if s.regex is not None:
+        return "guided_regex"
+    return "guided_grammar" if s.lark is not None else "response_format"
 
 
 @dataclass(eq=False)

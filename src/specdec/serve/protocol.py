@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -272,6 +273,12 @@ class _Request(_Strict):
     min_p: float | None = None  # vLLM's and llama.cpp's
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's structured-output fields: a JSON schema, a regex, one of some strings, a grammar
+    # (Lark, llguidance's dialect)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     prediction: PredictionContent | None = None
     # extension: {"drafter", "k", "k_max"}; checked by resolve_speculation, which names the
     # allowed values (pydantic's own messages for a free-form object would not)
@@ -385,12 +392,15 @@ class GenParams:
 
 @dataclass(frozen=True)
 class Structure:
-    """What the output must match: JSON by a schema (None: any object), or, with `functions`
-    ({"name", "parameters"} each), one tool call of them (or several, `parallel`)."""
+    """What the output must match: JSON by a schema (None: any object); or, with `functions`
+    ({"name", "parameters"} each), one tool call of them (or several, `parallel`); or a
+    `regex`; or a `lark` grammar."""
 
     schema: dict[str, Any] | None = None
     functions: tuple[dict[str, Any], ...] = ()
     parallel: bool = True
+    regex: str | None = None
+    lark: str | None = None
 
 
 def validate_request(
@@ -502,12 +512,49 @@ def _logprobs(req: ChatRequest | CompletionRequest) -> int | None:
     return req.logprobs
 
 
+def _guided(req: ChatRequest | CompletionRequest) -> Structure | None:
+    """vLLM's guided_* fields as a Structure (at most one of them)."""
+    given = {
+        k: v
+        for k, v in {
+            "guided_json": req.guided_json,
+            "guided_regex": req.guided_regex,
+            "guided_choice": req.guided_choice,
+            "guided_grammar": req.guided_grammar,
+        }.items()
+        if v is not None
+    }
+    if len(given) > 1:
+        raise bad(f"at most one of {', '.join(given)}", next(iter(given)))
+    if not given:
+        return None
+    ((name, value),) = given.items()
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise bad("guided_json is not JSON", name) from None
+        if not isinstance(value, dict):
+            raise bad("guided_json must be a JSON schema object", name)
+        return Structure(value)
+    if name == "guided_choice":
+        if not value or not all(value):
+            raise bad("guided_choice must hold at least one non-empty string", name)
+        return Structure(regex="|".join(re.escape(c) for c in value))
+    return Structure(regex=value) if name == "guided_regex" else Structure(lark=value)
+
+
 def _structure(
     req: ChatRequest | CompletionRequest, fmt: ToolFormat | None
 ) -> tuple[Structure | None, ToolFormat | None]:
     """What the output must match, and the format tool calls are read in (None: not read)."""
-    structure = None
+    structure = _guided(req)
     if req.response_format is not None and req.response_format.get("type") != "text":
+        if structure is not None:
+            raise bad(
+                "response_format and a guided_* field cannot both be asked", "response_format"
+            )
         try:
             structure = Structure(schema_of(req.response_format))
         except ValueError as e:
