@@ -110,7 +110,14 @@ def test_each_verify_row_is_adjusted_from_its_own_prefix() -> None:
         one.commit(x[:i])
         assert torch.equal(got[i], one.row(logits[i], [])), i
         assert torch.equal(got[i], Processor(PEN, Alternating(), PROMPT, V).row(logits[i], x[:i]))
-    bad = Processor(None, Alternating(), PROMPT, V).rows(logits, [4, 6, 7])  # 6: same parity
+    # greedy: a row whose argmax the grammar allows is left unmasked, the others masked; the
+    # argmax of every row is the fully masked row's
+    for seed in range(20):
+        lg = torch.randn(5, V, generator=torch.Generator().manual_seed(seed))
+        full = Processor(PEN, Alternating(), PROMPT, V).rows(lg, x)
+        lazy = Processor(PEN, Alternating(), PROMPT, V).rows(lg, x, greedy=True)
+        assert torch.equal(full.argmax(-1), lazy.argmax(-1))
+        bad = Processor(None, Alternating(), PROMPT, V).rows(logits, [4, 6, 7])  # 6: same parity
     assert torch.isinf(bad[1, 6]) and bool(torch.isfinite(bad[2]).all())
 
 

@@ -232,7 +232,8 @@ class Generation:
         raw = logits[:, : self.width]  # [k+1, V] the model's own rows
         with clock.phase("sampling_s"):
             # each row adjusted from its own prefix: the rule then samples the adjusted p
-            logits = raw if self.processor is None else self.processor.rows(raw, x.tolist())
+            adjust = self.processor
+            logits = raw if adjust is None else adjust.rows(raw, x.tolist(), warp.greedy)
             if warp.greedy:
                 emitted, n_acc = greedy_verify(x, logits)
             else:

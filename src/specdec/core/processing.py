@@ -160,10 +160,12 @@ class Processor:
         if self.penalties is not None and self.penalties.repetition != 1:
             self._seen[torch.tensor(list(prompt), dtype=torch.long)] = True
 
-    def rows(self, logits: torch.Tensor, x: Sequence[int]) -> torch.Tensor:
+    def rows(self, logits: torch.Tensor, x: Sequence[int], greedy: bool = False) -> torch.Tensor:
         """A verify pass's rows [k+1, V] adjusted: row i as if x[:i] had been committed. Rows
         past a draft token the grammar forbids are left unmasked: the walk never reaches them
-        (that token is rejected)."""
+        (that token is rejected). `greedy`: only each row's argmax is used, so a row whose
+        argmax the grammar allows is left unmasked (masking would not move it: llama.cpp's
+        check before the full mask), which spares computing most masks."""
         out = logits.to("cpu", torch.float32)
         if self.penalties is not None:
             out = self.penalties.apply(out, *self._counted(x))
@@ -171,12 +173,20 @@ class Processor:
             out = out.clone() if out.data_ptr() == logits.data_ptr() else out
             taken = 0
             for i in range(len(x) + 1):
-                _mask(out[i], self.constraint.allowed())
+                if not (greedy and self._allows(int(out[i].argmax()))):
+                    _mask(out[i], self.constraint.allowed())
                 if i == len(x) or self.constraint.consume([x[i]]) == 0:
                     break
                 taken += 1
             self.constraint.rollback(taken)
         return out
+
+    def _allows(self, token: int) -> bool:
+        """Whether the grammar takes `token` next (its state unchanged)."""
+        ok = self.constraint.consume([token]) == 1  # type: ignore[union-attr]
+        if ok:
+            self.constraint.rollback(1)  # type: ignore[union-attr]
+        return ok
 
     def row(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
         """One draft step's row [V] adjusted as if `drafted` had been committed (a draft model

@@ -4,8 +4,9 @@ records (whole or streamed).
 A request asks for n samples (OpenAI's `n`): each is a job of its own in the engine, sample i
 seeded with seed + i, so the samples are independent draws (the same answers at temperature 0).
 With free slots they run side by side, each slot prefilling the prompt itself; one after
-another, a later sample keeps the prompt's KV through the prompt cache (whole blocks). Each sample's text goes through its `Choice`: the tool-call parser when tools
-are on (serve.tools), its logprobs, its finish reason. Responses carry OpenAI's records and the
+another, a later sample keeps the prompt's KV through the prompt cache (whole blocks). Each
+sample's text goes through its `Choice`: the tool-call parser when tools are on (serve.tools),
+its logprobs, its finish reason. Responses carry OpenAI's records and the
 extensions (`usage.speculation`, `spec`; core.metrics defines the numbers).
 """
 
