@@ -115,23 +115,38 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--out")
     args = ap.parse_args()
-    rf = {
-        "type": "json_schema",
-        "json_schema": {"name": "person", "schema": SCHEMA, "strict": True},
-    }
-    base = {"temperature": 0, "max_tokens": args.max_tokens, "response_format": rf}
     methods: dict[str, tuple[int, dict[str, Any]]] = {
-        "specdec target-only": (args.specdec, {"speculation": {"drafter": "none"}}),
-        "specdec lookup k=auto": (
-            args.specdec,
-            {"speculation": {"drafter": "lookup", "k": "auto"}},
-        ),
+        TARGET_ONLY: (args.specdec, {"speculation": {"drafter": "none"}}),
+        SPECULATIVE: (args.specdec, {"speculation": {"drafter": "lookup", "k": "auto"}}),
     }
     if args.llama_server:
         methods["llama-server json_schema"] = (args.llama_server, {})
     models = {port: model_of(port) for port, _ in methods.values()}
-    rows: list[dict[str, Any]] = []
     load = os.getloadavg()[0]
+    rows = run(methods, models, args)
+    record = {
+        "label": "extraction",
+        "models": sorted(set(models.values())),
+        "load_before": load,
+        **summarize(rows, list(methods)),
+        "rows": rows,
+    }
+    print(json.dumps({k: v for k, v in record.items() if k != "rows"}, indent=1))
+    write_record(args.out, "specdec.extraction/1", record)
+    return 0
+
+
+TARGET_ONLY, SPECULATIVE = "specdec target-only", "specdec lookup k=auto"
+
+
+def run(
+    methods: dict[str, tuple[int, dict[str, Any]]], models: dict[int, str], args: Any
+) -> list[dict[str, Any]]:
+    """Every prompt through every method, in turn, `args.repeats` times: one row a request."""
+    spec = {"name": "person", "schema": SCHEMA, "strict": True}
+    rf = {"type": "json_schema", "json_schema": spec}
+    base = {"temperature": 0, "max_tokens": args.max_tokens, "response_format": rf}
+    rows: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         for i, person in enumerate(PEOPLE):
             answers = {}
@@ -141,28 +156,28 @@ def main() -> int:
                     body["return_token_ids"] = True
                 out, seconds = post(port, body)
                 choice = out["choices"][0]
-                text = choice["message"]["content"]
                 tokens = out["usage"]["completion_tokens"]
                 answers[name] = choice.get("token_ids")
-                try:
-                    parsed = json.loads(text)
-                except ValueError:
-                    parsed = None
-                spec = out["usage"].get("speculation", {})
+                parsed = _parsed(choice["message"]["content"])
+                by_source = out["usage"].get("speculation", {}).get("by_source")
                 rows.append(
                     {
                         "method": name, "prompt": i, "repeat": rep, "seconds": seconds,
                         "completion_tokens": tokens, "tok_s": tokens / seconds,
                         "valid_json": _valid(parsed),
-                        "fields_right": _fields_right(parsed, person),
-                        "by_source": spec.get("by_source"),
+                        "fields_right": _fields_right(parsed, person), "by_source": by_source,
                     }
                 )  # fmt: skip
                 print(f"{rep} {i} {name:26s} {tokens:4d} tok {seconds:6.2f} s "
-                      f"{tokens / seconds:6.1f} tok/s {spec.get('by_source', '')}")  # fmt: skip
+                      f"{tokens / seconds:6.1f} tok/s {by_source or ''}")  # fmt: skip
             rows[-len(methods) + 1]["equal_to_target_only"] = (
-                answers["specdec lookup k=auto"] == answers["specdec target-only"]
+                answers[SPECULATIVE] == answers[TARGET_ONLY]
             )
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, Any]:
+    """Per method: medians over requests; the ratios; how many answers equal target-only's."""
     summary = {}
     for name in methods:
         mine = [r for r in rows if r["method"] == name]
@@ -173,30 +188,27 @@ def main() -> int:
             "valid_json": sum(r["valid_json"] for r in mine),
             "fields_right": sum(r["fields_right"] for r in mine),
         }
-    spec_rows = [r for r in rows if "equal_to_target_only" in r]
-    t_only = summary["specdec target-only"]["median_tok_s"]
-    ratios = {name: s["median_tok_s"] / t_only for name, s in summary.items()}
+    equal = [r["equal_to_target_only"] for r in rows if "equal_to_target_only" in r]
+    t_only = summary[TARGET_ONLY]["median_tok_s"]
     # the answers differ in length across engines (llama-server's JSON keeps whitespace):
     # seconds per answer is the user's measure; tokens/s compares like with like only within
     # one grammar
-    spec_s = summary["specdec lookup k=auto"]["median_seconds"]
-    faster = {name: s["median_seconds"] / spec_s for name, s in summary.items()}
-    record = {
-        "label": "extraction",
-        "models": sorted(set(models.values())),
-        "load_before": load,
-        "equal_to_target_only": f"{sum(r['equal_to_target_only'] for r in spec_rows)}"
-        f"/{len(spec_rows)}",
+    spec_s = summary[SPECULATIVE]["median_seconds"]
+    return {
+        "equal_to_target_only": f"{sum(equal)}/{len(equal)}",
         "summary": summary,
-        "speed_vs_target_only": ratios,
-        "speculation_faster_by_seconds": faster,
-        "rows": rows,
-    }  # fmt: skip
-    shown = ("equal_to_target_only", "summary", "speed_vs_target_only")
-    shown += ("speculation_faster_by_seconds",)
-    print(json.dumps({k: record[k] for k in shown}, indent=1))
-    write_record(args.out, "specdec.extraction/1", record)
-    return 0
+        "speed_vs_target_only": {n: s["median_tok_s"] / t_only for n, s in summary.items()},
+        "speculation_faster_by_seconds": {
+            n: s["median_seconds"] / spec_s for n, s in summary.items()
+        },
+    }
+
+
+def _parsed(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _valid(parsed: Any) -> bool:

@@ -236,7 +236,7 @@ class Reply:
         finish: str | None = None,
         origins: dict[str, Any] | None = None,
         entries: list[TokenEntry] | tuple[TokenEntry, ...] = (),
-        calls: list[Call] | None = None,
+        tool_deltas: list[dict[str, Any]] | None = None,
         offset: int = 0,
     ) -> dict[str, Any]:
         """One streamed chunk of choice `index` (text None: a chat chunk with an empty delta);
@@ -246,8 +246,8 @@ class Reply:
             c["logprobs"] = self._logprobs(list(entries), offset)
         if self.chat:
             c["delta"] = {} if text is None else {"content": text}
-            if calls:
-                c["delta"] = {"tool_calls": [x.delta() for x in calls]}
+            if tool_deltas:
+                c["delta"] = {"tool_calls": tool_deltas}
         else:
             c["text"] = text or ""
         if self.req.return_token_ids:
@@ -407,15 +407,19 @@ async def _sse_events(
             c = choices[i]
             if isinstance(ev, Delta):
                 text, calls = c.take(ev)
+                deltas = [d for call in calls for d in call.deltas()]
                 wanted = ev.origins is not None or (reply.req.return_token_ids and ev.token_ids)
-                if text or calls or wanted or (ev.logprobs and reply.logprobs):
-                    chunk = reply.chunk(
-                        i, text, ev.token_ids, None, ev.origins, ev.logprobs, calls, offsets[i]
+                if text or deltas or wanted or (ev.logprobs and reply.logprobs):
+                    # the round's ids, origins and logprobs ride on its first chunk: its content,
+                    # else its first tool-call delta; the other deltas follow, one a chunk
+                    lead = [] if text or not deltas else deltas[:1]
+                    yield _sse(
+                        reply.chunk(
+                            i, text, ev.token_ids, None, ev.origins, ev.logprobs, lead, offsets[i]
+                        )
                     )
-                    if calls and text:  # content first, then the calls
-                        yield _sse(reply.chunk(i, text, offset=offsets[i]))
-                        chunk = reply.chunk(i, None, ev.token_ids, None, ev.origins, calls=calls)
-                    yield _sse(chunk)
+                    for d in deltas[len(lead) :]:
+                        yield _sse(reply.chunk(i, None, tool_deltas=[d]))
                 offsets[i] += sum(len(e.text) for e in ev.logprobs)
             elif isinstance(ev, Failed):
                 yield _sse(ev.error.body())

@@ -120,10 +120,15 @@ class Call:
         fn = {"name": self.name, "arguments": self.arguments}
         return {"id": self.id, "type": "function", "function": fn}
 
-    def delta(self) -> dict[str, Any]:
-        """The streamed form: the whole call in one delta (the SDKs accumulate deltas by
-        index, so one delta per call is what they read)."""
-        return {"index": self.index, **self.record()}
+    def deltas(self) -> list[dict[str, Any]]:
+        """The streamed form, as OpenAI sends it: the call's id, type and name with empty
+        arguments, then its arguments (sent once the call is whole; the SDKs join the
+        arguments of one index)."""
+        head = {"name": self.name, "arguments": ""}
+        return [
+            {"index": self.index, "id": self.id, "type": "function", "function": head},
+            {"index": self.index, "function": {"arguments": self.arguments}},
+        ]
 
 
 class ToolParser:
