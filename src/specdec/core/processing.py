@@ -170,10 +170,11 @@ class Processor:
         if self.penalties is not None:
             out = self.penalties.apply(out, *self._counted(x))
         if self.constraint is not None:
-            out = out.clone() if out.data_ptr() == logits.data_ptr() else out
             taken = 0
             for i in range(len(x) + 1):
                 if not (greedy and self._allows(int(out[i].argmax()))):
+                    if out.data_ptr() == logits.data_ptr():  # the caller's rows stay as they are
+                        out = out.clone()
                     _mask(out[i], self.constraint.allowed())
                 if i == len(x) or self.constraint.consume([x[i]]) == 0:
                     break
