@@ -66,6 +66,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from specdec.backends.weights import (
+    ROW_INVARIANT_TYPES,
+    SDMM_TYPES,
+    invariant_by_construction,
+    matmul_weight_types,
+    not_invariant_warning,
+)
 from specdec.core.config import check_int
 from specdec.core.device import get_device
 from specdec.core.model import SpecModel, SpecModelError
@@ -89,12 +96,6 @@ _GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR = 3, 4  # ggml_log_level; 5 continue
 #: the first model sets it, on for the default mode, off for deterministic (module docstring).
 TILED_MM_ENV = "GGML_CPU_TILED_MM"
 _tiled_set_by = ""  # the mode of the model that set TILED_MM_ENV, if specdec set it
-#: Weight types sdmm multiplies (native/sdmm.h): every batch shape gives a row the same bits.
-SDMM_TYPES = frozenset({"Q4_K", "Q6_K", "Q5_0", "Q8_0"})
-#: Weight types whose ggml CPU kernels give a row the same bits in any batch (one scale per
-#: 32-value block, one dot product per row): measured by `specdec invariance` on smollm2 (Q4_1,
-#: Q8_0) and the Qwen 0.5B (Q5_0, Q8_0), checked in tests/test_deterministic.py.
-ROW_INVARIANT_TYPES = frozenset({"Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 #: sdmm's switches, read by the C library once per process: SDMM_ENV=0 leaves sdmm out (stock
 #: llama.cpp's kernels); SDMM_ISA_ENV forces an instruction path (ref, avx2, avx512) for tests.
 SDMM_ENV, SDMM_ISA_ENV = "SPECDEC_MM", "SPECDEC_MM_ISA"
@@ -254,31 +255,6 @@ def _check_sdmm_env() -> None:
         raise SpecModelError(
             f"{SDMM_ISA_ENV}={want}: this CPU cannot run that instruction path; unset it"
         )
-
-
-def matmul_weight_types(path: Path) -> frozenset[str]:
-    """The ggml types of a GGUF file's matmul weights: every weight matrix but the token
-    embedding (looked up row by row) unless the output layer is tied to it. A weight of more
-    than two dimensions (MoE experts) is reported as "<type>/3d": sdmm does not take those."""
-    from specdec.backends.registry import gguf_tensors
-
-    tensors = gguf_tensors(path)
-    names = {t.name for t in tensors}
-    out = set()
-    for t in tensors:
-        if len(t.dims) < 2 or not t.name.endswith(".weight"):
-            continue
-        if t.name == "token_embd.weight" and "output.weight" in names:
-            continue
-        out.add(t.type if all(d == 1 for d in t.dims[2:]) else f"{t.type}/3d")
-    return frozenset(out)
-
-
-def invariant_by_construction(types: frozenset[str], isa: str | None) -> bool:
-    """Whether weights of these types get batch-invariant matmuls in the default mode: sdmm's
-    types while sdmm runs, ggml's per-row types always."""
-    covered = ROW_INVARIANT_TYPES | (SDMM_TYPES if isa is not None else frozenset())
-    return types <= covered
 
 
 def kernels() -> dict[str, Any]:
@@ -459,6 +435,8 @@ class LlamaCppModel(SpecModel):
         self._model, self.extra_mib = self._load_weights(path, n_gpu_layers, repack, slow)
         self.repacked_mib = sum(self.extra_mib.values())
         self.batch_invariant = slow or (covered and self._weights_where_expected())
+        if invariant_math and not covered and not deterministic:  # say so, once, at load
+            log.warning(not_invariant_warning(self.name, self.weight_types, self.sdmm))
         if deterministic:
             self._check_placement(slow)
         vocab = llama.llama_model_get_vocab(self._model)

@@ -584,8 +584,22 @@ def gguf_tensors(path: Path) -> list[GGUFTensor]:
         return _gguf_header(buf, gguf)
 
 
-def _gguf_header(buf: mmap.mmap, gguf: ModuleType) -> list[GGUFTensor]:
-    """The tensors the header lists; raises struct.error if it is cut."""
+def gguf_metadata(path: Path) -> dict[str, str]:
+    """A GGUF file's general.* string metadata (general.architecture, general.name, ...), read
+    from its header alone (gguf.GGUFReader parses every array, seconds for a 150k vocabulary)."""
+    import gguf
+
+    meta: dict[str, str] = {}
+    with Path(path).open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        _gguf_header(buf, gguf, meta)
+    return meta
+
+
+def _gguf_header(
+    buf: mmap.mmap, gguf: ModuleType, meta: dict[str, str] | None = None
+) -> list[GGUFTensor]:
+    """The tensors the header lists (and, into `meta`, the general.* strings); raises
+    struct.error if it is cut."""
     VT = gguf.GGUFValueType
     fixed = {VT.UINT8: "B", VT.INT8: "b", VT.UINT16: "H", VT.INT16: "h", VT.UINT32: "I"}
     fixed |= {VT.INT32: "i", VT.FLOAT32: "f", VT.BOOL: "?", VT.UINT64: "Q", VT.INT64: "q"}
@@ -633,7 +647,13 @@ def _gguf_header(buf: mmap.mmap, gguf: ModuleType) -> list[GGUFTensor]:
         start = pos
         skip_str()
         key = bytes(buf[start + 8 : pos]).decode("utf-8", "replace")
-        v = value(take("I"))
+        vtype = take("I")
+        if meta is not None and key.startswith("general.") and VT(vtype) == VT.STRING:
+            at = pos
+            skip_str()
+            meta[key] = bytes(buf[at + 8 : pos]).decode("utf-8", "replace")
+            continue
+        v = value(vtype)
         if key == gguf.Keys.General.ALIGNMENT and v:
             align = v
     infos = []

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from specdec.backends.configs import CONFIGS
 from specdec.cli import args as cli_args
@@ -81,6 +82,15 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_doctor)
 
 
+def _weights(target: Any) -> Any:
+    """A llama.cpp target's weights report (backends.weights), None for other backends."""
+    if getattr(target, "weight_types", None) is None or getattr(target, "path", None) is None:
+        return None
+    from specdec.backends.weights import inspect_weights
+
+    return inspect_weights(target.path, target.sdmm)
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from specdec.backends.costs import CurveFiles
     from specdec.cli.main import version_line
@@ -110,13 +120,20 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     )
     if args.out is not None:
         write_json(Path(args.out), rep)
+    weights = _weights(target)
     if args.json:
-        print(json.dumps(to_json(rep), indent=1))
+        out = to_json(rep)
+        if weights is not None:
+            out["weights"] = weights.record()
+        print(json.dumps(out, indent=1))
     else:
         print(version_line())
         print(format_report(rep))
         print()
         print(format_stored(stored, rep.verify_ms))
+        if weights is not None:
+            print()
+            print("\n".join(weights.lines()))
     if rep.contended:
         print(
             f"warning: the single step varied by {rep.step_spread:.0%} between passes: the "

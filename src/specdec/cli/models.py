@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 
@@ -18,7 +19,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "models", help="list, fetch, verify and locate the registry's GGUF models"
     )
     p.set_defaults(func=_cmd_models, models_parser=p)
-    sub = p.add_subparsers(dest="models_cmd", metavar="{list,fetch,verify,path}")
+    sub = p.add_subparsers(dest="models_cmd", metavar="{list,fetch,verify,path,inspect}")
     sub.add_parser("list", help="table of known models and whether each is in the cache")
     f = sub.add_parser("fetch", help="download, assemble and verify models into the cache")
     f.add_argument("names", nargs="*", metavar="NAME", help="model names (str, repeatable)")
@@ -46,6 +47,13 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     )
     pp = sub.add_parser("path", help="print the cached file of a fetched model")
     pp.add_argument("name", metavar="NAME", help="model name (str)")
+    i = sub.add_parser(
+        "inspect",
+        help="a GGUF file's architecture, weight types, the kernel of each, and whether the "
+        "default mode is batch-invariant for it",
+    )
+    i.add_argument("model", metavar="NAME|FILE", help="a fetched model's name or a .gguf path")
+    i.add_argument("--json", action="store_true", help="print the report as JSON (flag)")
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -71,6 +79,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
         return 0
     if args.models_cmd == "verify":
         return _cmd_verify(args)
+    if args.models_cmd == "inspect":
+        return _cmd_inspect(args)
     if args.models_cmd == "path":
         if not registry.is_fetched(args.name):  # raises ModelFetchError for unknown names
             return error(
@@ -81,6 +91,28 @@ def _cmd_models(args: argparse.Namespace) -> int:
         return 0
     args.models_parser.print_help(sys.stderr)
     return EXIT_ERROR
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from specdec.backends.weights import inspect_weights
+
+    path = registry.resolve(args.model, fetch_missing=False)
+    if path.is_dir():
+        return error(f"{path} is a model directory (hf:); inspect reads GGUF files")
+    registry.check_gguf_file(path)
+    report = inspect_weights(path, _sdmm_isa())
+    print(json.dumps(report.record(), indent=1) if args.json else "\n".join(report.lines()))
+    return 0
+
+
+def _sdmm_isa() -> str | None:
+    """sdmm's instruction path in this process; None where llama-cpp-python is missing."""
+    try:
+        from specdec.backends.llamacpp import sdmm_isa
+
+        return sdmm_isa()
+    except ImportError:
+        return None
 
 
 def _seconds(text: str) -> float:

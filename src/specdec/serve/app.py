@@ -114,6 +114,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from specdec.backends.weights import kernel_of
 from specdec.core.config import MODEL_DRAFTERS, SpecConfig
 from specdec.core.model import SpecModel
 from specdec.serve import answers, playground
@@ -486,8 +487,22 @@ async def models(request: Request) -> Any:
         "draft": public_model_name(ctx.cfg.draft) if ctx.cfg.draft else None,
         "n_ctx": ctx.engine.n_ctx,
         "speculation": _speculation_card(ctx.engine),
+        "weights": _weights_card(ctx.engine.target),
     }
     return {"object": "list", "data": [card]}
+
+
+def _weights_card(target: SpecModel) -> dict[str, Any] | None:
+    """A llama.cpp target's weight types, the kernel of each, and whether greedy speculation
+    equals target-only output on it (backends.weights); None for other backends."""
+    types = getattr(target, "weight_types", None)
+    if types is None:
+        return None
+    isa = getattr(target, "sdmm", None)
+    return {
+        "types": {t: kernel_of(t, isa) for t in sorted(types)},
+        "batch_invariant": target.batch_invariant,
+    }
 
 
 def _speculation_card(engine: Engine) -> dict[str, Any]:
