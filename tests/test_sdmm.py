@@ -3,13 +3,13 @@ sdfa.h), called in the built libggml-cpu through their C API: exact by construct
 here to be.
 
 Every instruction path this build and CPU can run (the scalar reference, AVX2, AVX-512 VNNI),
-each weight type (Q4_K, Q6_K, Q5_0, Q8_0), random and real weights, odd shapes, and every batch
+each weight type (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0), random and real weights, odd shapes, every batch
 size b = 1..64:
   * batch invariance: row i of a b-row product has the bits of row i computed alone;
   * one answer per build: every path gives the reference path's bits;
   * the right answer: within float32 rounding of a float64 product of gguf-py's dequantized
     weights (the field's own reference) and activations that the type's activation blocks (Q8_K
-    per 256 values, 32-value blocks for Q5_0 and Q8_0) represent exactly.
+    per 256 values, 32-value blocks for Q4_0, Q5_0 and Q8_0) represent exactly.
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ from gguf.quants import dequantize
 
 from specdec.backends.llamacpp import SDMM_ISAS, _ggml_cpu, _llama
 
-TYPES = {"Q4_K": 12, "Q6_K": 14, "Q5_0": 6, "Q8_0": 8}  # ggml type ids
-BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q5_0": 32, "Q8_0": 32}  # values per activation block
+TYPES = {"Q4_K": 12, "Q6_K": 14, "Q4_0": 2, "Q5_0": 6, "Q8_0": 8}  # ggml type ids
+BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q4_0": 32, "Q5_0": 32, "Q8_0": 32}  # values per act. block
+#: the types the Qwen 0.5B's own weights hold (Q4_0 is checked on random blocks and, requantized,
+#: on a whole model: tests/test_weights.py)
+REAL_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]
 
 
 def _lib() -> ctypes.CDLL:
@@ -153,7 +156,7 @@ def _q8_0_dequantized(x: np.ndarray) -> np.ndarray:
     return (q * d.astype(np.float64)).reshape(x.shape)
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q8_0"])
 def test_32_value_activation_blocks_round_as_ggml(qtype: str) -> None:
     """Activations no 32-value block holds exactly (the tests above use ones it does): the
     product is that of the weights and of the activations quantized as ggml quantizes them,
@@ -238,7 +241,7 @@ def test_this_build_runs_the_best_path_the_cpu_has() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", REAL_TYPES)
 def test_real_weights_every_batch_size_every_path(qtype: str) -> None:
     """Rows of the Qwen 0.5B's own weights of each type (real scales and mins; its ffn_down
     mixes Q4_K and Q6_K, the rest are Q5_0 and Q8_0), real-looking activations: the same three
@@ -326,6 +329,7 @@ def test_packed_sizes() -> None:
     assert lib.sdmm_packed_size(14, 33, 256) == 3 * 3360
     assert lib.sdmm_packed_size(6, 17, 896) == 2 * 28 * 352
     assert lib.sdmm_packed_size(8, 16, 64) == 2 * 544
+    assert lib.sdmm_packed_size(2, 17, 896) == 2 * 28 * 352  # Q4_0: in Q5_0's group
 
 
 # ------------------------------------------------------------------------------------- sdfa

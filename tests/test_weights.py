@@ -2,9 +2,9 @@
 types, the kernel that multiplies each, whether the default mode is batch-invariant for it, in
 `specdec models inspect`, a warning at load, and the server's /v1/models entry.
 
-The file that is not covered is made here: the registry's smollm2 requantized to Q4_0 with
-llama.cpp's own quantizer (llama-cpp-python's `llama_model_quantize`), in a temporary
-directory; no weights are committed.
+The files are made here: the registry's smollm2 requantized with llama.cpp's own quantizer
+(llama-cpp-python's `llama_model_quantize`) in a temporary directory, to IQ4_NL (a type no
+invariant kernel takes) and to Q4_0 (sdmm's since issue 44); no weights are committed.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdec.backends.weights import (
     ROW_INVARIANT_TYPES,
@@ -43,55 +44,105 @@ def test_the_verdict_follows_the_kernels_of_the_types() -> None:
     assert SDMM_TYPES & ROW_INVARIANT_TYPES == {"Q5_0", "Q8_0"}
 
 
-@pytest.fixture(scope="module")
-def q4_0(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """smollm2 requantized to Q4_0 (llama.cpp's quantizer; ~2 s)."""
+def _requantize(src: Path, ftype: int, out: Path) -> Path:
+    """`src` requantized by llama.cpp's own quantizer to `ftype` (llama_ftype; ~1 s here)."""
     import llama_cpp
 
-    out = tmp_path_factory.mktemp("requant") / "smollm2-q4_0.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.ftype = ftype
     params.allow_requantize = True
     params.nthread = 2
-    rc = llama_cpp.llama_model_quantize(
-        str(smol_path).encode(), str(out).encode(), ctypes.byref(params)
-    )
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
     assert rc == 0 and out.stat().st_size > 0
     return out
 
 
+@pytest.fixture(scope="module")
+def iq4_nl(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """smollm2 requantized to IQ4_NL (a type neither sdmm nor ggml's per-row kernels take)."""
+    import llama_cpp
+
+    out = tmp_path_factory.mktemp("requant") / "smollm2-iq4_nl.gguf"
+    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_NL, out)
+
+
+@pytest.fixture(scope="module")
+def q4_0(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """smollm2 requantized to Q4_0 (sdmm's, packed as Q5_0)."""
+    import llama_cpp
+
+    out = tmp_path_factory.mktemp("requant") / "smollm2-q4_0.gguf"
+    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, out)
+
+
 @pytest.mark.model
 def test_inspect_names_an_uncovered_type_and_says_the_guarantee_does_not_hold(
-    q4_0: Path, smol_path: Path, capsys: pytest.CaptureFixture
+    iq4_nl: Path, q4_0: Path, smol_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     from specdec.cli.main import main
 
     assert inspect_weights(smol_path, "avx512").invariant  # Q4_1 and Q8_0: covered
-    report = inspect_weights(q4_0, "avx512")
-    assert report.architecture == "llama" and report.breaking == ["Q4_0"]
+    assert inspect_weights(q4_0, "avx512").invariant  # Q4_0 and Q8_0: sdmm's
+    report = inspect_weights(iq4_nl, "avx512")
+    assert report.architecture == "llama" and "IQ4_NL" in report.breaking
     assert abs(sum(w["share"] for w in report.record()["weights"]) - 1) < 1e-9
-    assert main(["models", "inspect", str(q4_0)]) == 0
+    assert main(["models", "inspect", str(iq4_nl)]) == 0
     text = capsys.readouterr().out
-    assert "Q4_0" in text and "NOT batch-invariant (Q4_0)" in text and "deterministic" in text
-    assert main(["models", "inspect", str(q4_0), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["breaking_types"] == ["Q4_0"]
+    assert "IQ4_NL" in text and "NOT batch-invariant (IQ4_NL" in text and "deterministic" in text
+    assert main(["models", "inspect", str(iq4_nl), "--json"]) == 0
+    assert "IQ4_NL" in json.loads(capsys.readouterr().out)["breaking_types"]
 
 
 @pytest.mark.model
 def test_a_default_load_of_an_uncovered_file_warns_once_naming_the_types(
-    q4_0: Path, caplog: pytest.LogCaptureFixture
+    iq4_nl: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from specdec.backends import load_model
     from specdec.serve.app import _weights_card
 
     with caplog.at_level(logging.WARNING, logger="specdec.backends.llamacpp"):
-        model = load_model(f"llamacpp:{q4_0}", n_threads=2)
+        model = load_model(f"llamacpp:{iq4_nl}", n_threads=2)
     try:
-        warned = [r.getMessage() for r in caplog.records if "Q4_0" in r.getMessage()]
+        warned = [r.getMessage() for r in caplog.records if "IQ4_NL" in r.getMessage()]
         assert len(warned) == 1 and "deterministic=True" in warned[0]
         assert model.batch_invariant is False
         card = _weights_card(model)
         assert card is not None and card["batch_invariant"] is False
-        assert set(card["types"]) == {"Q4_0", "Q8_0"}
+        assert "IQ4_NL" in card["types"] and card["types"]["Q8_0"].startswith("sdmm")
     finally:
         model.close()
+
+
+@pytest.mark.model
+def test_q4_0_on_sdmm_rows_bit_identical_and_greedy_speculation_exact(
+    q4_0: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Q4_0 runs sdmm's kernels (packed as Q5_0): the default load is batch-invariant and says
+    nothing; row i of a b-row pass has the bits of token i's single step, b = 2..64; greedy
+    speculation equals target-only token for token."""
+    from specdec.backends import load_model
+    from specdec.core.decode import generate
+
+    with caplog.at_level(logging.WARNING, logger="specdec.backends.llamacpp"):
+        m = load_model(f"llamacpp:{q4_0}", n_threads=2, n_ctx=512)
+    try:
+        assert m.batch_invariant and not [r for r in caplog.records if "Q4_0" in r.getMessage()]
+        ids = [(7 * i + 3) % 4000 + 100 for i in range(80)]
+        m.reset()
+        m.prefill(ids[:8])
+        single = [m.extend([t])[-1].clone() for t in ids[8:72]]
+        for b in (2, 7, 16, 64):
+            m.truncate(8)
+            rows = m.extend(ids[8 : 8 + b])
+            for i in range(b):
+                assert torch.equal(rows[i], single[i]), f"b={b} row {i}"
+        prompt = m.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "List the planets of the solar system, in order."}],
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        alone = generate(m, prompt, temperature=0, max_new_tokens=64).tokens
+        for kw in ({"drafter": "lookup", "k": 4}, {"drafter": "lookup", "k": "auto"}):
+            assert generate(m, prompt, temperature=0, max_new_tokens=64, **kw).tokens == alone
+    finally:
+        m.close()

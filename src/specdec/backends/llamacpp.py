@@ -38,7 +38,7 @@ that batch invariance:
     (native/sdmm.h, docs/kernels.md): an extra buffer type ahead of ggml's that takes every 2-D
     Q4_K and Q6_K weight and multiplies it with one kernel for every batch size, b = 1 included,
     whose rows are bit-identical by construction -- and faster than ggml's on verify batches.
-    It takes the per-row types Q5_0 and Q8_0 too (a draft model's weights), for speed: ggml's
+    It takes Q4_0 (packed as Q5_0) and the per-row types Q5_0 and Q8_0 too, for speed: ggml's
     kernels for them are already invariant but read the weights at a third of sdmm's rate.
 
 So a file whose matmul weights are all SDMM_TYPES or ROW_INVARIANT_TYPES (both Qwen GGUFs,

@@ -53,8 +53,9 @@ DRAFTER_HELP = (
 DETERMINISTIC_HELP = (
     "require batch-invariant llama.cpp numerics: a verify pass computes exactly the "
     "single-step logits, so greedy speculative output equals greedy target-only output. Free "
-    "where specdec's kernels hold every weight (Q4_K, Q6_K, Q5_0, Q8_0 and per-row types, e.g. "
-    "the default models: the default mode is already invariant there); elsewhere ggml's slower "
+    "where specdec's kernels hold every weight (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0 and per-row "
+    "types, e.g. the default models: the default mode is already invariant there); elsewhere "
+    "ggml's slower "
     "invariant paths (flag; default off; docs/kernels.md)"
 )
 P_MIN_HELP = (

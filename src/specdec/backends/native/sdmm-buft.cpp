@@ -23,6 +23,7 @@
 
 static_assert(SDMM_TYPE_Q4_K == GGML_TYPE_Q4_K, "sdmm.h's Q4_K id is ggml's");
 static_assert(SDMM_TYPE_Q6_K == GGML_TYPE_Q6_K, "sdmm.h's Q6_K id is ggml's");
+static_assert(SDMM_TYPE_Q4_0 == GGML_TYPE_Q4_0, "sdmm.h's Q4_0 id is ggml's");
 static_assert(SDMM_TYPE_Q5_0 == GGML_TYPE_Q5_0, "sdmm.h's Q5_0 id is ggml's");
 static_assert(SDMM_TYPE_Q8_0 == GGML_TYPE_Q8_0, "sdmm.h's Q8_0 id is ggml's");
 

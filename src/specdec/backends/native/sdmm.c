@@ -12,6 +12,7 @@ _Static_assert(sizeof(sdmm_block_q4_K) == 144, "ggml's block_q4_K is 144 bytes")
 _Static_assert(sizeof(sdmm_block_q6_K) == 210, "ggml's block_q6_K is 210 bytes");
 _Static_assert(sizeof(sdmm_q4k_r16) == 2368, "sdmm_q4k_r16 layout");
 _Static_assert(sizeof(sdmm_q6k_r16) == 3360, "sdmm_q6k_r16 layout");
+_Static_assert(sizeof(sdmm_block_q4_0) == 18, "ggml's block_q4_0 is 18 bytes");
 _Static_assert(sizeof(sdmm_block_q5_0) == 22, "ggml's block_q5_0 is 22 bytes");
 _Static_assert(sizeof(sdmm_block_q8_0) == 34, "ggml's block_q8_0 is 34 bytes");
 _Static_assert(sizeof(sdmm_q5_0_r16) == 352, "sdmm_q5_0_r16 layout");
@@ -55,6 +56,11 @@ static int q5_0_src(const sdmm_block_q5_0 * b, int v) {
     return lo | (int) ((qh >> v) & 1) << 4;
 }
 
+/* 8..23: Q4_0's stored quant (0..15, before ggml's -8) plus 8, as Q5_0's group stores it */
+static int q4_0_src(const sdmm_block_q4_0 * b, int v) {
+    return (v < 16 ? b->qs[v] & 0xF : b->qs[v - 16] >> 4) + 8;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* quants of the repacked groups, by row r and value index                                    */
 
@@ -95,6 +101,7 @@ static const struct {
     {SDMM_TYPE_Q6_K, SDMM_QK, sizeof(sdmm_block_q6_K), sizeof(sdmm_q6k_r16)},
     {SDMM_TYPE_Q5_0, 32, sizeof(sdmm_block_q5_0), sizeof(sdmm_q5_0_r16)},
     {SDMM_TYPE_Q8_0, 32, sizeof(sdmm_block_q8_0), sizeof(sdmm_q8_0_r16)},
+    {SDMM_TYPE_Q4_0, 32, sizeof(sdmm_block_q4_0), sizeof(sdmm_q5_0_r16)}, /* in Q5_0's group */
 };
 #define SDMM_NTYPES ((int) (sizeof(TYPES) / sizeof(TYPES[0])))
 
@@ -163,15 +170,32 @@ static void pack_row_q6k(sdmm_q6k_r16 * out, int r, const sdmm_block_q6_K * b) {
     }
 }
 
-static void pack_row_q5_0(sdmm_q5_0_r16 * out, int r, const sdmm_block_q5_0 * b) {
-    out->d[r] = b->d;
+/* row r of a Q5_0 group from 32 unsigned 5-bit quants q[v] (value d*(q - 16)) */
+static void pack_row_32x5(sdmm_q5_0_r16 * out, int r, sdmm_half d, const int * q) {
+    out->d[r] = d;
     for (int c = 0; c < 4; c++) {
         for (int t = 0; t < 4; t++) {
-            const int lo = q5_0_src(b, 4 * c + t), hi = q5_0_src(b, 16 + 4 * c + t);
+            const int lo = q[4 * c + t], hi = q[16 + 4 * c + t];
             out->qs[c][4 * r + t] = (uint8_t) ((lo & 0xF) | (hi & 0xF) << 4);
             out->qh[4 * r + t] |= (uint8_t) ((lo >> 4) << c | (hi >> 4) << (4 + c));
         }
     }
+}
+
+static void pack_row_q5_0(sdmm_q5_0_r16 * out, int r, const sdmm_block_q5_0 * b) {
+    int q[32];
+    for (int v = 0; v < 32; v++) {
+        q[v] = q5_0_src(b, v);
+    }
+    pack_row_32x5(out, r, b->d, q);
+}
+
+static void pack_row_q4_0(sdmm_q5_0_r16 * out, int r, const sdmm_block_q4_0 * b) {
+    int q[32];
+    for (int v = 0; v < 32; v++) {
+        q[v] = q4_0_src(b, v);
+    }
+    pack_row_32x5(out, r, b->d, q);
 }
 
 static void pack_row_q8_0(sdmm_q8_0_r16 * out, int r, const sdmm_block_q8_0 * b) {
@@ -192,8 +216,13 @@ static void pack_row(int type, void * out, int r, const void * b) {
         case SDMM_TYPE_Q5_0:
             pack_row_q5_0(out, r, b);
             break;
-        default:
+        case SDMM_TYPE_Q4_0:
+            pack_row_q4_0(out, r, b);
+            break;
+        case SDMM_TYPE_Q8_0:
             pack_row_q8_0(out, r, b);
+            break;
+        default: /* sdmm_pack takes TYPES' types only */
             break;
     }
 }
@@ -219,7 +248,7 @@ void sdmm_pack(int type, const void * src, int64_t n, int64_t k, void * dst) {
 
 /* ------------------------------------------------------------------------------------------ */
 /* activations: ggml's quantize_row_q8_K_ref (K-quants) or quantize_row_q8_0_ref's rule with a
- * float scale (Q5_0, Q8_0), operation for operation, plus the sums                           */
+ * float scale (Q4_0, Q5_0, Q8_0), operation for operation, plus the sums                     */
 
 static int nearest_int(float fval) {
     const float val = fval + 12582912.f;
@@ -349,9 +378,12 @@ static float ref_block(int type, const void * blk, int r, const void * A, float 
         case SDMM_TYPE_Q6_K:
             return q6k_ref_block(blk, r, A, acc);
         case SDMM_TYPE_Q5_0:
+        case SDMM_TYPE_Q4_0: /* packed as Q5_0 */
             return q5_0_ref_block(blk, r, A, acc);
-        default:
+        case SDMM_TYPE_Q8_0:
             return q8_0_ref_block(blk, r, A, acc);
+        default: /* sdmm_kernel hands out TYPES' types only */
+            return acc;
     }
 }
 
@@ -410,9 +442,12 @@ int sdmm_isa_selected(void) {
     return selected;
 }
 
-/* the kernels by path and type, in TYPES' order */
-#define SDMM_BY_TYPE_(isa) \
-    { sdmm_kernel_q4k_##isa, sdmm_kernel_q6k_##isa, sdmm_kernel_q5_0_##isa, sdmm_kernel_q8_0_##isa }
+/* the kernels by path and type, in TYPES' order (Q4_0 runs Q5_0's: it is packed as Q5_0) */
+#define SDMM_BY_TYPE_(isa)                                                                    \
+    {                                                                                         \
+        sdmm_kernel_q4k_##isa, sdmm_kernel_q6k_##isa, sdmm_kernel_q5_0_##isa,                 \
+            sdmm_kernel_q8_0_##isa, sdmm_kernel_q5_0_##isa                                    \
+    }
 
 sdmm_kernel_fn sdmm_kernel(int type, int isa) {
     static const sdmm_kernel_fn kernels[SD_ISA_COUNT][SDMM_NTYPES] = {

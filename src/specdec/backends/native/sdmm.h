@@ -1,4 +1,4 @@
-/* sdmm: specdec's matrix multiply for quantized weights (Q4_K, Q6_K; Q5_0, Q8_0) times
+/* sdmm: specdec's matrix multiply for quantized weights (Q4_K, Q6_K; Q4_0, Q5_0, Q8_0) times
  * activations of any number of rows, written for the 1..64-row batches a speculative verify runs
  * (and the single steps of a draft model), and batch-invariant by construction.
  *
@@ -56,6 +56,7 @@ extern "C" {
 
 /* ggml type ids of the weight types sdmm multiplies (ggml.h's enum ggml_type; sdmm-buft.cpp
  * checks them against it at compile time) */
+#define SDMM_TYPE_Q4_0 2
 #define SDMM_TYPE_Q5_0 6
 #define SDMM_TYPE_Q8_0 8
 #define SDMM_TYPE_Q4_K 12
@@ -77,6 +78,10 @@ typedef struct {
     sdmm_half d;
 } sdmm_block_q6_K;
 
+typedef struct {
+    sdmm_half d;
+    uint8_t qs[16]; /* 4 bits: values v (low nibble) and v + 16 (high) */
+} sdmm_block_q4_0;
 typedef struct {
     sdmm_half d;
     uint8_t qh[4];  /* bit v: the fifth bit of value v */
@@ -112,7 +117,8 @@ typedef struct {
 } sdmm_q6k_r16;
 
 /* Q5_0, 16 rows, one block of 32 values: 352 bytes (16 ggml blocks: 352). Quants are unsigned
- * 0..31; value = d*(q - 16). */
+ * 0..31; value = d*(q - 16). Q4_0 is packed into the same group, its quant q (0..15, value
+ * d*(q - 8)) stored as q + 8: the same value, so Q4_0 runs Q5_0's kernels exactly. */
 typedef struct {
     sdmm_half d[SDMM_R];
     /* qh byte 4r+t: bit c = hi1(4c+t), bit 4+c = hi1(16+4c+t), for loads c = 0..3 */
@@ -156,7 +162,7 @@ typedef void (*sdmm_kernel_fn)(const void * w, int nsb, int ngroups, int n_valid
 
 /* --- repacking (at model load) and activation quantization (per matmul) --- */
 int sdmm_supported_type(int type);
-int sdmm_block_cols(int type);     /* values per block: 256 (K-quants), 32 (Q5_0, Q8_0) */
+int sdmm_block_cols(int type);     /* values per block: 256 (K-quants), 32 (Q4_0, Q5_0, Q8_0) */
 size_t sdmm_group_bytes(int type); /* one group of 16 rows, one block */
 size_t sdmm_act_bytes(int type);   /* one activation block: sizeof sdmm_act or sdmm_act32 */
 size_t sdmm_packed_size(int type, int64_t n, int64_t k);
