@@ -188,7 +188,9 @@ class Generation:
         (None: nothing to draft) and the room left (a round emits at most K + 1 tokens).
         With a drafter, the tokens a grammar forces go first, all of them, on top of K: they
         cost nothing to make and are near certain; the policy judges what follows them."""
+        # the budget, and the cache: the pass's rows must fit the target's (a slot's) context
         room = self.max_new_tokens - len(self.tokens) - 1
+        room = min(room, self.target.n_ctx - self.target.n_cached - 1)
         drafter, forced = self.drafter, []
         if drafter is not None and room > 0 and self.processor is not None:
             forced = self.processor.forced()[:room]
@@ -511,9 +513,8 @@ def rounds_together(gens: Sequence[Generation]) -> list[list[int] | Exception]:
         w = _own(g.want)
         if isinstance(w, Exception):
             done[i] = w
-        else:  # its room also bounded by its cache: its rows must fit its own slot
-            policy, src, room = w
-            wants[i] = (policy, src, min(room, g.target.n_ctx - g.target.n_cached - 1))
+        else:  # its room bounded by its own slot's cache too (Generation.want)
+            wants[i] = w
     ks = dict(zip(wants, choose_together(list(wants.values())), strict=True))
     ids: dict[int, list[int]] = {}
     for i, (_, src, _) in wants.items():  # as `_round`: nothing drafted without a source
