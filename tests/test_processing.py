@@ -268,7 +268,7 @@ def test_level2_has_power_against_rows_adjusted_from_the_committed_prefix(
     """The mistake: every row of a pass penalized as if nothing had been drafted before it."""
     target, draft = pair
 
-    def committed_only(self, logits, x):
+    def committed_only(self, logits, x, greedy=False):
         out = logits.to("cpu", torch.float32)
         counts, seen = self._counted([])
         return self.penalties.apply(out, counts.expand_as(out), seen.expand_as(out))
