@@ -313,15 +313,20 @@ async def _watch_disconnect(request: Request, engine: Engine, jobs: list[Job]) -
             return
 
 
+async def _event_or_failure(engine: Engine, job: Job) -> Event:
+    """The job's next event; a timeout is its Failed event."""
+    try:
+        return await _next_event(engine, job)
+    except ApiError as e:
+        return Failed(e)
+
+
 async def _events(engine: Engine, jobs: list[Job]) -> AsyncIterator[tuple[int, Event]]:
     """Every job's events, each tagged with its job's index, as they come; a job's timeout is
     its Failed event. Ends once every job has ended."""
     if len(jobs) == 1:  # no task per event for the common case
         while True:
-            try:
-                ev = await _next_event(engine, jobs[0])
-            except ApiError as e:
-                ev = Failed(e)
+            ev = await _event_or_failure(engine, jobs[0])
             yield 0, ev
             if isinstance(ev, (Done, Failed)):
                 return
@@ -329,10 +334,7 @@ async def _events(engine: Engine, jobs: list[Job]) -> AsyncIterator[tuple[int, E
 
     async def pump(i: int, job: Job) -> None:
         while True:
-            try:
-                ev = await _next_event(engine, job)
-            except ApiError as e:
-                ev = Failed(e)
+            ev = await _event_or_failure(engine, job)
             await merged.put((i, ev))
             if isinstance(ev, (Done, Failed)):
                 return
