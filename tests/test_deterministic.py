@@ -108,9 +108,24 @@ def stock_control() -> dict[str, tuple[str, float]]:
 def test_smollm2_is_bit_identical_across_batch_shapes(smol_det) -> None:
     ids = probe_ids(smol_det.vocab_size, CONTEXT + N_PROBE)
     assert smol_det.deterministic and smol_det.batch_invariant
-    # its Q8_0 output matrix in sdmm's buffer, its Q4_1 weights in ggml's invariant kernels
+    # its Q4_1 weights and Q8_0 output matrix in sdmm's buffer
     assert {k for k, v in smol_det.extra_mib.items() if v} == {"SDMM"}, smol_det.extra_mib
     assert _batch_shapes_agree(smol_det, ids[:CONTEXT], ids[CONTEXT:]) == []
+
+
+@pytest.mark.slow
+def test_gemma3_is_bit_identical_across_batch_shapes_in_the_default_mode() -> None:
+    """Another architecture on sdmm and sdfa: Gemma 3 270M (Q8_0, Q5_0, Q4_K, Q6_K; head size
+    256, QK norm, sliding-window layers of 512 next to global ones: the probe's 1,100 cached
+    tokens run past the window). Its logits agree bit for bit across every batch shape; its
+    vocabulary keeps raw spaces in a few tokens, which the load's tokenizer check accepts."""
+    model = load_model("llamacpp:gemma3-270m", n_threads=TEST_THREADS)
+    try:
+        ids = probe_ids(model.vocab_size, CONTEXT + N_PROBE)
+        assert model.batch_invariant and model.extra_mib.get("SDMM", 0) > 0, model.extra_mib
+        assert _batch_shapes_agree(model, ids[:CONTEXT], ids[CONTEXT:]) == []
+    finally:
+        model.close()
 
 
 @pytest.mark.slow

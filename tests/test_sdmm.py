@@ -3,13 +3,13 @@ sdfa.h), called in the built libggml-cpu through their C API: exact by construct
 here to be.
 
 Every instruction path this build and CPU can run (the scalar reference, AVX2, AVX-512 VNNI),
-each weight type (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0), random and real weights, odd shapes, every batch
-size b = 1..64:
+each weight type (Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), random and real weights,
+odd shapes, every batch size b = 1..64:
   * batch invariance: row i of a b-row product has the bits of row i computed alone;
   * one answer per build: every path gives the reference path's bits;
   * the right answer: within float32 rounding of a float64 product of gguf-py's dequantized
     weights (the field's own reference) and activations that the type's activation blocks (Q8_K
-    per 256 values, 32-value blocks for Q4_0, Q5_0 and Q8_0) represent exactly.
+    per 256 values, 32-value blocks for the others) represent exactly.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ from gguf.quants import dequantize
 
 from specdec.backends.llamacpp import SDMM_ISAS, _ggml_cpu, _llama
 
-TYPES = {"Q4_K": 12, "Q6_K": 14, "Q4_0": 2, "Q5_0": 6, "Q8_0": 8}  # ggml type ids
-BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q4_0": 32, "Q5_0": 32, "Q8_0": 32}  # values per act. block
-#: the types the Qwen 0.5B's own weights hold (Q4_0 is checked on random blocks and, requantized,
-#: on a whole model: tests/test_weights.py)
+#: ggml type ids
+TYPES = {"Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+TYPES |= {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
+BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}  # values per activation block
+#: the types the Qwen 0.5B's own weights hold (the others are checked on random blocks and,
+#: requantized, on a whole model: tests/test_weights.py)
 REAL_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]
 
 
@@ -80,12 +82,14 @@ def _random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.n
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     data = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
     halves = lambda lo, hi: rng.uniform(lo, hi, size=(n, k // block)).astype(np.float16)  # noqa: E731
-    if qtype == "Q6_K":  # d ends the block
+    if qtype in ("Q3_K", "Q6_K"):  # d ends the block
         data[:, :, -2:] = halves(1e-4, 2e-3).view(np.uint8).reshape(n, k // block, 2)
     else:  # d (and Q4_K's dmin) lead it
         data[:, :, 0:2] = halves(1e-3, 2e-2).view(np.uint8).reshape(n, k // block, 2)
-    if qtype == "Q4_K":
+    if qtype in ("Q4_K", "Q5_K"):  # dmin
         data[:, :, 2:4] = halves(1e-4, 5e-3).view(np.uint8).reshape(n, k // block, 2)
+    if qtype in ("Q4_1", "Q5_1"):  # the min m, of either sign
+        data[:, :, 2:4] = halves(-2e-1, 2e-1).view(np.uint8).reshape(n, k // block, 2)
     return data.reshape(n, -1)
 
 
@@ -145,7 +149,7 @@ def test_random_weights_every_batch_size_every_path(qtype: str, n: int, k: int) 
 
 
 def _q8_0_dequantized(x: np.ndarray) -> np.ndarray:
-    """x [b, k] float32 as sdmm quantizes it for Q5_0 and Q8_0 (ggml's quantize_row_q8_0_ref
+    """x [b, k] float32 as sdmm quantizes it for the 32-value types (ggml's quantize_row_q8_0_ref
     with the scale kept in float32: d = amax / 127, q = roundf(x / d), half away from zero),
     dequantized, in float64."""
     blocks = x.reshape(x.shape[0], -1, 32)
@@ -156,7 +160,7 @@ def _q8_0_dequantized(x: np.ndarray) -> np.ndarray:
     return (q * d.astype(np.float64)).reshape(x.shape)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", [t for t in TYPES if BLOCK[t] == 32])
 def test_32_value_activation_blocks_round_as_ggml(qtype: str) -> None:
     """Activations no 32-value block holds exactly (the tests above use ones it does): the
     product is that of the weights and of the activations quantized as ggml quantizes them,
@@ -321,15 +325,20 @@ def test_a_path_this_cpu_cannot_run_is_a_clear_error(monkeypatch) -> None:
 
 
 def test_packed_sizes() -> None:
-    """16-row groups, one 2,368-byte (Q4_K) or 3,360-byte (Q6_K) record per 256 columns, one
-    352-byte (Q5_0) or 544-byte (Q8_0) record per 32: ggml's bytes, but Q4_K's unpacked scales; a
-    partial last group is padded."""
+    """16-row groups, one 2,368-byte (Q4_K), 2,880-byte (Q5_K) or 3,360-byte (Q6_K, Q3_K) record
+    per 256 columns, one 352-byte (Q5_0), 384-byte (Q5_1) or 544-byte (Q8_0) record per 32: ggml's
+    bytes, but the K-quants' unpacked scales; a partial last group is padded."""
     lib = _lib()
     assert lib.sdmm_packed_size(12, 32, 512) == 2 * 2 * 2368
+    assert lib.sdmm_packed_size(13, 32, 512) == 2 * 2 * 2880
     assert lib.sdmm_packed_size(14, 33, 256) == 3 * 3360
     assert lib.sdmm_packed_size(6, 17, 896) == 2 * 28 * 352
+    assert lib.sdmm_packed_size(7, 17, 896) == 2 * 28 * 384
     assert lib.sdmm_packed_size(8, 16, 64) == 2 * 544
     assert lib.sdmm_packed_size(2, 17, 896) == 2 * 28 * 352  # Q4_0: in Q5_0's group
+    assert lib.sdmm_packed_size(3, 17, 896) == 2 * 28 * 384  # Q4_1: in Q5_1's group
+    assert lib.sdmm_packed_size(11, 33, 256) == 3 * 3360  # Q3_K: in Q6_K's group
+    assert lib.sdmm_packed_size(10, 16, 256) == 0  # Q2_K: not sdmm's
 
 
 # ------------------------------------------------------------------------------------- sdfa

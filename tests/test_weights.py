@@ -4,7 +4,8 @@ types, the kernel that multiplies each, whether the default mode is batch-invari
 
 The files are made here: the registry's smollm2 requantized with llama.cpp's own quantizer
 (llama-cpp-python's `llama_model_quantize`) in a temporary directory, to IQ4_NL (a type no
-invariant kernel takes) and to Q4_0 (sdmm's since issue 44); no weights are committed.
+invariant kernel takes), to Q4_0, Q5_K_M and Q3_K_S (sdmm's since issue 44); no weights are
+committed.
 """
 
 from __future__ import annotations
@@ -31,17 +32,18 @@ def test_the_verdict_follows_the_kernels_of_the_types() -> None:
     assert invariant_by_construction(frozenset({"Q4_K", "Q6_K"}), "avx512")
     assert not invariant_by_construction(frozenset({"Q4_K", "Q6_K"}), None)  # sdmm off
     assert invariant_by_construction(frozenset({"Q4_1", "Q8_0"}), None)  # ggml's per-row types
-    assert not invariant_by_construction(frozenset({"Q5_K", "Q6_K"}), "avx2")
+    assert invariant_by_construction(frozenset({"Q5_K", "Q6_K"}), "avx2")
+    assert not invariant_by_construction(frozenset({"IQ4_XS", "Q6_K"}), "avx2")
     assert not invariant_by_construction(frozenset({"Q4_K/3d"}), "avx512")  # experts
     assert kernel_of("Q4_K", "avx2").startswith("sdmm (avx2)")
     assert "not batch-invariant" in kernel_of("Q8_0/3d", "avx512")
-    report = WeightReport("f.gguf", "qwen2", "x", {"Q5_K": 700, "Q6_K": 300}, "avx512")
-    assert not report.invariant and report.breaking == ["Q5_K"]
+    report = WeightReport("f.gguf", "qwen2", "x", {"Q2_K": 700, "Q6_K": 300}, "avx512")
+    assert not report.invariant and report.breaking == ["Q2_K"]
     rec = report.record()
     assert [w["share"] for w in rec["weights"]] == [0.7, 0.3]
-    assert rec["breaking_types"] == ["Q5_K"] and rec["batch_invariant"] is False
-    assert any("NOT batch-invariant (Q5_K)" in line for line in report.lines())
-    assert SDMM_TYPES & ROW_INVARIANT_TYPES == {"Q5_0", "Q8_0"}
+    assert rec["breaking_types"] == ["Q2_K"] and rec["batch_invariant"] is False
+    assert any("NOT batch-invariant (Q2_K)" in line for line in report.lines())
+    assert ROW_INVARIANT_TYPES <= SDMM_TYPES  # sdmm takes the per-row types too, for speed
 
 
 def _requantize(src: Path, ftype: int, out: Path) -> Path:
@@ -73,6 +75,27 @@ def q4_0(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("requant") / "smollm2-q4_0.gguf"
     return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, out)
+
+
+@pytest.fixture(scope="module")
+def q5_k_m(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """smollm2 requantized to Q5_K_M: Q5_K where a row is whole super-blocks, Q5_1 (llama.cpp's
+    fallback) where it is not (576 columns), Q6_K: all sdmm's."""
+    import llama_cpp
+
+    out = tmp_path_factory.mktemp("requant") / "smollm2-q5_k_m.gguf"
+    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M, out)
+
+
+@pytest.fixture(scope="module")
+def q3_k_s(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """smollm2 requantized to Q3_K_S: Q3_K (packed as Q6_K) where a row is whole super-blocks
+    (ffn_down; Q3_K_M gives those Q4_K/Q5_K here, so no Q3_K at all), Q4_0 (llama.cpp's fallback
+    for Q3_K) where it is not."""
+    import llama_cpp
+
+    out = tmp_path_factory.mktemp("requant") / "smollm2-q3_k_s.gguf"
+    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_S, out)
 
 
 @pytest.mark.model
@@ -114,19 +137,26 @@ def test_a_default_load_of_an_uncovered_file_warns_once_naming_the_types(
 
 
 @pytest.mark.model
-def test_q4_0_on_sdmm_rows_bit_identical_and_greedy_speculation_exact(
-    q4_0: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("ftype", ["q4_0", "q5_k_m", "q3_k_s"])
+def test_a_requantized_file_on_sdmm_rows_bit_identical_and_greedy_speculation_exact(
+    ftype: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Q4_0 runs sdmm's kernels (packed as Q5_0): the default load is batch-invariant and says
-    nothing; row i of a b-row pass has the bits of token i's single step, b = 2..64; greedy
-    speculation equals target-only token for token."""
+    """Q4_0 (packed as Q5_0), Q5_K_M (Q5_K, Q5_1, Q6_K) and Q3_K_S (Q3_K packed as Q6_K, Q4_0)
+    run sdmm's kernels: the default load is batch-invariant and says nothing; row i of a b-row
+    pass has the bits of token i's single step, b = 2..64; greedy speculation equals target-only
+    token for token."""
     from specdec.backends import load_model
+    from specdec.backends.llamacpp import sdmm_isa
     from specdec.core.decode import generate
 
+    path: Path = request.getfixturevalue(ftype)
+    report = inspect_weights(path, sdmm_isa())
+    assert {"q4_0": "Q4_0", "q5_k_m": "Q5_K", "q3_k_s": "Q3_K"}[ftype] in report.type_bytes
     with caplog.at_level(logging.WARNING, logger="specdec.backends.llamacpp"):
-        m = load_model(f"llamacpp:{q4_0}", n_threads=2, n_ctx=512)
+        m = load_model(f"llamacpp:{path}", n_threads=2, n_ctx=512)
     try:
-        assert m.batch_invariant and not [r for r in caplog.records if "Q4_0" in r.getMessage()]
+        assert report.invariant and m.batch_invariant
+        assert not [r for r in caplog.records if "batch-invariant" in r.getMessage()]
         ids = [(7 * i + 3) % 4000 + 100 for i in range(80)]
         m.reset()
         m.prefill(ids[:8])

@@ -36,10 +36,11 @@ that batch invariance:
     multiplied by a GEMM for batches and a GEMV for single rows, and K-quants that are not
     repacked (Q6_K) take a tiled GEMM once a batch has >= 8 rows. specdec's build adds sdmm
     (native/sdmm.h, docs/kernels.md): an extra buffer type ahead of ggml's that takes every 2-D
-    Q4_K and Q6_K weight and multiplies it with one kernel for every batch size, b = 1 included,
-    whose rows are bit-identical by construction -- and faster than ggml's on verify batches.
-    It takes Q4_0 (packed as Q5_0) and the per-row types Q5_0 and Q8_0 too, for speed: ggml's
-    kernels for them are already invariant but read the weights at a third of sdmm's rate.
+    Q3_K, Q4_K, Q5_K and Q6_K weight and multiplies it with one kernel for every batch size, b = 1
+    included, whose rows are bit-identical by construction -- and faster than ggml's on verify
+    batches. It takes Q4_0 (packed as Q5_0) and the per-row types Q4_1, Q5_0, Q5_1 and Q8_0
+    too, for speed: ggml's kernels for those are already invariant but read the weights at a
+    third of sdmm's rate. The list is weights.SDMM_TYPES.
 
 So a file whose matmul weights are all SDMM_TYPES or ROW_INVARIANT_TYPES (both Qwen GGUFs,
 smollm2) is batch-invariant in the default mode: `batch_invariant` is True, greedy speculative
@@ -91,6 +92,7 @@ _SEQ = 0  # the model's own sequence id; its slots (n_seq > 1) are 1 .. n_seq - 
 # ggml_type of the K cache: q8_0, for batch invariance (module docstring). Pass type_k=1 (f16) for
 # llama.cpp's default.
 DEFAULT_TYPE_K = 8  # GGML_TYPE_Q8_0
+LLAMA_VOCAB_TYPE_SPM = 1  # llama.h's enum llama_vocab_type
 _GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR = 3, 4  # ggml_log_level; 5 continues a line
 #: llama.cpp's switch for its tiled K-quant GEMM (batches of >= 8 rows), read once per process:
 #: the first model sets it, on for the default mode, off for deterministic (module docstring).
@@ -603,12 +605,16 @@ class LlamaCppModel(SpecModel):
 
     def _check_tokenizer(self, vocab: Any, tokenizer: Any) -> None:
         """Ids go to llama.cpp untranslated, so its vocabulary must read them as the HF tokenizer
-        does: compare every id's token text (~0.2 s for 150k tokens)."""
+        does: compare every id's token text (~0.2 s for 150k tokens). In a SentencePiece
+        vocabulary a space is spelled '▁'; some GGUFs keep raw spaces in a few tokens (Gemma 3's
+        runs of spaces, ids 138-167) that transformers' conversion spells with '▁': the same
+        token, so the two spellings compare equal there."""
         n = self.vocab_size
+        spm = self._llama.llama_vocab_type(vocab) == LLAMA_VOCAB_TYPE_SPM
         hf_texts = tokenizer.convert_ids_to_tokens(list(range(min(n, len(tokenizer)))))
         for i, hf_text in enumerate(hf_texts):
             text = self._llama.llama_vocab_get_text(vocab, i).decode("utf-8", "replace")
-            if text != hf_text:
+            if text != hf_text and not (spm and text.replace(" ", "\u2581") == hf_text):
                 self.close()
                 raise SpecModelError(
                     f"{self.name}: token id {i} is {text!r} to llama.cpp but {hf_text!r} to the HF "

@@ -53,10 +53,9 @@ DRAFTER_HELP = (
 DETERMINISTIC_HELP = (
     "require batch-invariant llama.cpp numerics: a verify pass computes exactly the "
     "single-step logits, so greedy speculative output equals greedy target-only output. Free "
-    "where specdec's kernels hold every weight (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0 and per-row "
-    "types, e.g. the default models: the default mode is already invariant there); elsewhere "
-    "ggml's slower "
-    "invariant paths (flag; default off; docs/kernels.md)"
+    "where specdec's kernels hold every weight (`specdec models inspect FILE` says it; e.g. "
+    "the default models, Q5_K_M, Q4_0, Q8_0: the default mode is already invariant there); "
+    "elsewhere ggml's slower invariant paths (flag; default off; docs/kernels.md)"
 )
 P_MIN_HELP = (
     "stop drafting when the draft's top probability is below this, in [0, 1) (float; default off)"

@@ -12,8 +12,10 @@ SD_TARGET_PUSH_PATH(SD_FEATURES_AVX2)
 #    include "sdmm-simd.h"
 
 SDMM_KERNEL(sdmm_kernel_q4k_avx2, SDMM_TYPE_Q4_K)
+SDMM_KERNEL(sdmm_kernel_q5k_avx2, SDMM_TYPE_Q5_K)
 SDMM_KERNEL(sdmm_kernel_q6k_avx2, SDMM_TYPE_Q6_K)
 SDMM_KERNEL(sdmm_kernel_q5_0_avx2, SDMM_TYPE_Q5_0)
+SDMM_KERNEL(sdmm_kernel_q5_1_avx2, SDMM_TYPE_Q5_1)
 SDMM_KERNEL(sdmm_kernel_q8_0_avx2, SDMM_TYPE_Q8_0)
 
 SD_TARGET_POP

@@ -13,8 +13,10 @@ SD_TARGET_PUSH_PATH(SD_FEATURES_AVX512_VNNI)
 #    include "sdmm-simd.h"
 
 SDMM_KERNEL(sdmm_kernel_q4k_avx512, SDMM_TYPE_Q4_K)
+SDMM_KERNEL(sdmm_kernel_q5k_avx512, SDMM_TYPE_Q5_K)
 SDMM_KERNEL(sdmm_kernel_q6k_avx512, SDMM_TYPE_Q6_K)
 SDMM_KERNEL(sdmm_kernel_q5_0_avx512, SDMM_TYPE_Q5_0)
+SDMM_KERNEL(sdmm_kernel_q5_1_avx512, SDMM_TYPE_Q5_1)
 SDMM_KERNEL(sdmm_kernel_q8_0_avx512, SDMM_TYPE_Q8_0)
 
 /* The int8 multiply-accumulate peak of this core, measured the way the kernels use it: 16

@@ -1,7 +1,7 @@
 // The SDMM extra buffer type: ggml-cpu's hook for sdmm (sdmm.h). Weights of the types sdmm
-// multiplies (Q4_K, Q6_K, Q5_0, Q8_0) that llama.cpp places in this buffer are repacked at load,
-// and every MUL_MAT on them -- one token or a verify batch or a prompt -- runs sdmm's kernel, so
-// a row's logits do not depend on the batch it was computed in. Registered by specdec's patch to
+// multiplies (sdmm.h's list) that llama.cpp places in this buffer are repacked at load, and
+// every MUL_MAT on them -- one token or a verify batch or a prompt -- runs sdmm's kernel, so a
+// row's logits do not depend on the batch it was computed in. Registered by specdec's patch to
 // ggml-cpu.cpp ahead of the other extra buffer types (CPU_REPACK, AMX), so these weights take
 // this path and no other; $SPECDEC_MM=0 leaves it out (stock llama.cpp's kernels).
 #include "sdmm-buft.h"
@@ -21,10 +21,14 @@
 #    include <sys/mman.h>
 #endif
 
+static_assert(SDMM_TYPE_Q3_K == GGML_TYPE_Q3_K, "sdmm.h's Q3_K id is ggml's");
 static_assert(SDMM_TYPE_Q4_K == GGML_TYPE_Q4_K, "sdmm.h's Q4_K id is ggml's");
+static_assert(SDMM_TYPE_Q5_K == GGML_TYPE_Q5_K, "sdmm.h's Q5_K id is ggml's");
 static_assert(SDMM_TYPE_Q6_K == GGML_TYPE_Q6_K, "sdmm.h's Q6_K id is ggml's");
 static_assert(SDMM_TYPE_Q4_0 == GGML_TYPE_Q4_0, "sdmm.h's Q4_0 id is ggml's");
+static_assert(SDMM_TYPE_Q4_1 == GGML_TYPE_Q4_1, "sdmm.h's Q4_1 id is ggml's");
 static_assert(SDMM_TYPE_Q5_0 == GGML_TYPE_Q5_0, "sdmm.h's Q5_0 id is ggml's");
+static_assert(SDMM_TYPE_Q5_1 == GGML_TYPE_Q5_1, "sdmm.h's Q5_1 id is ggml's");
 static_assert(SDMM_TYPE_Q8_0 == GGML_TYPE_Q8_0, "sdmm.h's Q8_0 id is ggml's");
 
 namespace sdmm_ggml {

@@ -22,12 +22,25 @@ SD_INLINE void prefetch_block(const void * blk, size_t size) {
     }
 }
 
+/* The fifth bits of a 32-value block in Q5_0's qh layout (byte 4r+t: bit c = hi1(4c+t), bit
+ * 4+c = hi1(16+4c+t)), each moved to bit 4 of its value's byte: hb[c] for values 4c.. (c =
+ * 0..3), hb[4+c] for 16+4c.. (a 16-bit shift by at most 4 moves no set bit of the mask across
+ * bytes) */
+SD_INLINE void fifth_bits(const uint8_t * qh, vint * hb) {
+    const vint m10 = vi_set1_8(0x10), H = vi_load(qh);
+    const vint s[8] = {vi_slli16(H, 4), vi_slli16(H, 3), vi_slli16(H, 2), vi_slli16(H, 1),
+                       H,               vi_srli16(H, 1), vi_srli16(H, 2), vi_srli16(H, 3)};
+    for (int c = 0; c < 8; c++) {
+        hb[c] = vi_and(s[c], m10);
+    }
+}
+
 /* One Q4_K super-block of rows h of a group times the tile's NT activation rows (row t's block
  * at a[t]): row t's outputs facc[t * SDMM_R ..] += its two float terms, in sdmm.h's order. A
  * sub-block's weights are unpacked once into registers and multiplied into every row of the
- * tile. */
-SD_INLINE void q4k_block(const sdmm_q4k_r16 * blk, const sdmm_act * a, const int NT,
-                         int h, float * facc) {
+ * tile. Q5_K's super-block is Q4_K's with fifth bits qh (NULL: Q4_K; the branch folds away). */
+SD_INLINE void q4k_block(const sdmm_q4k_r16 * blk, const uint8_t (*qh)[64], const sdmm_act * a,
+                         const int NT, int h, float * facc) {
     const vint m4 = vi_set1_8(0x0F);
     vint sumi[SDMM_TILE];
     for (int t = 0; t < NT; t++) {
@@ -39,6 +52,14 @@ SD_INLINE void q4k_block(const sdmm_q4k_r16 * blk, const sdmm_act * a, const int
             const vint L = vi_load(blk->qs[j][c] + 4 * SD_VL * h);
             lo[c] = vi_and(L, m4);                   /* 32j+4c..    */
             hi[c] = vi_and(vi_srli16(L, 4), m4);     /* 32j+16+4c.. */
+        }
+        if (qh != NULL) {
+            vint hb[8];
+            fifth_bits(qh[j] + 4 * SD_VL * h, hb);
+            for (int c = 0; c < 4; c++) {
+                lo[c] = vi_or(lo[c], hb[c]);
+                hi[c] = vi_or(hi[c], hb[4 + c]);
+            }
         }
         const vint sc = vi_u8_to_32(blk->sc[j] + SD_VL * h);
         for (int t = 0; t < NT; t++) {
@@ -108,43 +129,44 @@ SD_INLINE void q6k_block(const sdmm_q6k_r16 * blk, const sdmm_act * a, const int
     }
 }
 
-/* The float term of a 32-value block (Q5_0, Q8_0): row t's outputs facc[t * SDMM_R ..] +=
- * sumi[t] * (d * da). */
-SD_INLINE void block32_float(const sdmm_half * d16, const sdmm_act32 * a, const int NT,
-                             const vint * sumi, float * facc) {
+/* The float terms of a 32-value block: row t's outputs facc[t * SDMM_R ..] += sumi[t] * (d *
+ * da), then (Q5_1, m16 not NULL) += sum[t] * (m * da). */
+SD_INLINE void block32_float(const sdmm_half * d16, const sdmm_half * m16, const sdmm_act32 * a,
+                             const int NT, const vint * sumi, float * facc) {
     const vfloat d = vf_from_f16(d16);
     for (int t = 0; t < NT; t++) {
         const vfloat da = vf_set1(a[t].d);
-        vf_store(facc + t * SDMM_R,
-                 vf_fmadd(vf_from_i32(sumi[t]), vf_mul(d, da), vf_load(facc + t * SDMM_R)));
+        vfloat f = vf_fmadd(vf_from_i32(sumi[t]), vf_mul(d, da), vf_load(facc + t * SDMM_R));
+        if (m16 != NULL) {
+            f = vf_fmadd(vf_set1((float) a[t].sum), vf_mul(vf_from_f16(m16), da), f);
+        }
+        vf_store(facc + t * SDMM_R, f);
     }
 }
 
-/* A Q5_0 block of rows h of a group times the tile's NT activation rows. The quants are 0..31:
- * vpdpbusd multiplies them unsigned and the -16 comes out of the sum exactly (-16 * sum). */
-SD_INLINE void q5_0_block(const sdmm_q5_0_r16 * blk, const sdmm_act32 * a, const int NT, int h,
-                          float * facc) {
-    const vint m4 = vi_set1_8(0x0F), m10 = vi_set1_8(0x10);
-    const vint H = vi_load(blk->qh + 4 * SD_VL * h);
-    /* the fifth bit of value 4c+t is bit c of its qh byte, of 16+4c+t bit 4+c: each shifted to
-     * bit 4 within its byte (a 16-bit shift by at most 4 moves no set bit of the mask across) */
-    const vint hb[8] = {vi_slli16(H, 4), vi_slli16(H, 3), vi_slli16(H, 2), vi_slli16(H, 1),
-                        H,               vi_srli16(H, 1), vi_srli16(H, 2), vi_srli16(H, 3)};
+/* A Q5_0 block of rows h of a group times the tile's NT activation rows; Q5_1's with its mins
+ * m16 (NULL: Q5_0). The quants are 0..31: vpdpbusd multiplies them unsigned, and Q5_0's -16
+ * comes out of the sum exactly (-16 * sum). */
+SD_INLINE void q5_0_block(const sdmm_q5_0_r16 * blk, const sdmm_half * m16, const sdmm_act32 * a,
+                          const int NT, int h, float * facc) {
+    const vint m4 = vi_set1_8(0x0F);
+    vint hb[8];
+    fifth_bits(blk->qh + 4 * SD_VL * h, hb);
     vint w[8]; /* values 4c.. (c = 0..3), then 16+4c.. */
     for (int c = 0; c < 4; c++) {
         const vint L = vi_load(blk->qs[c] + 4 * SD_VL * h);
-        w[c] = vi_or(vi_and(L, m4), vi_and(hb[c], m10));
-        w[4 + c] = vi_or(vi_and(vi_srli16(L, 4), m4), vi_and(hb[4 + c], m10));
+        w[c] = vi_or(vi_and(L, m4), hb[c]);
+        w[4 + c] = vi_or(vi_and(vi_srli16(L, 4), m4), hb[4 + c]);
     }
     vint sumi[SDMM_TILE];
     for (int t = 0; t < NT; t++) {
-        vint acc = vi_set1_32(-16 * a[t].sum);
+        vint acc = vi_set1_32(m16 != NULL ? 0 : -16 * a[t].sum);
         for (int c = 0; c < 8; c++) {
             acc = vi_dpbusd(acc, w[c], vi_bcast32(a[t].qs + 4 * c));
         }
         sumi[t] = acc;
     }
-    block32_float(blk->d + SD_VL * h, a, NT, sumi, facc);
+    block32_float(blk->d + SD_VL * h, m16 != NULL ? m16 + SD_VL * h : NULL, a, NT, sumi, facc);
 }
 
 /* A Q8_0 block of rows h of a group times the tile's NT activation rows. */
@@ -180,7 +202,7 @@ SD_INLINE void q8_0_block(const sdmm_q8_0_r16 * blk, const sdmm_act32 * a, const
         sumi[t] = acc;
     }
 #endif
-    block32_float(blk->d + SD_VL * h, a, NT, sumi, facc);
+    block32_float(blk->d + SD_VL * h, NULL, a, NT, sumi, facc);
 }
 
 /* One block of rows h of a group times a tile of NT activation rows (at, of the type's kind). */
@@ -188,15 +210,23 @@ SD_INLINE void sdmm_tile(int type, const void * blk, const void * at, const int 
                          float * facc) {
     switch (type) {
         case SDMM_TYPE_Q4_K:
-            q4k_block((const sdmm_q4k_r16 *) blk, (const sdmm_act *) at, NT, h, facc);
+            q4k_block((const sdmm_q4k_r16 *) blk, NULL, (const sdmm_act *) at, NT, h, facc);
+            break;
+        case SDMM_TYPE_Q5_K:
+            q4k_block(&((const sdmm_q5k_r16 *) blk)->lo, ((const sdmm_q5k_r16 *) blk)->qh,
+                      (const sdmm_act *) at, NT, h, facc);
             break;
         case SDMM_TYPE_Q6_K:
             q6k_block((const sdmm_q6k_r16 *) blk, (const sdmm_act *) at, NT, h, facc);
             break;
         case SDMM_TYPE_Q5_0:
-            q5_0_block((const sdmm_q5_0_r16 *) blk, (const sdmm_act32 *) at, NT, h, facc);
+            q5_0_block((const sdmm_q5_0_r16 *) blk, NULL, (const sdmm_act32 *) at, NT, h, facc);
             break;
-        default:
+        case SDMM_TYPE_Q5_1:
+            q5_0_block(&((const sdmm_q5_1_r16 *) blk)->q, ((const sdmm_q5_1_r16 *) blk)->m,
+                       (const sdmm_act32 *) at, NT, h, facc);
+            break;
+        default: /* Q8_0 */
             q8_0_block((const sdmm_q8_0_r16 *) blk, (const sdmm_act32 *) at, NT, h, facc);
             break;
     }

@@ -8,14 +8,20 @@
 #include <stdlib.h>
 #include <string.h>
 
+_Static_assert(sizeof(sdmm_block_q3_K) == 110, "ggml's block_q3_K is 110 bytes");
 _Static_assert(sizeof(sdmm_block_q4_K) == 144, "ggml's block_q4_K is 144 bytes");
+_Static_assert(sizeof(sdmm_block_q5_K) == 176, "ggml's block_q5_K is 176 bytes");
 _Static_assert(sizeof(sdmm_block_q6_K) == 210, "ggml's block_q6_K is 210 bytes");
 _Static_assert(sizeof(sdmm_q4k_r16) == 2368, "sdmm_q4k_r16 layout");
+_Static_assert(sizeof(sdmm_q5k_r16) == 2880, "sdmm_q5k_r16 layout");
 _Static_assert(sizeof(sdmm_q6k_r16) == 3360, "sdmm_q6k_r16 layout");
 _Static_assert(sizeof(sdmm_block_q4_0) == 18, "ggml's block_q4_0 is 18 bytes");
+_Static_assert(sizeof(sdmm_block_q4_1) == 20, "ggml's block_q4_1 is 20 bytes");
 _Static_assert(sizeof(sdmm_block_q5_0) == 22, "ggml's block_q5_0 is 22 bytes");
+_Static_assert(sizeof(sdmm_block_q5_1) == 24, "ggml's block_q5_1 is 24 bytes");
 _Static_assert(sizeof(sdmm_block_q8_0) == 34, "ggml's block_q8_0 is 34 bytes");
 _Static_assert(sizeof(sdmm_q5_0_r16) == 352, "sdmm_q5_0_r16 layout");
+_Static_assert(sizeof(sdmm_q5_1_r16) == 384, "sdmm_q5_1_r16 layout");
 _Static_assert(sizeof(sdmm_q8_0_r16) == 544, "sdmm_q8_0_r16 layout");
 _Static_assert(sizeof(sdmm_act) == 384, "sdmm_act layout");
 _Static_assert(sizeof(sdmm_act32) == 64, "sdmm_act32 layout");
@@ -23,13 +29,20 @@ _Static_assert(sizeof(sdmm_act32) == 64, "sdmm_act32 layout");
 /* ------------------------------------------------------------------------------------------ */
 /* quants of ggml's blocks, by value index v in 0..255                                        */
 
-static int q4k_src(const sdmm_block_q4_K * b, int v) {
+/* the low 4 bits of value v of a Q4_K or Q5_K block's qs (the same layout) */
+static int q4k_src(const uint8_t * qs, int v) {
     const int chunk = v / 64, l = v % 64; /* 32 bytes per 64 values: low nibbles, then high */
-    return l < 32 ? b->qs[32 * chunk + l] & 0xF : b->qs[32 * chunk + l - 32] >> 4;
+    return l < 32 ? qs[32 * chunk + l] & 0xF : qs[32 * chunk + l - 32] >> 4;
 }
 
-static void q4k_scale_min(const sdmm_block_q4_K * b, int j, uint8_t * sc, uint8_t * m) {
-    const uint8_t * q = b->scales; /* ggml's get_scale_min_k4 */
+/* 0..31 (dequantize_row_q5_K) */
+static int q5k_src(const sdmm_block_q5_K * b, int v) {
+    return q4k_src(b->qs, v) | ((b->qh[v % 32] >> (v / 32)) & 1) << 4;
+}
+
+/* sub-block j's scale and min from a K-quant's 12 packed bytes (Q4_K's and Q5_K's) */
+static void q4k_scale_min(const uint8_t * q, int j, uint8_t * sc, uint8_t * m) {
+    /* ggml's get_scale_min_k4 */
     if (j < 4) {
         *sc = q[j] & 63;
         *m = q[j + 4] & 63;
@@ -37,6 +50,22 @@ static void q4k_scale_min(const sdmm_block_q4_K * b, int j, uint8_t * sc, uint8_
         *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
+}
+
+/* 0..7: value v's quant + 4 (dequantize_row_q3_K: the low 2 bits, minus 4 where the hmask bit is
+ * clear) */
+static int q3k_src(const sdmm_block_q3_K * b, int v) {
+    const int n = v / 128, j = (v % 128) / 32, l = v % 32;
+    const int lo = (b->qs[32 * n + l] >> (2 * j)) & 3;
+    return lo + 4 * ((b->hmask[l] >> (4 * n + j)) & 1);
+}
+
+/* scale i (0..15) of a Q3_K block, -32..31 (ggml's kmask unpacking, one scale at a time: the
+ * low 4 bits from byte i % 8, nibble i / 8; the high 2 from byte 8 + i % 4, bits 2 (i / 4)) */
+static int q3k_scale(const sdmm_block_q3_K * b, int i) {
+    const int lo = (b->scales[i % 8] >> (4 * (i / 8))) & 0xF;
+    const int hi = (b->scales[8 + i % 4] >> (2 * (i / 4))) & 3;
+    return (lo | hi << 4) - 32;
 }
 
 /* 0..63, the stored quant before ggml's -32 */
@@ -48,17 +77,16 @@ static int q6k_src(const sdmm_block_q6_K * b, int v) {
     return lo | hi << 4;
 }
 
-/* 0..31, the stored quant before ggml's -16 (dequantize_row_q5_0) */
-static int q5_0_src(const sdmm_block_q5_0 * b, int v) {
-    uint32_t qh;
-    memcpy(&qh, b->qh, sizeof(qh));
-    const int lo = v < 16 ? b->qs[v] & 0xF : b->qs[v - 16] >> 4;
-    return lo | (int) ((qh >> v) & 1) << 4;
+/* 0..15, the stored quant of a 32-value block's qs (Q4_0's, Q4_1's; Q5_0's, Q5_1's low bits) */
+static int nibble_src(const uint8_t * qs, int v) {
+    return v < 16 ? qs[v] & 0xF : qs[v - 16] >> 4;
 }
 
-/* 8..23: Q4_0's stored quant (0..15, before ggml's -8) plus 8, as Q5_0's group stores it */
-static int q4_0_src(const sdmm_block_q4_0 * b, int v) {
-    return (v < 16 ? b->qs[v] & 0xF : b->qs[v - 16] >> 4) + 8;
+/* 0..31: a 32-value block's low nibbles and fifth bits (Q5_0's, Q5_1's; before Q5_0's -16) */
+static int q5_src(const uint8_t * qs, const uint8_t * qh4, int v) {
+    uint32_t qh;
+    memcpy(&qh, qh4, sizeof(qh));
+    return nibble_src(qs, v) | (int) ((qh >> v) & 1) << 4;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -77,11 +105,12 @@ static int q6k_packed(const sdmm_q6k_r16 * g, int r, int j, int v) { /* v in sub
     return lo4 | hi2 << 4;
 }
 
-static int q5_0_packed(const sdmm_q5_0_r16 * g, int r, int v) { /* the signed value, q - 16 */
+/* 0..31: value v of a 32-value block packed as Q5_0's group stores it (qs[c], qh) */
+static int q5_packed(const uint8_t (*qs)[64], const uint8_t * qh, int r, int v) {
     const int c = (v % 16) / 4, t = v % 4, hi_bit = v < 16 ? c : 4 + c;
-    const uint8_t byte = g->qs[c][4 * r + t];
+    const uint8_t byte = qs[c][4 * r + t];
     const int lo4 = v < 16 ? byte & 0xF : byte >> 4;
-    return (lo4 | ((g->qh[4 * r + t] >> hi_bit) & 1) << 4) - 16;
+    return lo4 | ((qh[4 * r + t] >> hi_bit) & 1) << 4;
 }
 
 static int q8_0_packed(const sdmm_q8_0_r16 * g, int r, int v) { /* the signed value */
@@ -102,6 +131,10 @@ static const struct {
     {SDMM_TYPE_Q5_0, 32, sizeof(sdmm_block_q5_0), sizeof(sdmm_q5_0_r16)},
     {SDMM_TYPE_Q8_0, 32, sizeof(sdmm_block_q8_0), sizeof(sdmm_q8_0_r16)},
     {SDMM_TYPE_Q4_0, 32, sizeof(sdmm_block_q4_0), sizeof(sdmm_q5_0_r16)}, /* in Q5_0's group */
+    {SDMM_TYPE_Q5_K, SDMM_QK, sizeof(sdmm_block_q5_K), sizeof(sdmm_q5k_r16)},
+    {SDMM_TYPE_Q5_1, 32, sizeof(sdmm_block_q5_1), sizeof(sdmm_q5_1_r16)},
+    {SDMM_TYPE_Q4_1, 32, sizeof(sdmm_block_q4_1), sizeof(sdmm_q5_1_r16)}, /* in Q5_1's group */
+    {SDMM_TYPE_Q3_K, SDMM_QK, sizeof(sdmm_block_q3_K), sizeof(sdmm_q6k_r16)}, /* in Q6_K's */
 };
 #define SDMM_NTYPES ((int) (sizeof(TYPES) / sizeof(TYPES[0])))
 
@@ -138,29 +171,52 @@ size_t sdmm_packed_size(int type, int64_t n, int64_t k) {
 }
 
 /* Row r of a group's block `out` from that row's ggml block `b`, one function per type */
-static void pack_row_q4k(sdmm_q4k_r16 * out, int r, const sdmm_block_q4_K * b) {
-    out->d[r] = b->d;
-    out->dmin[r] = b->dmin;
+/* row r of a Q4_K group from a K-quant's d, dmin, packed scales and the 256 quants' low 4 bits
+ * (Q4_K's and Q5_K's: the same layout) */
+static void pack_row_q4k_(sdmm_q4k_r16 * out, int r, sdmm_half d, sdmm_half dmin,
+                          const uint8_t * scales, const uint8_t * qs) {
+    out->d[r] = d;
+    out->dmin[r] = dmin;
     for (int j = 0; j < 8; j++) {
-        q4k_scale_min(b, j, &out->sc[j][r], &out->m[j / 2][r][j % 2]);
+        q4k_scale_min(scales, j, &out->sc[j][r], &out->m[j / 2][r][j % 2]);
         for (int c = 0; c < 4; c++) {
             for (int t = 0; t < 4; t++) {
-                const int lo = q4k_src(b, 32 * j + 4 * c + t);
-                const int hi = q4k_src(b, 32 * j + 16 + 4 * c + t);
+                const int lo = q4k_src(qs, 32 * j + 4 * c + t);
+                const int hi = q4k_src(qs, 32 * j + 16 + 4 * c + t);
                 out->qs[j][c][4 * r + t] = (uint8_t) (lo | hi << 4);
             }
         }
     }
 }
 
-static void pack_row_q6k(sdmm_q6k_r16 * out, int r, const sdmm_block_q6_K * b) {
-    out->d[r] = b->d;
+static void pack_row_q4k(sdmm_q4k_r16 * out, int r, const sdmm_block_q4_K * b) {
+    pack_row_q4k_(out, r, b->d, b->dmin, b->scales, b->qs);
+}
+
+static void pack_row_q5k(sdmm_q5k_r16 * out, int r, const sdmm_block_q5_K * b) {
+    pack_row_q4k_(&out->lo, r, b->d, b->dmin, b->scales, b->qs);
+    for (int j = 0; j < 8; j++) {
+        for (int c = 0; c < 4; c++) {
+            for (int t = 0; t < 4; t++) {
+                const int lo = q5k_src(b, 32 * j + 4 * c + t) >> 4;
+                const int hi = q5k_src(b, 32 * j + 16 + 4 * c + t) >> 4;
+                out->qh[j][4 * r + t] |= (uint8_t) (lo << c | hi << (4 + c));
+            }
+        }
+    }
+}
+
+/* row r of a Q6_K group from d, 16 scales and 256 unsigned 6-bit quants q[v] (value
+ * d*sc*(q - 32)) */
+static void pack_row_256x6(sdmm_q6k_r16 * out, int r, sdmm_half d, const int8_t * sc,
+                           const int * qv) {
+    out->d[r] = d;
     for (int j = 0; j < 16; j++) {
-        out->sc[j][r] = b->scales[j];
+        out->sc[j][r] = sc[j];
         for (int t = 0; t < 4; t++) {
             int q[4]; /* dwords 0..3 of sub-block j */
             for (int c = 0; c < 4; c++) {
-                q[c] = q6k_src(b, 16 * j + 4 * c + t);
+                q[c] = qv[16 * j + 4 * c + t];
             }
             out->ql[j][0][4 * r + t] = (uint8_t) ((q[0] & 0xF) | (q[2] & 0xF) << 4);
             out->ql[j][1][4 * r + t] = (uint8_t) ((q[1] & 0xF) | (q[3] & 0xF) << 4);
@@ -170,7 +226,28 @@ static void pack_row_q6k(sdmm_q6k_r16 * out, int r, const sdmm_block_q6_K * b) {
     }
 }
 
-/* row r of a Q5_0 group from 32 unsigned 5-bit quants q[v] (value d*(q - 16)) */
+static void pack_row_q6k(sdmm_q6k_r16 * out, int r, const sdmm_block_q6_K * b) {
+    int q[SDMM_QK];
+    for (int v = 0; v < SDMM_QK; v++) {
+        q[v] = q6k_src(b, v);
+    }
+    pack_row_256x6(out, r, b->d, b->scales, q);
+}
+
+/* Q3_K's quant q (value d*sc*(q - 4)) as q + 28 in Q6_K's group: d*sc*(q + 28 - 32) */
+static void pack_row_q3k(sdmm_q6k_r16 * out, int r, const sdmm_block_q3_K * b) {
+    int q[SDMM_QK];
+    int8_t sc[16];
+    for (int v = 0; v < SDMM_QK; v++) {
+        q[v] = q3k_src(b, v) + 28;
+    }
+    for (int i = 0; i < 16; i++) {
+        sc[i] = (int8_t) q3k_scale(b, i);
+    }
+    pack_row_256x6(out, r, b->d, sc, q);
+}
+
+/* row r of a Q5_0 group from 32 unsigned 5-bit quants q[v] (value d*(q - 16), or Q5_1's d*q+m) */
 static void pack_row_32x5(sdmm_q5_0_r16 * out, int r, sdmm_half d, const int * q) {
     out->d[r] = d;
     for (int c = 0; c < 4; c++) {
@@ -182,20 +259,38 @@ static void pack_row_32x5(sdmm_q5_0_r16 * out, int r, sdmm_half d, const int * q
     }
 }
 
+/* 32 quants from a block's low nibbles qs and fifth bits qh4 (NULL: none), plus `offset` */
+static void quants32(const uint8_t * qs, const uint8_t * qh4, int offset, int * q) {
+    for (int v = 0; v < 32; v++) {
+        q[v] = (qh4 != NULL ? q5_src(qs, qh4, v) : nibble_src(qs, v)) + offset;
+    }
+}
+
 static void pack_row_q5_0(sdmm_q5_0_r16 * out, int r, const sdmm_block_q5_0 * b) {
     int q[32];
-    for (int v = 0; v < 32; v++) {
-        q[v] = q5_0_src(b, v);
-    }
+    quants32(b->qs, b->qh, 0, q);
     pack_row_32x5(out, r, b->d, q);
 }
 
+/* Q4_0's quant q (0..15, value d*(q - 8)) as q + 8 in Q5_0's group: d*(q + 8 - 16) */
 static void pack_row_q4_0(sdmm_q5_0_r16 * out, int r, const sdmm_block_q4_0 * b) {
     int q[32];
-    for (int v = 0; v < 32; v++) {
-        q[v] = q4_0_src(b, v);
-    }
+    quants32(b->qs, NULL, 8, q);
     pack_row_32x5(out, r, b->d, q);
+}
+
+static void pack_row_q5_1(sdmm_q5_1_r16 * out, int r, const sdmm_block_q5_1 * b) {
+    int q[32];
+    quants32(b->qs, b->qh, 0, q);
+    pack_row_32x5(&out->q, r, b->d, q);
+    out->m[r] = b->m;
+}
+
+static void pack_row_q4_1(sdmm_q5_1_r16 * out, int r, const sdmm_block_q4_1 * b) {
+    int q[32];
+    quants32(b->qs, NULL, 0, q);
+    pack_row_32x5(&out->q, r, b->d, q);
+    out->m[r] = b->m;
 }
 
 static void pack_row_q8_0(sdmm_q8_0_r16 * out, int r, const sdmm_block_q8_0 * b) {
@@ -210,14 +305,26 @@ static void pack_row(int type, void * out, int r, const void * b) {
         case SDMM_TYPE_Q4_K:
             pack_row_q4k(out, r, b);
             break;
+        case SDMM_TYPE_Q5_K:
+            pack_row_q5k(out, r, b);
+            break;
         case SDMM_TYPE_Q6_K:
             pack_row_q6k(out, r, b);
+            break;
+        case SDMM_TYPE_Q3_K:
+            pack_row_q3k(out, r, b);
             break;
         case SDMM_TYPE_Q5_0:
             pack_row_q5_0(out, r, b);
             break;
         case SDMM_TYPE_Q4_0:
             pack_row_q4_0(out, r, b);
+            break;
+        case SDMM_TYPE_Q5_1:
+            pack_row_q5_1(out, r, b);
+            break;
+        case SDMM_TYPE_Q4_1:
+            pack_row_q4_1(out, r, b);
             break;
         case SDMM_TYPE_Q8_0:
             pack_row_q8_0(out, r, b);
@@ -323,13 +430,16 @@ void sdmm_quantize_row(int type, const float * x, int64_t k, void * out, size_t 
 /* the reference kernels: the same operations as the SIMD ones, one lane at a time            */
 
 /* row r of a Q4_K group's super-block blk against one activation super-block A: acc plus its two
- * float terms */
-static float q4k_ref_block(const sdmm_q4k_r16 * blk, int r, const sdmm_act * A, float acc) {
+ * float terms; Q5_K's with its fifth bits qh (NULL: Q4_K) */
+static float q4k_ref_block(const sdmm_q4k_r16 * blk, const uint8_t (*qh)[64], int r,
+                           const sdmm_act * A, float acc) {
     int32_t sumi = 0, summ = 0;
     for (int j = 0; j < 8; j++) {
         int32_t dot = 0;
         for (int v = 0; v < 32; v++) {
-            dot += q4k_packed(blk, r, j, v) * A->qs[32 * j + v];
+            const int c = (v % 16) / 4, bit = v < 16 ? c : 4 + c;
+            const int hi = qh != NULL ? ((qh[j][4 * r + v % 4] >> bit) & 1) << 4 : 0;
+            dot += (q4k_packed(blk, r, j, v) | hi) * A->qs[32 * j + v];
         }
         sumi += dot * blk->sc[j][r];
         summ += blk->m[j / 2][r][j % 2] * A->b32[j];
@@ -354,13 +464,22 @@ static float q6k_ref_block(const sdmm_q6k_r16 * blk, int r, const sdmm_act * A, 
     return fmaf((float) sumi, f1, acc);
 }
 
-/* Q5_0 and Q8_0: the integer dot product of a 32-value block, then its float term */
+/* Q5_0, Q5_1 and Q8_0: the integer dot product of a 32-value block, then its float terms */
 static float q5_0_ref_block(const sdmm_q5_0_r16 * blk, int r, const sdmm_act32 * A, float acc) {
     int32_t sumi = 0;
     for (int v = 0; v < 32; v++) {
-        sumi += q5_0_packed(blk, r, v) * A->qs[v];
+        sumi += (q5_packed(blk->qs, blk->qh, r, v) - 16) * A->qs[v];
     }
     return fmaf((float) sumi, sd_h2f(blk->d[r]) * A->d, acc);
+}
+
+static float q5_1_ref_block(const sdmm_q5_1_r16 * blk, int r, const sdmm_act32 * A, float acc) {
+    int32_t sumi = 0;
+    for (int v = 0; v < 32; v++) {
+        sumi += q5_packed(blk->q.qs, blk->q.qh, r, v) * A->qs[v];
+    }
+    acc = fmaf((float) sumi, sd_h2f(blk->q.d[r]) * A->d, acc);
+    return fmaf((float) A->sum, sd_h2f(blk->m[r]) * A->d, acc);
 }
 
 static float q8_0_ref_block(const sdmm_q8_0_r16 * blk, int r, const sdmm_act32 * A, float acc) {
@@ -374,12 +493,19 @@ static float q8_0_ref_block(const sdmm_q8_0_r16 * blk, int r, const sdmm_act32 *
 static float ref_block(int type, const void * blk, int r, const void * A, float acc) {
     switch (type) {
         case SDMM_TYPE_Q4_K:
-            return q4k_ref_block(blk, r, A, acc);
+            return q4k_ref_block(blk, NULL, r, A, acc);
+        case SDMM_TYPE_Q5_K:
+            return q4k_ref_block(&((const sdmm_q5k_r16 *) blk)->lo,
+                                 ((const sdmm_q5k_r16 *) blk)->qh, r, A, acc);
         case SDMM_TYPE_Q6_K:
+        case SDMM_TYPE_Q3_K: /* packed as Q6_K */
             return q6k_ref_block(blk, r, A, acc);
         case SDMM_TYPE_Q5_0:
         case SDMM_TYPE_Q4_0: /* packed as Q5_0 */
             return q5_0_ref_block(blk, r, A, acc);
+        case SDMM_TYPE_Q5_1:
+        case SDMM_TYPE_Q4_1: /* packed as Q5_1 */
+            return q5_1_ref_block(blk, r, A, acc);
         case SDMM_TYPE_Q8_0:
             return q8_0_ref_block(blk, r, A, acc);
         default: /* sdmm_kernel hands out TYPES' types only */
@@ -413,8 +539,10 @@ static void kernel_ref(int type, const void * w, int nsb, int ngroups, int n_val
         kernel_ref(type, w, nsb, ngroups, n_valid, a, b, y, ldy);                            \
     }
 SDMM_REF_(sdmm_kernel_q4k_ref, SDMM_TYPE_Q4_K)
+SDMM_REF_(sdmm_kernel_q5k_ref, SDMM_TYPE_Q5_K)
 SDMM_REF_(sdmm_kernel_q6k_ref, SDMM_TYPE_Q6_K)
 SDMM_REF_(sdmm_kernel_q5_0_ref, SDMM_TYPE_Q5_0)
+SDMM_REF_(sdmm_kernel_q5_1_ref, SDMM_TYPE_Q5_1)
 SDMM_REF_(sdmm_kernel_q8_0_ref, SDMM_TYPE_Q8_0)
 #undef SDMM_REF_
 
@@ -442,11 +570,13 @@ int sdmm_isa_selected(void) {
     return selected;
 }
 
-/* the kernels by path and type, in TYPES' order (Q4_0 runs Q5_0's: it is packed as Q5_0) */
+/* the kernels by path and type, in TYPES' order (Q4_0 runs Q5_0's, Q4_1 Q5_1's and Q3_K Q6_K's:
+ * they are packed as those) */
 #define SDMM_BY_TYPE_(isa)                                                                    \
     {                                                                                         \
         sdmm_kernel_q4k_##isa, sdmm_kernel_q6k_##isa, sdmm_kernel_q5_0_##isa,                 \
-            sdmm_kernel_q8_0_##isa, sdmm_kernel_q5_0_##isa                                    \
+            sdmm_kernel_q8_0_##isa, sdmm_kernel_q5_0_##isa, sdmm_kernel_q5k_##isa,            \
+            sdmm_kernel_q5_1_##isa, sdmm_kernel_q5_1_##isa, sdmm_kernel_q6k_##isa             \
     }
 
 sdmm_kernel_fn sdmm_kernel(int type, int isa) {

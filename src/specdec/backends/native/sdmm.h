@@ -1,4 +1,5 @@
-/* sdmm: specdec's matrix multiply for quantized weights (Q4_K, Q6_K; Q4_0, Q5_0, Q8_0) times
+/* sdmm: specdec's matrix multiply for quantized weights (Q3_K, Q4_K, Q5_K, Q6_K; Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q8_0) times
  * activations of any number of rows, written for the 1..64-row batches a speculative verify runs
  * (and the single steps of a draft model), and batch-invariant by construction.
  *
@@ -12,10 +13,14 @@
  *     (VNNI's vpdpbusd and AVX2's maddubs+madd give the same 32-bit sums), times the sub-block
  *     scale, summed in int32;
  *   - float part, per block s in order (a super-block of 256 values for the K-quants, a block of
- *     32 for Q5_0 and Q8_0), in one SIMD lane per weight row:
- *       Q4_K: acc = fma(float(sumi), d*da, acc); acc = fma(-float(summ), dmin*da, acc)
+ *     32 for the others), in one SIMD lane per weight row:
+ *       Q4_K, Q5_K: acc = fma(float(sumi), d*da, acc); acc = fma(-float(summ), dmin*da, acc)
+ *       Q5_1: acc = fma(float(sumi), d*da, acc); acc = fma(float(suma), m*da, acc)
  *       Q6_K, Q5_0, Q8_0: acc = fma(float(sumi), d*da, acc)
- *     (`d*da` rounded once to float); a lane's arithmetic never depends on its neighbours, and a
+ *     (`d*da` rounded once to float; suma: the activation block's sum of quants); Q3_K, Q4_0 and
+ *     Q4_1 are packed into Q6_K's, Q5_0's and Q5_1's groups (each quant the same value) and run
+ *     their kernels. A lane's arithmetic never
+ *     depends on its neighbours, and a
  *     row's K loop is never split across threads.
  * The scalar reference (SD_ISA_REF) spells out the same operations with fmaf, so every path
  * gives the same bits (tests/test_kernels.py checks it).
@@ -27,7 +32,7 @@
  *
  * Activations are quantized per row as ggml quantizes them for the type: to Q8_K for the
  * K-quants (quantize_row_q8_K_ref, reproduced exactly; sdmm_act), to 32-value blocks with a float
- * scale for Q5_0 and Q8_0 (quantize_row_q8_0_ref's rule, the scale kept in float; sdmm_act32),
+ * scale for the others (quantize_row_q8_0_ref's rule, the scale kept in float; sdmm_act32),
  * with the sums the kernels need precomputed.
  *
  * Glossary: n = weight rows (outputs per activation row), k = columns (the reduction length, a
@@ -57,9 +62,13 @@ extern "C" {
 /* ggml type ids of the weight types sdmm multiplies (ggml.h's enum ggml_type; sdmm-buft.cpp
  * checks them against it at compile time) */
 #define SDMM_TYPE_Q4_0 2
+#define SDMM_TYPE_Q4_1 3
 #define SDMM_TYPE_Q5_0 6
+#define SDMM_TYPE_Q5_1 7
 #define SDMM_TYPE_Q8_0 8
+#define SDMM_TYPE_Q3_K 11
 #define SDMM_TYPE_Q4_K 12
+#define SDMM_TYPE_Q5_K 13
 #define SDMM_TYPE_Q6_K 14
 
 typedef uint16_t sdmm_half; /* IEEE binary16 bits */
@@ -70,6 +79,20 @@ typedef struct {
     uint8_t scales[12]; /* 8 six-bit scales and 8 six-bit mins, packed */
     uint8_t qs[128];    /* 4-bit quants */
 } sdmm_block_q4_K;
+
+typedef struct {
+    uint8_t hmask[32];  /* bit 4i + j of byte l: the third bit of value 128i + 32j + l (+ 16) */
+    uint8_t qs[64];     /* low 2 bits */
+    uint8_t scales[12]; /* 16 six-bit scales, stored + 32, packed */
+    sdmm_half d;
+} sdmm_block_q3_K;
+
+typedef struct {
+    sdmm_half d, dmin;
+    uint8_t scales[12]; /* as Q4_K's */
+    uint8_t qh[32];     /* bit 2c (2c+1) of byte l: the fifth bit of value 64c + l (64c + 32 + l) */
+    uint8_t qs[128];    /* low 4 bits, as Q4_K's quants */
+} sdmm_block_q5_K;
 
 typedef struct {
     uint8_t ql[128];   /* low 4 bits */
@@ -83,10 +106,19 @@ typedef struct {
     uint8_t qs[16]; /* 4 bits: values v (low nibble) and v + 16 (high) */
 } sdmm_block_q4_0;
 typedef struct {
+    sdmm_half d, m;
+    uint8_t qs[16]; /* as Q4_0's; value d*q + m */
+} sdmm_block_q4_1;
+typedef struct {
     sdmm_half d;
     uint8_t qh[4];  /* bit v: the fifth bit of value v */
     uint8_t qs[16]; /* low 4 bits: values v (low nibble) and v + 16 (high) */
 } sdmm_block_q5_0;
+typedef struct {
+    sdmm_half d, m;
+    uint8_t qh[4];  /* as Q5_0's; value d*q + m */
+    uint8_t qs[16];
+} sdmm_block_q5_1;
 
 typedef struct {
     sdmm_half d;
@@ -103,8 +135,17 @@ typedef struct {
     uint8_t qs[8][4][64];
 } sdmm_q4k_r16;
 
+/* Q5_K, 16 rows, one super-block: 2,880 bytes (16 ggml blocks: 2,816). Q4_K's group for the
+ * low 4 bits, then the fifth bits; quants 0..31, value = d*sc*q - dmin*m. */
+typedef struct {
+    sdmm_q4k_r16 lo;
+    /* sub-block j: byte 4r+t bit c = hi1(32j+4c+t), bit 4+c = hi1(32j+16+4c+t) (Q5_0's qh) */
+    uint8_t qh[8][64];
+} sdmm_q5k_r16;
+
 /* Q6_K, 16 rows, one super-block: 3,360 bytes (16 ggml blocks: 3,360). Quants are stored
- * unsigned 0..63; value = d*sc*(q - 32). */
+ * unsigned 0..63; value = d*sc*(q - 32). Q3_K (value d*sc*(q - 4), q 0..7) is packed into it
+ * with its quants stored as q + 28: the same value, at 1.9x Q3_K's bytes. */
 typedef struct {
     sdmm_half d[SDMM_R];
     int8_t sc[16][SDMM_R]; /* sub-block j (16 values) scale of row r */
@@ -127,6 +168,14 @@ typedef struct {
     uint8_t qs[4][64];
 } sdmm_q5_0_r16;
 
+/* Q5_1, 16 rows, one block of 32 values: 384 bytes (16 ggml blocks: 384). Q5_0's group with the
+ * quants kept unsigned 0..31 (value d*q + m) and the mins after it. Q4_1 (quants 0..15, the same
+ * value) is packed into it as it is. */
+typedef struct {
+    sdmm_q5_0_r16 q;
+    sdmm_half m[SDMM_R];
+} sdmm_q5_1_r16;
+
 /* Q8_0, 16 rows, one block of 32 values: 544 bytes (16 ggml blocks: 544). Quants are stored
  * offset to unsigned, q + 128 (vpdpbusd's unsigned operand); value = d*q. */
 typedef struct {
@@ -143,8 +192,9 @@ typedef struct {
     uint8_t pad_[44];
 } sdmm_act;
 
-/* One 32-value block of one activation row, for Q5_0 and Q8_0: quants, their sum (the weights'
- * offsets, 16 and 128, folded into the integer sum) and the scale. 64 bytes. */
+/* One 32-value block of one activation row, for the 32-value types: quants, their sum (the
+ * weights' offsets, 16 and 128, folded into the integer sum; Q5_1's mins times it) and the
+ * scale. 64 bytes. */
 typedef struct {
     int8_t qs[32];
     int32_t sum;
@@ -162,7 +212,7 @@ typedef void (*sdmm_kernel_fn)(const void * w, int nsb, int ngroups, int n_valid
 
 /* --- repacking (at model load) and activation quantization (per matmul) --- */
 int sdmm_supported_type(int type);
-int sdmm_block_cols(int type);     /* values per block: 256 (K-quants), 32 (Q4_0, Q5_0, Q8_0) */
+int sdmm_block_cols(int type);     /* values per block: 256 (K-quants), 32 (the others) */
 size_t sdmm_group_bytes(int type); /* one group of 16 rows, one block */
 size_t sdmm_act_bytes(int type);   /* one activation block: sizeof sdmm_act or sdmm_act32 */
 size_t sdmm_packed_size(int type, int64_t n, int64_t k);
@@ -183,12 +233,12 @@ sdmm_kernel_fn sdmm_kernel(int type, int isa);
 
 #define SDMM_KERNEL_DECL_(name) \
     void name(const void *, int, int, int, const void *, int, float *, size_t);
-SDMM_KERNEL_DECL_(sdmm_kernel_q4k_ref) SDMM_KERNEL_DECL_(sdmm_kernel_q6k_ref)
-SDMM_KERNEL_DECL_(sdmm_kernel_q5_0_ref) SDMM_KERNEL_DECL_(sdmm_kernel_q8_0_ref)
-SDMM_KERNEL_DECL_(sdmm_kernel_q4k_avx2) SDMM_KERNEL_DECL_(sdmm_kernel_q6k_avx2)
-SDMM_KERNEL_DECL_(sdmm_kernel_q5_0_avx2) SDMM_KERNEL_DECL_(sdmm_kernel_q8_0_avx2)
-SDMM_KERNEL_DECL_(sdmm_kernel_q4k_avx512) SDMM_KERNEL_DECL_(sdmm_kernel_q6k_avx512)
-SDMM_KERNEL_DECL_(sdmm_kernel_q5_0_avx512) SDMM_KERNEL_DECL_(sdmm_kernel_q8_0_avx512)
+#define SDMM_KERNELS_DECL_(isa)                                                              \
+    SDMM_KERNEL_DECL_(sdmm_kernel_q4k_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q5k_##isa)         \
+    SDMM_KERNEL_DECL_(sdmm_kernel_q6k_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q5_0_##isa)        \
+    SDMM_KERNEL_DECL_(sdmm_kernel_q5_1_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q8_0_##isa)
+SDMM_KERNELS_DECL_(ref) SDMM_KERNELS_DECL_(avx2) SDMM_KERNELS_DECL_(avx512)
+#undef SDMM_KERNELS_DECL_
 #undef SDMM_KERNEL_DECL_
 
 /* MACs per second of 16 independent vpdpbusd chains on the calling thread (the int8 peak the

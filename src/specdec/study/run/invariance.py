@@ -8,7 +8,7 @@ node outputs are compared row by row (row i of the batched node vs the single st
 
 The settings, each run in a process of its own because llama.cpp reads its tiled-matmul switch
 and sdmm its switch once per process:
-    default         specdec's: Q4_K, Q6_K, Q4_0, Q5_0, Q8_0 weights in sdmm's buffer
+    default         specdec's: weights of sdmm's types (weights.SDMM_TYPES) in sdmm's buffer
                     (backends/native), the rest as stock llama.cpp has it
     stock           stock llama.cpp's defaults: weights repacked (AMX where the CPU has it),
                     tiled K-quant matmul on ($SPECDEC_MM=0)
