@@ -326,8 +326,9 @@ def test_a_path_this_cpu_cannot_run_is_a_clear_error(monkeypatch) -> None:
 
 def test_packed_sizes() -> None:
     """16-row groups, one 2,368-byte (Q4_K), 2,880-byte (Q5_K) or 3,360-byte (Q6_K, Q3_K) record
-    per 256 columns, one 352-byte (Q5_0), 384-byte (Q5_1) or 544-byte (Q8_0) record per 32: ggml's
-    bytes, but the K-quants' unpacked scales; a partial last group is padded."""
+    per 256 columns, one 288-byte (Q4_0), 320-byte (Q4_1), 352-byte (Q5_0), 384-byte (Q5_1) or
+    544-byte (Q8_0) record per 32: ggml's bytes, but the K-quants' unpacked scales; a partial
+    last group is padded."""
     lib = _lib()
     assert lib.sdmm_packed_size(12, 32, 512) == 2 * 2 * 2368
     assert lib.sdmm_packed_size(13, 32, 512) == 2 * 2 * 2880
@@ -335,8 +336,8 @@ def test_packed_sizes() -> None:
     assert lib.sdmm_packed_size(6, 17, 896) == 2 * 28 * 352
     assert lib.sdmm_packed_size(7, 17, 896) == 2 * 28 * 384
     assert lib.sdmm_packed_size(8, 16, 64) == 2 * 544
-    assert lib.sdmm_packed_size(2, 17, 896) == 2 * 28 * 352  # Q4_0: in Q5_0's group
-    assert lib.sdmm_packed_size(3, 17, 896) == 2 * 28 * 384  # Q4_1: in Q5_1's group
+    assert lib.sdmm_packed_size(2, 17, 896) == 2 * 28 * 288  # Q4_0
+    assert lib.sdmm_packed_size(3, 17, 896) == 2 * 28 * 320  # Q4_1
     assert lib.sdmm_packed_size(11, 33, 256) == 3 * 3360  # Q3_K: in Q6_K's group
     assert lib.sdmm_packed_size(10, 16, 256) == 0  # Q2_K: not sdmm's
 

@@ -70,7 +70,7 @@ def iq4_nl(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def q4_0(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """smollm2 requantized to Q4_0 (sdmm's, packed as Q5_0)."""
+    """smollm2 requantized to Q4_0 (sdmm's)."""
     import llama_cpp
 
     out = tmp_path_factory.mktemp("requant") / "smollm2-q4_0.gguf"
@@ -141,7 +141,7 @@ def test_a_default_load_of_an_uncovered_file_warns_once_naming_the_types(
 def test_a_requantized_file_on_sdmm_rows_bit_identical_and_greedy_speculation_exact(
     ftype: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Q4_0 (packed as Q5_0), Q5_K_M (Q5_K, Q5_1, Q6_K) and Q3_K_S (Q3_K packed as Q6_K, Q4_0)
+    """Q4_0, Q5_K_M (Q5_K, Q5_1, Q6_K) and Q3_K_S (Q3_K packed as Q6_K, Q4_0)
     run sdmm's kernels: the default load is batch-invariant and says nothing; row i of a b-row
     pass has the bits of token i's single step, b = 2..64; greedy speculation equals target-only
     token for token."""

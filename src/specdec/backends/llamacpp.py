@@ -38,9 +38,9 @@ that batch invariance:
     (native/sdmm.h, docs/kernels.md): an extra buffer type ahead of ggml's that takes every 2-D
     Q3_K, Q4_K, Q5_K and Q6_K weight and multiplies it with one kernel for every batch size, b = 1
     included, whose rows are bit-identical by construction -- and faster than ggml's on verify
-    batches. It takes Q4_0 (packed as Q5_0) and the per-row types Q4_1, Q5_0, Q5_1 and Q8_0
-    too, for speed: ggml's kernels for those are already invariant but read the weights at a
-    third of sdmm's rate. The list is weights.SDMM_TYPES.
+    batches. It takes Q4_0 and the per-row types Q4_1, Q5_0, Q5_1 and Q8_0 too, for speed:
+    ggml's kernels for those are already invariant but read the weights at a third of sdmm's
+    rate. The list is weights.SDMM_TYPES.
 
 So a file whose matmul weights are all SDMM_TYPES or ROW_INVARIANT_TYPES (both Qwen GGUFs,
 smollm2) is batch-invariant in the default mode: `batch_invariant` is True, greedy speculative

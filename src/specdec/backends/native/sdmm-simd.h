@@ -144,29 +144,37 @@ SD_INLINE void block32_float(const sdmm_half * d16, const sdmm_half * m16, const
     }
 }
 
-/* A Q5_0 block of rows h of a group times the tile's NT activation rows; Q5_1's with its mins
- * m16 (NULL: Q5_0). The quants are 0..31: vpdpbusd multiplies them unsigned, and Q5_0's -16
- * comes out of the sum exactly (-16 * sum). */
-SD_INLINE void q5_0_block(const sdmm_q5_0_r16 * blk, const sdmm_half * m16, const sdmm_act32 * a,
-                          const int NT, int h, float * facc) {
+/* A 4- or 5-bit 32-value block of rows h of a group (Q4_0, Q4_1, Q5_0, Q5_1) times the tile's
+ * NT activation rows: scales d16, mins m16 (NULL: none), fifth bits qh (NULL: none) and low
+ * nibbles qs of the group. The quants are unsigned: vpdpbusd multiplies them so, and an offset
+ * (Q4_0's 8, Q5_0's 16) comes out of the sum exactly (-offset * sum). */
+SD_INLINE void q32_block(const sdmm_half * d16, const sdmm_half * m16, const uint8_t * qh,
+                         const uint8_t (*qs)[64], const int offset, const sdmm_act32 * a,
+                         const int NT, int h, float * facc) {
     const vint m4 = vi_set1_8(0x0F);
     vint hb[8];
-    fifth_bits(blk->qh + 4 * SD_VL * h, hb);
+    if (qh != NULL) {
+        fifth_bits(qh + 4 * SD_VL * h, hb);
+    }
     vint w[8]; /* values 4c.. (c = 0..3), then 16+4c.. */
     for (int c = 0; c < 4; c++) {
-        const vint L = vi_load(blk->qs[c] + 4 * SD_VL * h);
-        w[c] = vi_or(vi_and(L, m4), hb[c]);
-        w[4 + c] = vi_or(vi_and(vi_srli16(L, 4), m4), hb[4 + c]);
+        const vint L = vi_load(qs[c] + 4 * SD_VL * h);
+        w[c] = vi_and(L, m4);
+        w[4 + c] = vi_and(vi_srli16(L, 4), m4);
+        if (qh != NULL) {
+            w[c] = vi_or(w[c], hb[c]);
+            w[4 + c] = vi_or(w[4 + c], hb[4 + c]);
+        }
     }
     vint sumi[SDMM_TILE];
     for (int t = 0; t < NT; t++) {
-        vint acc = vi_set1_32(m16 != NULL ? 0 : -16 * a[t].sum);
+        vint acc = vi_set1_32(-offset * a[t].sum);
         for (int c = 0; c < 8; c++) {
             acc = vi_dpbusd(acc, w[c], vi_bcast32(a[t].qs + 4 * c));
         }
         sumi[t] = acc;
     }
-    block32_float(blk->d + SD_VL * h, m16 != NULL ? m16 + SD_VL * h : NULL, a, NT, sumi, facc);
+    block32_float(d16 + SD_VL * h, m16 != NULL ? m16 + SD_VL * h : NULL, a, NT, sumi, facc);
 }
 
 /* A Q8_0 block of rows h of a group times the tile's NT activation rows. */
@@ -219,15 +227,30 @@ SD_INLINE void sdmm_tile(int type, const void * blk, const void * at, const int 
         case SDMM_TYPE_Q6_K:
             q6k_block((const sdmm_q6k_r16 *) blk, (const sdmm_act *) at, NT, h, facc);
             break;
-        case SDMM_TYPE_Q5_0:
-            q5_0_block((const sdmm_q5_0_r16 *) blk, NULL, (const sdmm_act32 *) at, NT, h, facc);
+        case SDMM_TYPE_Q4_0: {
+            const sdmm_q4_0_r16 * g = (const sdmm_q4_0_r16 *) blk;
+            q32_block(g->d, NULL, NULL, g->qs, 8, (const sdmm_act32 *) at, NT, h, facc);
             break;
-        case SDMM_TYPE_Q5_1:
-            q5_0_block(&((const sdmm_q5_1_r16 *) blk)->q, ((const sdmm_q5_1_r16 *) blk)->m,
-                       (const sdmm_act32 *) at, NT, h, facc);
+        }
+        case SDMM_TYPE_Q4_1: {
+            const sdmm_q4_1_r16 * g = (const sdmm_q4_1_r16 *) blk;
+            q32_block(g->d, g->m, NULL, g->qs, 0, (const sdmm_act32 *) at, NT, h, facc);
             break;
-        default: /* Q8_0 */
+        }
+        case SDMM_TYPE_Q5_0: {
+            const sdmm_q5_0_r16 * g = (const sdmm_q5_0_r16 *) blk;
+            q32_block(g->d, NULL, g->qh, g->qs, 16, (const sdmm_act32 *) at, NT, h, facc);
+            break;
+        }
+        case SDMM_TYPE_Q5_1: {
+            const sdmm_q5_1_r16 * g = (const sdmm_q5_1_r16 *) blk;
+            q32_block(g->q.d, g->m, g->q.qh, g->q.qs, 0, (const sdmm_act32 *) at, NT, h, facc);
+            break;
+        }
+        case SDMM_TYPE_Q8_0:
             q8_0_block((const sdmm_q8_0_r16 *) blk, (const sdmm_act32 *) at, NT, h, facc);
+            break;
+        default: /* SDMM_KERNEL is instantiated for the group layouts above only */
             break;
     }
 }

@@ -20,6 +20,8 @@ _Static_assert(sizeof(sdmm_block_q4_1) == 20, "ggml's block_q4_1 is 20 bytes");
 _Static_assert(sizeof(sdmm_block_q5_0) == 22, "ggml's block_q5_0 is 22 bytes");
 _Static_assert(sizeof(sdmm_block_q5_1) == 24, "ggml's block_q5_1 is 24 bytes");
 _Static_assert(sizeof(sdmm_block_q8_0) == 34, "ggml's block_q8_0 is 34 bytes");
+_Static_assert(sizeof(sdmm_q4_0_r16) == 288, "sdmm_q4_0_r16 layout");
+_Static_assert(sizeof(sdmm_q4_1_r16) == 320, "sdmm_q4_1_r16 layout");
 _Static_assert(sizeof(sdmm_q5_0_r16) == 352, "sdmm_q5_0_r16 layout");
 _Static_assert(sizeof(sdmm_q5_1_r16) == 384, "sdmm_q5_1_r16 layout");
 _Static_assert(sizeof(sdmm_q8_0_r16) == 544, "sdmm_q8_0_r16 layout");
@@ -105,12 +107,13 @@ static int q6k_packed(const sdmm_q6k_r16 * g, int r, int j, int v) { /* v in sub
     return lo4 | hi2 << 4;
 }
 
-/* 0..31: value v of a 32-value block packed as Q5_0's group stores it (qs[c], qh) */
-static int q5_packed(const uint8_t (*qs)[64], const uint8_t * qh, int r, int v) {
+/* 0..31: value v of a 32-value block packed as the 4- and 5-bit groups store it: low nibbles
+ * qs[c], fifth bits qh (NULL: a 4-bit group) */
+static int q32_packed(const uint8_t (*qs)[64], const uint8_t * qh, int r, int v) {
     const int c = (v % 16) / 4, t = v % 4, hi_bit = v < 16 ? c : 4 + c;
     const uint8_t byte = qs[c][4 * r + t];
     const int lo4 = v < 16 ? byte & 0xF : byte >> 4;
-    return lo4 | ((qh[4 * r + t] >> hi_bit) & 1) << 4;
+    return lo4 | (qh != NULL ? ((qh[4 * r + t] >> hi_bit) & 1) << 4 : 0);
 }
 
 static int q8_0_packed(const sdmm_q8_0_r16 * g, int r, int v) { /* the signed value */
@@ -120,57 +123,9 @@ static int q8_0_packed(const sdmm_q8_0_r16 * g, int r, int v) { /* the signed va
 /* ------------------------------------------------------------------------------------------ */
 /* packing                                                                                    */
 
-/* The types sdmm multiplies, in the order of sdmm_kernel's table: the one place that says, per
- * type, how many values a block holds, ggml's block and sdmm's 16-row group of it */
-static const struct {
-    int type, cols;
-    size_t src_bytes, group_bytes;
-} TYPES[] = {
-    {SDMM_TYPE_Q4_K, SDMM_QK, sizeof(sdmm_block_q4_K), sizeof(sdmm_q4k_r16)},
-    {SDMM_TYPE_Q6_K, SDMM_QK, sizeof(sdmm_block_q6_K), sizeof(sdmm_q6k_r16)},
-    {SDMM_TYPE_Q5_0, 32, sizeof(sdmm_block_q5_0), sizeof(sdmm_q5_0_r16)},
-    {SDMM_TYPE_Q8_0, 32, sizeof(sdmm_block_q8_0), sizeof(sdmm_q8_0_r16)},
-    {SDMM_TYPE_Q4_0, 32, sizeof(sdmm_block_q4_0), sizeof(sdmm_q5_0_r16)}, /* in Q5_0's group */
-    {SDMM_TYPE_Q5_K, SDMM_QK, sizeof(sdmm_block_q5_K), sizeof(sdmm_q5k_r16)},
-    {SDMM_TYPE_Q5_1, 32, sizeof(sdmm_block_q5_1), sizeof(sdmm_q5_1_r16)},
-    {SDMM_TYPE_Q4_1, 32, sizeof(sdmm_block_q4_1), sizeof(sdmm_q5_1_r16)}, /* in Q5_1's group */
-    {SDMM_TYPE_Q3_K, SDMM_QK, sizeof(sdmm_block_q3_K), sizeof(sdmm_q6k_r16)}, /* in Q6_K's */
-};
-#define SDMM_NTYPES ((int) (sizeof(TYPES) / sizeof(TYPES[0])))
+/* pack_row_<type>(group, r, src): row r of a group's block from that row's ggml block src, one
+ * function per type (TYPES' pack) */
 
-static int type_index(int type) { /* -1: not a type sdmm multiplies */
-    for (int i = 0; i < SDMM_NTYPES; i++) {
-        if (TYPES[i].type == type) {
-            return i;
-        }
-    }
-    return -1;
-}
-
-int sdmm_supported_type(int type) {
-    return type_index(type) >= 0;
-}
-
-int sdmm_block_cols(int type) {
-    const int i = type_index(type);
-    return i < 0 ? SDMM_QK : TYPES[i].cols;
-}
-
-size_t sdmm_group_bytes(int type) {
-    const int i = type_index(type);
-    return i < 0 ? 0 : TYPES[i].group_bytes;
-}
-
-size_t sdmm_act_bytes(int type) {
-    return sdmm_block_cols(type) == SDMM_QK ? sizeof(sdmm_act) : sizeof(sdmm_act32);
-}
-
-size_t sdmm_packed_size(int type, int64_t n, int64_t k) {
-    return (size_t) ((n + SDMM_R - 1) / SDMM_R) * (size_t) (k / sdmm_block_cols(type)) *
-           sdmm_group_bytes(type);
-}
-
-/* Row r of a group's block `out` from that row's ggml block `b`, one function per type */
 /* row r of a Q4_K group from a K-quant's d, dmin, packed scales and the 256 quants' low 4 bits
  * (Q4_K's and Q5_K's: the same layout) */
 static void pack_row_q4k_(sdmm_q4k_r16 * out, int r, sdmm_half d, sdmm_half dmin,
@@ -189,11 +144,15 @@ static void pack_row_q4k_(sdmm_q4k_r16 * out, int r, sdmm_half d, sdmm_half dmin
     }
 }
 
-static void pack_row_q4k(sdmm_q4k_r16 * out, int r, const sdmm_block_q4_K * b) {
+static void pack_row_q4k(void * group, int r, const void * src) {
+    sdmm_q4k_r16 * out = group;
+    const sdmm_block_q4_K * b = src;
     pack_row_q4k_(out, r, b->d, b->dmin, b->scales, b->qs);
 }
 
-static void pack_row_q5k(sdmm_q5k_r16 * out, int r, const sdmm_block_q5_K * b) {
+static void pack_row_q5k(void * group, int r, const void * src) {
+    sdmm_q5k_r16 * out = group;
+    const sdmm_block_q5_K * b = src;
     pack_row_q4k_(&out->lo, r, b->d, b->dmin, b->scales, b->qs);
     for (int j = 0; j < 8; j++) {
         for (int c = 0; c < 4; c++) {
@@ -226,7 +185,9 @@ static void pack_row_256x6(sdmm_q6k_r16 * out, int r, sdmm_half d, const int8_t 
     }
 }
 
-static void pack_row_q6k(sdmm_q6k_r16 * out, int r, const sdmm_block_q6_K * b) {
+static void pack_row_q6k(void * group, int r, const void * src) {
+    sdmm_q6k_r16 * out = group;
+    const sdmm_block_q6_K * b = src;
     int q[SDMM_QK];
     for (int v = 0; v < SDMM_QK; v++) {
         q[v] = q6k_src(b, v);
@@ -235,7 +196,9 @@ static void pack_row_q6k(sdmm_q6k_r16 * out, int r, const sdmm_block_q6_K * b) {
 }
 
 /* Q3_K's quant q (value d*sc*(q - 4)) as q + 28 in Q6_K's group: d*sc*(q + 28 - 32) */
-static void pack_row_q3k(sdmm_q6k_r16 * out, int r, const sdmm_block_q3_K * b) {
+static void pack_row_q3k(void * group, int r, const void * src) {
+    sdmm_q6k_r16 * out = group;
+    const sdmm_block_q3_K * b = src;
     int q[SDMM_QK];
     int8_t sc[16];
     for (int v = 0; v < SDMM_QK; v++) {
@@ -247,115 +210,65 @@ static void pack_row_q3k(sdmm_q6k_r16 * out, int r, const sdmm_block_q3_K * b) {
     pack_row_256x6(out, r, b->d, sc, q);
 }
 
-/* row r of a Q5_0 group from 32 unsigned 5-bit quants q[v] (value d*(q - 16), or Q5_1's d*q+m) */
-static void pack_row_32x5(sdmm_q5_0_r16 * out, int r, sdmm_half d, const int * q) {
-    out->d[r] = d;
+/* row r of a 4- or 5-bit 32-value group from its block's low nibbles qs and fifth bits qh4
+ * (NULL: none): the group's qs[c] and qh (NULL: none) */
+static void pack_row_32(uint8_t (*qs)[64], uint8_t * qh, int r, const uint8_t * src_qs,
+                        const uint8_t * src_qh4) {
     for (int c = 0; c < 4; c++) {
         for (int t = 0; t < 4; t++) {
-            const int lo = q[4 * c + t], hi = q[16 + 4 * c + t];
-            out->qs[c][4 * r + t] = (uint8_t) ((lo & 0xF) | (hi & 0xF) << 4);
-            out->qh[4 * r + t] |= (uint8_t) ((lo >> 4) << c | (hi >> 4) << (4 + c));
+            const int v = 4 * c + t;
+            const int lo = src_qh4 ? q5_src(src_qs, src_qh4, v) : nibble_src(src_qs, v);
+            const int hi = src_qh4 ? q5_src(src_qs, src_qh4, 16 + v) : nibble_src(src_qs, 16 + v);
+            qs[c][4 * r + t] = (uint8_t) ((lo & 0xF) | (hi & 0xF) << 4);
+            if (qh != NULL) {
+                qh[4 * r + t] |= (uint8_t) ((lo >> 4) << c | (hi >> 4) << (4 + c));
+            }
         }
     }
 }
 
-/* 32 quants from a block's low nibbles qs and fifth bits qh4 (NULL: none), plus `offset` */
-static void quants32(const uint8_t * qs, const uint8_t * qh4, int offset, int * q) {
-    for (int v = 0; v < 32; v++) {
-        q[v] = (qh4 != NULL ? q5_src(qs, qh4, v) : nibble_src(qs, v)) + offset;
-    }
+static void pack_row_q4_0(void * group, int r, const void * src) {
+    sdmm_q4_0_r16 * out = group;
+    const sdmm_block_q4_0 * b = src;
+    out->d[r] = b->d;
+    pack_row_32(out->qs, NULL, r, b->qs, NULL);
 }
 
-static void pack_row_q5_0(sdmm_q5_0_r16 * out, int r, const sdmm_block_q5_0 * b) {
-    int q[32];
-    quants32(b->qs, b->qh, 0, q);
-    pack_row_32x5(out, r, b->d, q);
-}
-
-/* Q4_0's quant q (0..15, value d*(q - 8)) as q + 8 in Q5_0's group: d*(q + 8 - 16) */
-static void pack_row_q4_0(sdmm_q5_0_r16 * out, int r, const sdmm_block_q4_0 * b) {
-    int q[32];
-    quants32(b->qs, NULL, 8, q);
-    pack_row_32x5(out, r, b->d, q);
-}
-
-static void pack_row_q5_1(sdmm_q5_1_r16 * out, int r, const sdmm_block_q5_1 * b) {
-    int q[32];
-    quants32(b->qs, b->qh, 0, q);
-    pack_row_32x5(&out->q, r, b->d, q);
+static void pack_row_q4_1(void * group, int r, const void * src) {
+    sdmm_q4_1_r16 * out = group;
+    const sdmm_block_q4_1 * b = src;
+    out->d[r] = b->d;
     out->m[r] = b->m;
+    pack_row_32(out->qs, NULL, r, b->qs, NULL);
 }
 
-static void pack_row_q4_1(sdmm_q5_1_r16 * out, int r, const sdmm_block_q4_1 * b) {
-    int q[32];
-    quants32(b->qs, NULL, 0, q);
-    pack_row_32x5(&out->q, r, b->d, q);
+static void pack_row_q5_0(void * group, int r, const void * src) {
+    sdmm_q5_0_r16 * out = group;
+    const sdmm_block_q5_0 * b = src;
+    out->d[r] = b->d;
+    pack_row_32(out->qs, out->qh, r, b->qs, b->qh);
+}
+
+static void pack_row_q5_1(void * group, int r, const void * src) {
+    sdmm_q5_1_r16 * out = group;
+    const sdmm_block_q5_1 * b = src;
+    out->q.d[r] = b->d;
     out->m[r] = b->m;
+    pack_row_32(out->q.qs, out->q.qh, r, b->qs, b->qh);
 }
 
-static void pack_row_q8_0(sdmm_q8_0_r16 * out, int r, const sdmm_block_q8_0 * b) {
+static void pack_row_q8_0(void * group, int r, const void * src) {
+    sdmm_q8_0_r16 * out = group;
+    const sdmm_block_q8_0 * b = src;
     out->d[r] = b->d;
     for (int v = 0; v < 32; v++) {
         out->qs[v / 4][4 * r + v % 4] = (uint8_t) (b->qs[v] + 128);
     }
 }
 
-static void pack_row(int type, void * out, int r, const void * b) {
-    switch (type) {
-        case SDMM_TYPE_Q4_K:
-            pack_row_q4k(out, r, b);
-            break;
-        case SDMM_TYPE_Q5_K:
-            pack_row_q5k(out, r, b);
-            break;
-        case SDMM_TYPE_Q6_K:
-            pack_row_q6k(out, r, b);
-            break;
-        case SDMM_TYPE_Q3_K:
-            pack_row_q3k(out, r, b);
-            break;
-        case SDMM_TYPE_Q5_0:
-            pack_row_q5_0(out, r, b);
-            break;
-        case SDMM_TYPE_Q4_0:
-            pack_row_q4_0(out, r, b);
-            break;
-        case SDMM_TYPE_Q5_1:
-            pack_row_q5_1(out, r, b);
-            break;
-        case SDMM_TYPE_Q4_1:
-            pack_row_q4_1(out, r, b);
-            break;
-        case SDMM_TYPE_Q8_0:
-            pack_row_q8_0(out, r, b);
-            break;
-        default: /* sdmm_pack takes TYPES' types only */
-            break;
-    }
-}
-
-void sdmm_pack(int type, const void * src, int64_t n, int64_t k, void * dst) {
-    const int i = type_index(type);
-    if (i < 0) {
-        return;
-    }
-    const size_t out_bytes = TYPES[i].group_bytes, in_bytes = TYPES[i].src_bytes;
-    const int64_t nb = k / TYPES[i].cols;
-    for (int64_t g = 0; g < (n + SDMM_R - 1) / SDMM_R; g++) {
-        for (int64_t s = 0; s < nb; s++) {
-            char * out = (char *) dst + (size_t) (g * nb + s) * out_bytes;
-            memset(out, 0, out_bytes); /* rows past n stay zero: d = 0, outputs not stored */
-            for (int r = 0; r < SDMM_R && g * SDMM_R + r < n; r++) {
-                const size_t row_block = (size_t) ((g * SDMM_R + r) * nb + s);
-                pack_row(type, out, r, (const char *) src + row_block * in_bytes);
-            }
-        }
-    }
-}
-
 /* ------------------------------------------------------------------------------------------ */
 /* activations: ggml's quantize_row_q8_K_ref (K-quants) or quantize_row_q8_0_ref's rule with a
- * float scale (Q4_0, Q5_0, Q8_0), operation for operation, plus the sums                     */
+ * float scale (the 32-value types), operation for operation, plus the sums                  */
 
 static int nearest_int(float fval) {
     const float val = fval + 12582912.f;
@@ -464,24 +377,20 @@ static float q6k_ref_block(const sdmm_q6k_r16 * blk, int r, const sdmm_act * A, 
     return fmaf((float) sumi, f1, acc);
 }
 
-/* Q5_0, Q5_1 and Q8_0: the integer dot product of a 32-value block, then its float terms */
-static float q5_0_ref_block(const sdmm_q5_0_r16 * blk, int r, const sdmm_act32 * A, float acc) {
+/* Q4_0, Q4_1, Q5_0, Q5_1: the integer dot product of a 32-value block (its quants less
+ * `offset`), then its float terms, the mins' (m16 not NULL) last */
+static float q32_ref_block(const sdmm_half * d16, const sdmm_half * m16, const uint8_t * qh,
+                           const uint8_t (*qs)[64], int offset, int r, const sdmm_act32 * A,
+                           float acc) {
     int32_t sumi = 0;
     for (int v = 0; v < 32; v++) {
-        sumi += (q5_packed(blk->qs, blk->qh, r, v) - 16) * A->qs[v];
+        sumi += (q32_packed(qs, qh, r, v) - offset) * A->qs[v];
     }
-    return fmaf((float) sumi, sd_h2f(blk->d[r]) * A->d, acc);
+    acc = fmaf((float) sumi, sd_h2f(d16[r]) * A->d, acc);
+    return m16 != NULL ? fmaf((float) A->sum, sd_h2f(m16[r]) * A->d, acc) : acc;
 }
 
-static float q5_1_ref_block(const sdmm_q5_1_r16 * blk, int r, const sdmm_act32 * A, float acc) {
-    int32_t sumi = 0;
-    for (int v = 0; v < 32; v++) {
-        sumi += q5_packed(blk->q.qs, blk->q.qh, r, v) * A->qs[v];
-    }
-    acc = fmaf((float) sumi, sd_h2f(blk->q.d[r]) * A->d, acc);
-    return fmaf((float) A->sum, sd_h2f(blk->m[r]) * A->d, acc);
-}
-
+/* Q8_0: the integer dot product of a 32-value block, then its float term */
 static float q8_0_ref_block(const sdmm_q8_0_r16 * blk, int r, const sdmm_act32 * A, float acc) {
     int32_t sumi = 0;
     for (int v = 0; v < 32; v++) {
@@ -490,26 +399,129 @@ static float q8_0_ref_block(const sdmm_q8_0_r16 * blk, int r, const sdmm_act32 *
     return fmaf((float) sumi, sd_h2f(blk->d[r]) * A->d, acc);
 }
 
-static float ref_block(int type, const void * blk, int r, const void * A, float acc) {
-    switch (type) {
-        case SDMM_TYPE_Q4_K:
-            return q4k_ref_block(blk, NULL, r, A, acc);
-        case SDMM_TYPE_Q5_K:
-            return q4k_ref_block(&((const sdmm_q5k_r16 *) blk)->lo,
-                                 ((const sdmm_q5k_r16 *) blk)->qh, r, A, acc);
-        case SDMM_TYPE_Q6_K:
-        case SDMM_TYPE_Q3_K: /* packed as Q6_K */
-            return q6k_ref_block(blk, r, A, acc);
-        case SDMM_TYPE_Q5_0:
-        case SDMM_TYPE_Q4_0: /* packed as Q5_0 */
-            return q5_0_ref_block(blk, r, A, acc);
-        case SDMM_TYPE_Q5_1:
-        case SDMM_TYPE_Q4_1: /* packed as Q5_1 */
-            return q5_1_ref_block(blk, r, A, acc);
-        case SDMM_TYPE_Q8_0:
-            return q8_0_ref_block(blk, r, A, acc);
-        default: /* sdmm_kernel hands out TYPES' types only */
-            return acc;
+/* the reference kernel's step for each group layout, in the table's one signature */
+static float ref_q4k(const void * blk, int r, const void * A, float acc) {
+    return q4k_ref_block(blk, NULL, r, A, acc);
+}
+static float ref_q5k(const void * blk, int r, const void * A, float acc) {
+    const sdmm_q5k_r16 * g = blk;
+    return q4k_ref_block(&g->lo, g->qh, r, A, acc);
+}
+static float ref_q6k(const void * blk, int r, const void * A, float acc) {
+    return q6k_ref_block(blk, r, A, acc);
+}
+static float ref_q4_0(const void * blk, int r, const void * A, float acc) {
+    const sdmm_q4_0_r16 * g = blk;
+    return q32_ref_block(g->d, NULL, NULL, g->qs, 8, r, A, acc);
+}
+static float ref_q4_1(const void * blk, int r, const void * A, float acc) {
+    const sdmm_q4_1_r16 * g = blk;
+    return q32_ref_block(g->d, g->m, NULL, g->qs, 0, r, A, acc);
+}
+static float ref_q5_0(const void * blk, int r, const void * A, float acc) {
+    const sdmm_q5_0_r16 * g = blk;
+    return q32_ref_block(g->d, NULL, g->qh, g->qs, 16, r, A, acc);
+}
+static float ref_q5_1(const void * blk, int r, const void * A, float acc) {
+    const sdmm_q5_1_r16 * g = blk;
+    return q32_ref_block(g->q.d, g->m, g->q.qh, g->q.qs, 0, r, A, acc);
+}
+static float ref_q8_0(const void * blk, int r, const void * A, float acc) {
+    return q8_0_ref_block(blk, r, A, acc);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* the types                                                                                  */
+
+/* a group layout's kernels, by path (NULL where the path is not compiled in) */
+#if SD_X86
+#    define SDMM_KERNELS_(g)                                                                      \
+        {sdmm_kernel_##g##_ref, sdmm_kernel_##g##_avx2, sdmm_kernel_##g##_avx512}
+#else
+#    define SDMM_KERNELS_(g) {sdmm_kernel_##g##_ref}
+#endif
+
+/* The types sdmm multiplies: the one place that says, per type, how many values a block holds,
+ * ggml's block and sdmm's 16-row group of it, how a row is packed into the group and which
+ * kernels multiply it. Q3_K is packed into Q6_K's group (each quant the same value) and runs its
+ * kernels. */
+static const struct {
+    int type, cols;
+    size_t src_bytes, group_bytes;
+    void (*pack)(void * group, int r, const void * src); /* row r of a group from its block */
+    float (*ref)(const void * blk, int r, const void * A, float acc); /* reference: one block */
+    sdmm_kernel_fn kernel[SD_ISA_COUNT];
+} TYPES[] = {
+    {SDMM_TYPE_Q3_K, SDMM_QK, sizeof(sdmm_block_q3_K), sizeof(sdmm_q6k_r16), pack_row_q3k,
+     ref_q6k, SDMM_KERNELS_(q6k)},
+    {SDMM_TYPE_Q4_K, SDMM_QK, sizeof(sdmm_block_q4_K), sizeof(sdmm_q4k_r16), pack_row_q4k,
+     ref_q4k, SDMM_KERNELS_(q4k)},
+    {SDMM_TYPE_Q5_K, SDMM_QK, sizeof(sdmm_block_q5_K), sizeof(sdmm_q5k_r16), pack_row_q5k,
+     ref_q5k, SDMM_KERNELS_(q5k)},
+    {SDMM_TYPE_Q6_K, SDMM_QK, sizeof(sdmm_block_q6_K), sizeof(sdmm_q6k_r16), pack_row_q6k,
+     ref_q6k, SDMM_KERNELS_(q6k)},
+    {SDMM_TYPE_Q4_0, 32, sizeof(sdmm_block_q4_0), sizeof(sdmm_q4_0_r16), pack_row_q4_0, ref_q4_0,
+     SDMM_KERNELS_(q4_0)},
+    {SDMM_TYPE_Q4_1, 32, sizeof(sdmm_block_q4_1), sizeof(sdmm_q4_1_r16), pack_row_q4_1, ref_q4_1,
+     SDMM_KERNELS_(q4_1)},
+    {SDMM_TYPE_Q5_0, 32, sizeof(sdmm_block_q5_0), sizeof(sdmm_q5_0_r16), pack_row_q5_0, ref_q5_0,
+     SDMM_KERNELS_(q5_0)},
+    {SDMM_TYPE_Q5_1, 32, sizeof(sdmm_block_q5_1), sizeof(sdmm_q5_1_r16), pack_row_q5_1, ref_q5_1,
+     SDMM_KERNELS_(q5_1)},
+    {SDMM_TYPE_Q8_0, 32, sizeof(sdmm_block_q8_0), sizeof(sdmm_q8_0_r16), pack_row_q8_0, ref_q8_0,
+     SDMM_KERNELS_(q8_0)},
+};
+#undef SDMM_KERNELS_
+#define SDMM_NTYPES ((int) (sizeof(TYPES) / sizeof(TYPES[0])))
+
+static int type_index(int type) { /* -1: not a type sdmm multiplies */
+    for (int i = 0; i < SDMM_NTYPES; i++) {
+        if (TYPES[i].type == type) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+int sdmm_supported_type(int type) {
+    return type_index(type) >= 0;
+}
+
+int sdmm_block_cols(int type) {
+    const int i = type_index(type);
+    return i < 0 ? SDMM_QK : TYPES[i].cols;
+}
+
+size_t sdmm_group_bytes(int type) {
+    const int i = type_index(type);
+    return i < 0 ? 0 : TYPES[i].group_bytes;
+}
+
+size_t sdmm_act_bytes(int type) {
+    return sdmm_block_cols(type) == SDMM_QK ? sizeof(sdmm_act) : sizeof(sdmm_act32);
+}
+
+size_t sdmm_packed_size(int type, int64_t n, int64_t k) {
+    return (size_t) ((n + SDMM_R - 1) / SDMM_R) * (size_t) (k / sdmm_block_cols(type)) *
+           sdmm_group_bytes(type);
+}
+
+void sdmm_pack(int type, const void * src, int64_t n, int64_t k, void * dst) {
+    const int i = type_index(type);
+    if (i < 0) {
+        return;
+    }
+    const size_t out_bytes = TYPES[i].group_bytes, in_bytes = TYPES[i].src_bytes;
+    const int64_t nb = k / TYPES[i].cols;
+    for (int64_t g = 0; g < (n + SDMM_R - 1) / SDMM_R; g++) {
+        for (int64_t s = 0; s < nb; s++) {
+            char * out = (char *) dst + (size_t) (g * nb + s) * out_bytes;
+            memset(out, 0, out_bytes); /* rows past n stay zero: d = 0, outputs not stored */
+            for (int r = 0; r < SDMM_R && g * SDMM_R + r < n; r++) {
+                const size_t row_block = (size_t) ((g * SDMM_R + r) * nb + s);
+                TYPES[i].pack(out, r, (const char *) src + row_block * in_bytes);
+            }
+        }
     }
 }
 
@@ -518,6 +530,7 @@ static void kernel_ref(int type, const void * w, int nsb, int ngroups, int n_val
                        const void * a, int b, float * y, size_t ldy) {
     const char * groups = (const char *) w;
     const size_t group_bytes = sdmm_group_bytes(type), act_bytes = sdmm_act_bytes(type);
+    float (*const ref)(const void *, int, const void *, float) = TYPES[type_index(type)].ref;
     for (int g = 0; g < ngroups; g++) {
         for (int i = 0; i < b; i++) {
             for (int r = 0; r < SDMM_R && g * SDMM_R + r < n_valid; r++) {
@@ -525,7 +538,7 @@ static void kernel_ref(int type, const void * w, int nsb, int ngroups, int n_val
                 for (int s = 0; s < nsb; s++) {
                     const void * blk = groups + ((size_t) g * nsb + s) * group_bytes;
                     const void * A = (const char *) a + ((size_t) s * b + i) * act_bytes;
-                    acc = ref_block(type, blk, r, A, acc);
+                    acc = ref(blk, r, A, acc);
                 }
                 y[(size_t) i * ldy + g * SDMM_R + r] = acc;
             }
@@ -541,6 +554,8 @@ static void kernel_ref(int type, const void * w, int nsb, int ngroups, int n_val
 SDMM_REF_(sdmm_kernel_q4k_ref, SDMM_TYPE_Q4_K)
 SDMM_REF_(sdmm_kernel_q5k_ref, SDMM_TYPE_Q5_K)
 SDMM_REF_(sdmm_kernel_q6k_ref, SDMM_TYPE_Q6_K)
+SDMM_REF_(sdmm_kernel_q4_0_ref, SDMM_TYPE_Q4_0)
+SDMM_REF_(sdmm_kernel_q4_1_ref, SDMM_TYPE_Q4_1)
 SDMM_REF_(sdmm_kernel_q5_0_ref, SDMM_TYPE_Q5_0)
 SDMM_REF_(sdmm_kernel_q5_1_ref, SDMM_TYPE_Q5_1)
 SDMM_REF_(sdmm_kernel_q8_0_ref, SDMM_TYPE_Q8_0)
@@ -570,30 +585,13 @@ int sdmm_isa_selected(void) {
     return selected;
 }
 
-/* the kernels by path and type, in TYPES' order (Q4_0 runs Q5_0's, Q4_1 Q5_1's and Q3_K Q6_K's:
- * they are packed as those) */
-#define SDMM_BY_TYPE_(isa)                                                                    \
-    {                                                                                         \
-        sdmm_kernel_q4k_##isa, sdmm_kernel_q6k_##isa, sdmm_kernel_q5_0_##isa,                 \
-            sdmm_kernel_q8_0_##isa, sdmm_kernel_q5_0_##isa, sdmm_kernel_q5k_##isa,            \
-            sdmm_kernel_q5_1_##isa, sdmm_kernel_q5_1_##isa, sdmm_kernel_q6k_##isa             \
-    }
-
 sdmm_kernel_fn sdmm_kernel(int type, int isa) {
-    static const sdmm_kernel_fn kernels[SD_ISA_COUNT][SDMM_NTYPES] = {
-        SDMM_BY_TYPE_(ref),
-#if SD_X86
-        SDMM_BY_TYPE_(avx2),
-        SDMM_BY_TYPE_(avx512),
-#endif
-    };
     const int t = type_index(type);
     if (t < 0 || isa < 0 || isa >= SD_ISA_COUNT || !sdmm_isa_supported(isa)) {
         return NULL;
     }
-    return kernels[isa][t]; /* NULL where the path is not compiled in */
+    return TYPES[t].kernel[isa]; /* NULL where the path is not compiled in */
 }
-#undef SDMM_BY_TYPE_
 
 double sdmm_peak_macs(long iters) {
 #if SD_X86

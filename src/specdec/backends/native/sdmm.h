@@ -15,11 +15,10 @@
  *   - float part, per block s in order (a super-block of 256 values for the K-quants, a block of
  *     32 for the others), in one SIMD lane per weight row:
  *       Q4_K, Q5_K: acc = fma(float(sumi), d*da, acc); acc = fma(-float(summ), dmin*da, acc)
- *       Q5_1: acc = fma(float(sumi), d*da, acc); acc = fma(float(suma), m*da, acc)
- *       Q6_K, Q5_0, Q8_0: acc = fma(float(sumi), d*da, acc)
- *     (`d*da` rounded once to float; suma: the activation block's sum of quants); Q3_K, Q4_0 and
- *     Q4_1 are packed into Q6_K's, Q5_0's and Q5_1's groups (each quant the same value) and run
- *     their kernels. A lane's arithmetic never
+ *       Q4_1, Q5_1: acc = fma(float(sumi), d*da, acc); acc = fma(float(suma), m*da, acc)
+ *       Q6_K, Q4_0, Q5_0, Q8_0: acc = fma(float(sumi), d*da, acc)
+ *     (`d*da` rounded once to float; suma: the activation block's sum of quants); Q3_K is packed
+ *     into Q6_K's group (each quant the same value) and runs its kernel. A lane's arithmetic never
  *     depends on its neighbours, and a
  *     row's K loop is never split across threads.
  * The scalar reference (SD_ISA_REF) spells out the same operations with fmaf, so every path
@@ -157,9 +156,22 @@ typedef struct {
     uint8_t qh[16][64];
 } sdmm_q6k_r16;
 
+/* Q4_0, 16 rows, one block of 32 values: 288 bytes (16 ggml blocks: 288). Quants are unsigned
+ * 0..15; value = d*(q - 8). */
+typedef struct {
+    sdmm_half d[SDMM_R];
+    uint8_t qs[4][64]; /* load c: byte 4r+t = lo4(4c+t) | lo4(16+4c+t) << 4 */
+} sdmm_q4_0_r16;
+
+/* Q4_1, 16 rows, one block of 32 values: 320 bytes (16 ggml blocks: 320). Quants 0..15; value =
+ * d*q + m. */
+typedef struct {
+    sdmm_half d[SDMM_R], m[SDMM_R];
+    uint8_t qs[4][64]; /* as Q4_0's */
+} sdmm_q4_1_r16;
+
 /* Q5_0, 16 rows, one block of 32 values: 352 bytes (16 ggml blocks: 352). Quants are unsigned
- * 0..31; value = d*(q - 16). Q4_0 is packed into the same group, its quant q (0..15, value
- * d*(q - 8)) stored as q + 8: the same value, so Q4_0 runs Q5_0's kernels exactly. */
+ * 0..31; value = d*(q - 16). */
 typedef struct {
     sdmm_half d[SDMM_R];
     /* qh byte 4r+t: bit c = hi1(4c+t), bit 4+c = hi1(16+4c+t), for loads c = 0..3 */
@@ -168,9 +180,8 @@ typedef struct {
     uint8_t qs[4][64];
 } sdmm_q5_0_r16;
 
-/* Q5_1, 16 rows, one block of 32 values: 384 bytes (16 ggml blocks: 384). Q5_0's group with the
- * quants kept unsigned 0..31 (value d*q + m) and the mins after it. Q4_1 (quants 0..15, the same
- * value) is packed into it as it is. */
+/* Q5_1, 16 rows, one block of 32 values: 384 bytes (16 ggml blocks: 384). Q5_0's group, the
+ * quants unsigned 0..31 (value d*q + m), and the mins after it. */
 typedef struct {
     sdmm_q5_0_r16 q;
     sdmm_half m[SDMM_R];
@@ -235,7 +246,8 @@ sdmm_kernel_fn sdmm_kernel(int type, int isa);
     void name(const void *, int, int, int, const void *, int, float *, size_t);
 #define SDMM_KERNELS_DECL_(isa)                                                              \
     SDMM_KERNEL_DECL_(sdmm_kernel_q4k_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q5k_##isa)         \
-    SDMM_KERNEL_DECL_(sdmm_kernel_q6k_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q5_0_##isa)        \
+    SDMM_KERNEL_DECL_(sdmm_kernel_q6k_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q4_0_##isa)        \
+    SDMM_KERNEL_DECL_(sdmm_kernel_q4_1_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q5_0_##isa)       \
     SDMM_KERNEL_DECL_(sdmm_kernel_q5_1_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q8_0_##isa)
 SDMM_KERNELS_DECL_(ref) SDMM_KERNELS_DECL_(avx2) SDMM_KERNELS_DECL_(avx512)
 #undef SDMM_KERNELS_DECL_
