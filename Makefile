@@ -50,7 +50,7 @@ browser:
 	fi
 
 # The registry models the suite loads (tests/conftest.py), fetched and sha256-verified once.
-TEST_MODELS := smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+TEST_MODELS := smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b gemma3-270m
 .PHONY: test-models
 test-models: $(STAMP)
 	$(BIN)/specdec models fetch --no-progress $(TEST_MODELS)

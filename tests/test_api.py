@@ -20,11 +20,19 @@ PAIR_SCALE = 3.0  # the `pair` fixture (conftest.py)
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 7, 1, 2, 3]
 
 
-def test_generate_and_stream_take_the_same_arguments() -> None:
-    """generate passes every argument to stream (`**locals()`): their signatures must agree."""
-    g, s = inspect.signature(specdec.generate), inspect.signature(specdec.stream)
-    assert list(g.parameters.values()) == list(s.parameters.values())
-    assert "kwargs" not in g.parameters
+def test_generate_and_stream_take_prepares_arguments(pair) -> None:
+    """One signature: generate and stream pass their options to prepare, which names every
+    keyword; an unknown one is a TypeError naming it, before any model work."""
+    p = inspect.signature(specdec.prepare)
+    assert "options" not in p.parameters and "max_new_tokens" in p.parameters
+    for f in (specdec.generate, specdec.stream):
+        params = inspect.signature(f).parameters
+        assert list(params) == ["target", "prompt_ids", "options"], f.__name__
+    target, _ = pair
+    before = target.n_cached
+    with pytest.raises(TypeError, match="max_tokens"):
+        specdec.generate(target, PROMPT, max_tokens=4)
+    assert target.n_cached == before
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@
 Public API (imported lazily, so `import specdec` stays cheap):
     load_model(spec, device=None, **kw) -> SpecModel       specdec.backends
     generate(target, prompt_ids, *, draft, drafter, k, temperature, ...) -> GenerationResult,
-    stream(...) -> SpecStream (the same arguments)          specdec.core.decode
+    stream(...) -> SpecStream, prepare(...) -> Generation    specdec.core.decode
+                 (one signature: prepare's; a Generation is stepped by the caller)
     SpecConfig, Warp (the same settings as objects)          specdec.core.config
     AutoPolicies (k="auto" kept across generations), CurveFiles (its cost curves on disk)
                                                              specdec.core.policy, backends.costs
@@ -35,6 +36,8 @@ _LAZY = {
     "greedy_verify": "specdec.core.sampling",
     "generate": "specdec.core.decode",
     "stream": "specdec.core.decode",
+    "prepare": "specdec.core.decode",
+    "Generation": "specdec.core.decode",
     "SpecStream": "specdec.core.decode",
     "GenerationResult": "specdec.core.metrics",
     "GenerationStats": "specdec.core.metrics",

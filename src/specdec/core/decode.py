@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -314,7 +314,7 @@ class SpecStream:
         self._chunks.close()
 
 
-def generate(
+def prepare(
     target: SpecModel,
     prompt_ids: TokenIds,
     *,
@@ -343,8 +343,60 @@ def generate(
     on_round: Callable[[Round], None] | None = None,
     clock: Clock | None = None,
     debug: bool = False,
-) -> GenerationResult:
-    """Sample up to `max_new_tokens` tokens after `prompt_ids`, distributed exactly as `target`.
+) -> Generation:
+    """A generation set up and checked but not started (every argument is validated before
+    any model work): `generate` runs it to the end, `stream` a round at a time, and a caller
+    that steps several at once takes it as it is (serve.engine: `rounds_together`). The
+    arguments are documented at `generate`."""
+    spec = config_from(
+        spec, SpecConfig, "spec", dict(drafter=drafter, k=k, k_max=k_max, p_min=p_min)
+    )
+    warp = config_from(
+        warp, Warp, "warp", dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    )
+    prompt = as_token_list(prompt_ids, "prompt_ids")
+    kind = spec.drafter_for(draft is not None)
+    used = draft if kind in MODEL_DRAFTERS else None
+    width = _check_budget(target, used, prompt, max_new_tokens)
+    if logprobs is not None:
+        check_int("logprobs", logprobs, 0, width)
+    adjusted = (penalties is not None and penalties.active) or constraint is not None
+    processor = Processor(penalties, constraint, prompt, width) if adjusted else None
+    generator = torch.Generator().manual_seed(seed)
+    model = (
+        ModelDrafter(used, warp, generator, width, spec.p_min, processor and processor.row)
+        if used is not None
+        else None
+    )
+    made, key = make_drafter(kind, model, _prediction(prediction, width), len(prompt), pool)
+    policy = _policy(spec, target, made, key, policies) if made is not None else None
+    gen = Generation(
+        target=target,
+        drafter=made,
+        policy=policy,
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        warp=warp,
+        width=width,
+        generator=generator,
+        stop_ids=frozenset(stop_ids or ()),
+        stats=GenerationStats(prompt_tokens=len(prompt)),
+        debug=debug,
+        cancelled=cancelled,
+        reuse_prefix=reuse_prefix,
+        on_round=on_round,
+        clock=clock,
+        policies=policies,
+        processor=processor,
+        top_logprobs=logprobs,
+    )
+    return gen
+
+
+def generate(target: SpecModel, prompt_ids: TokenIds, **options: Any) -> GenerationResult:
+    """Sample up to `max_new_tokens` tokens after `prompt_ids`, distributed exactly as `target`:
+    `prepare(target, prompt_ids, **options)` run to its end; the options are keywords of
+    `prepare`'s signature (one signature for generate, stream and prepare).
 
     prompt_ids   token ids: a list of ints, a 1-D tensor, or a tokenizer's output (a
                  BatchEncoding or a dict holding input_ids)
@@ -388,89 +440,16 @@ def generate(
     k="auto" picks K from wall-clock costs, so which tokens get drafted varies between runs,
     while the output distribution does not (nor greedy output, on a batch-invariant backend).
     """
-    s = stream(**locals())  # every argument, as given
+    s = stream(target, prompt_ids, **options)
     for _ in s:
         pass
     assert s.result is not None
     return s.result
 
 
-def stream(
-    target: SpecModel,
-    prompt_ids: TokenIds,
-    *,
-    draft: SpecModel | None = None,
-    drafter: DrafterName | Drafter | None = None,
-    k: int | KName | KPolicy | None = None,
-    k_max: int | None = None,
-    p_min: float | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    spec: SpecConfig | None = None,
-    warp: Warp | None = None,
-    penalties: Penalties | None = None,
-    constraint: Constraint | None = None,
-    logprobs: int | None = None,
-    max_new_tokens: int = 128,
-    seed: int = 0,
-    stop_ids: Iterable[int] | None = None,
-    prediction: TokenIds | PredictionIndex | None = None,
-    policies: AutoPolicies | None = None,
-    pool: DraftPool | None = None,
-    reuse_prefix: int = 0,
-    cancelled: Callable[[], bool] | None = None,
-    on_round: Callable[[Round], None] | None = None,
-    clock: Clock | None = None,
-    debug: bool = False,
-) -> SpecStream:
-    """`generate`, one round's committed tokens at a time (its arguments are generate's). A
-    caller that steps several generations at once takes its `generation` instead of iterating
-    it (serve.engine: `rounds_together`)."""
-    spec = config_from(
-        spec, SpecConfig, "spec", dict(drafter=drafter, k=k, k_max=k_max, p_min=p_min)
-    )
-    warp = config_from(
-        warp, Warp, "warp", dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    )
-    prompt = as_token_list(prompt_ids, "prompt_ids")
-    kind = spec.drafter_for(draft is not None)
-    used = draft if kind in MODEL_DRAFTERS else None
-    width = _check_budget(target, used, prompt, max_new_tokens)
-    if logprobs is not None:
-        check_int("logprobs", logprobs, 0, width)
-    adjusted = (penalties is not None and penalties.active) or constraint is not None
-    processor = Processor(penalties, constraint, prompt, width) if adjusted else None
-    generator = torch.Generator().manual_seed(seed)
-    model = (
-        ModelDrafter(used, warp, generator, width, spec.p_min, processor and processor.row)
-        if used is not None
-        else None
-    )
-    made, key = make_drafter(kind, model, _prediction(prediction, width), len(prompt), pool)
-    policy = _policy(spec, target, made, key, policies) if made is not None else None
-    gen = Generation(
-        target=target,
-        drafter=made,
-        policy=policy,
-        prompt=prompt,
-        max_new_tokens=max_new_tokens,
-        warp=warp,
-        width=width,
-        generator=generator,
-        stop_ids=frozenset(stop_ids or ()),
-        stats=GenerationStats(prompt_tokens=len(prompt)),
-        debug=debug,
-        cancelled=cancelled,
-        reuse_prefix=reuse_prefix,
-        on_round=on_round,
-        clock=clock,
-        policies=policies,
-        processor=processor,
-        top_logprobs=logprobs,
-    )
-    return SpecStream(gen)
+def stream(target: SpecModel, prompt_ids: TokenIds, **options: Any) -> SpecStream:
+    """`generate`, one round's committed tokens at a time; the options are `prepare`'s."""
+    return SpecStream(prepare(target, prompt_ids, **options))
 
 
 def _loop(gen: Generation) -> Iterator[list[int]]:

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specdec.core.metrics import GenerationStats
 from specdec.serve.engine import Delta, Done, Engine, Event, Failed, Job, TokenEntry
 from specdec.serve.errors import ApiError, timeout_error
-from specdec.serve.job_queue import Slot
+from specdec.serve.job_queue import Reservation
 from specdec.serve.protocol import SEED_RANGE, ChatRequest, CompletionRequest, GenParams
 from specdec.serve.speculation import Speculation
 from specdec.serve.tools import Call, ToolParser
@@ -357,12 +357,12 @@ async def generate(
     reply: Reply,
     params: GenParams,
     jobs: list[Job],
-    slots: list[Slot],
+    reservations: list[Reservation],
 ) -> Response:
-    """Queue the request's jobs in their slots, then answer with the whole completion or an
-    SSE stream (whose generator then owns the jobs)."""
-    for job, slot in zip(jobs, slots, strict=True):
-        engine.submit(job, slot)
+    """Queue the request's jobs in their reserved places, then answer with the whole completion or
+    an SSE stream (whose generator then owns the jobs)."""
+    for job, reservation in zip(jobs, reservations, strict=True):
+        engine.submit(job, reservation)
     watcher = asyncio.create_task(_watch_disconnect(request, engine, jobs))
     streaming = False
     try:

@@ -46,10 +46,10 @@ the non-streamed text (serve.text). `usage.completion_tokens` counts every token
 committed, which can include a few past a stop string: one round commits up to K+1 at once.
 
 Concurrency, cancellation, shutdown: serve.engine. Parsing, validation, tokenization and chat
-templating run in threads, off the event loop, and a request is admitted to the queue (its slot
-reserved) before any tokenizing. A client that goes away, or a deadline that passes, frees the
-engine within one round or one prefill chunk. On shutdown waiting requests get 503 at once, the
-running one is cancelled, and connections get GRACEFUL_SHUTDOWN_S seconds to close.
+templating run in threads, off the event loop, and a request is admitted to the queue (its place
+reserved: a Reservation) before any tokenizing. A client that goes away, or a deadline that passes,
+frees the engine within one round or one prefill chunk. On shutdown waiting requests get 503 at
+once, the running one is cancelled, and connections get GRACEFUL_SHUTDOWN_S seconds to close.
 
 API keys and tenants: a server may accept several keys (serve.keys), and a request's key is its
 tenant: what it may read server-side is scoped by it, its draft pool (serve.draft_pools: prompt
@@ -400,7 +400,7 @@ async def _completion(
     _check_model(ctx, req.model)
     with contextlib.ExitStack() as held:
         # 429 / 503 now, before any tokenizing: a place for each of the n samples
-        slots = [held.enter_context(engine.reserve(tenant)) for _ in range(_samples(req))]
+        reservations = [held.enter_context(engine.reserve(tenant)) for _ in range(_samples(req))]
         # Templating and tokenizing up to --max-body-bytes of text takes a while: in a thread.
         echo = ""
         if isinstance(req, ChatRequest):
@@ -442,7 +442,7 @@ async def _completion(
             Job(sample_params(params, i), loop, arrived, deadline, tenant=tenant)
             for i in range(params.n)
         ]
-        response = await answers.generate(request, engine, reply, params, jobs, slots)
+        response = await answers.generate(request, engine, reply, params, jobs, reservations)
         engine.metrics.count_request(request.url.path, 200)
         return response
 

@@ -70,7 +70,7 @@ from specdec.backends import chat as prompting
 from specdec.backends.costs import CurveFiles
 from specdec.backends.grammar import Grammars
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import Generation, rounds_together, stream
+from specdec.core.decode import Generation, prepare, rounds_together, stream
 from specdec.core.metrics import GenerationStats
 from specdec.core.model import SpecModel
 from specdec.core.pool import DraftPool
@@ -83,7 +83,7 @@ from specdec.serve.errors import (
     timeout_error,
     unavailable_error,
 )
-from specdec.serve.job_queue import JobQueue, QueueFull, Slot
+from specdec.serve.job_queue import JobQueue, QueueFull, Reservation
 from specdec.serve.keys import ANONYMOUS
 from specdec.serve.metrics import Metrics, RoundMark
 from specdec.serve.origins import OriginTracker
@@ -401,25 +401,25 @@ class Engine:
         return len(self._active)
 
     # -------------------------------------------------------------------------- admission
-    def reserve(self, tenant: str = ANONYMOUS) -> Slot:
+    def reserve(self, tenant: str = ANONYMOUS) -> Reservation:
         """A place in the queue for a request of `tenant` about to be tokenized: admission comes
         first, so a flood of large prompts gets its 429 before any tokenizing, and the queue's
-        bounds bound the work in flight. ApiError 503 / 429 as `submit`; release the slot when
-        done."""
+        bounds bound the work in flight. ApiError 503 / 429 as `submit`; release the reservation
+        when done."""
         self._check_open()
         try:
             return self._jobs.reserve(tenant)
         except QueueFull as e:
             raise self._queue_full(e.scope) from None
 
-    def submit(self, job: Job, slot: Slot | None = None) -> None:
-        """Queue `job` (its tenant's turn comes after the others', serve.job_queue), in `slot`
-        if one was reserved; ApiError 503 when the engine is stopping or its worker is not
-        running (at once, not at the deadline), 429 when the queue, or its tenant's share, is
-        full."""
+    def submit(self, job: Job, reservation: Reservation | None = None) -> None:
+        """Queue `job` (its tenant's turn comes after the others', serve.job_queue), in
+        `reservation`'s place if one was reserved; ApiError 503 when the engine is stopping or its
+        worker is not running (at once, not at the deadline), 429 when the queue, or its tenant's
+        share, is full."""
         self._check_open()
         try:
-            self._jobs.put(job, slot)
+            self._jobs.put(job, reservation)
         except QueueFull as e:
             raise self._queue_full(e.scope) from None
 
@@ -569,10 +569,10 @@ class Engine:
         slot, reuse = scheduler.place(free, views, scope, p.prompt_ids, block)
         started = time.perf_counter()
         use = self.pools.begin(job.tenant)
-        try:  # stream() checks every argument before any model work
+        try:  # prepare() checks every argument before any model work
             grammar = p.grammar
             constraint = self._grammars_for_model().constraint(grammar) if grammar else None
-            s = stream(
+            gen = prepare(
                 self._targets[slot],
                 p.prompt_ids,
                 **self.stream_args(
@@ -602,7 +602,7 @@ class Engine:
         self._cache_scope[slot] = scope  # what the target will hold
         job.emit(Start())
         text = TextAssembler(self.tokens.decode, p.stop)
-        self._active.append(_Active(job, slot, s.generation, use, started, text, origins))
+        self._active.append(_Active(job, slot, gen, use, started, text, origins))
 
     def _guarded(self, group: list[_Active], step: Callable[[], object]) -> None:
         """Run `step` for `group`; on an exception, fail every request of the group with 500

@@ -7,8 +7,9 @@ its backlog; with one tenant this is a plain FIFO. Places are bounded twice: `ma
 in all, and `per_tenant` waiting for one tenant, so that one key cannot take every place either
 (QueueFull says which bound refused; the engine answers 429).
 
-A place is held (`reserve`: a Slot) before the request is tokenized, so that a flood of large
-prompts is refused before any tokenizing; the job takes its slot's place when it is queued.
+A place is held (`reserve`: a Reservation) before the request is tokenized, so that a flood of
+large prompts is refused before any tokenizing; the job takes its reservation's place when it
+is queued. ("Slot" is a KV sequence only: serve.engine, SpecModel.slots.)
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class JobQueue(Generic[J]):
         self.maxsize = maxsize
         self.per_tenant = maxsize if per_tenant is None else min(per_tenant, maxsize)
         self._waiting: dict[str, collections.deque[J]] = {}  # only tenants with jobs waiting
-        self._held: collections.Counter[str] = collections.Counter()  # reserved places (Slots)
+        self._held: collections.Counter[str] = collections.Counter()  # places reserved
         # The turn in which each tenant was last served: a tenant never seen counts as served
         # before any other. One entry per tenant that ever sent a job: tenants are API keys,
         # a set fixed at start-up.
@@ -60,12 +61,12 @@ class JobQueue(Generic[J]):
         if mine >= self.per_tenant:
             raise QueueFull("tenant")
 
-    def reserve(self, tenant: str) -> Slot:
+    def reserve(self, tenant: str) -> Reservation:
         """Hold a place for a request of `tenant`; QueueFull when none is free."""
         with self._cond:
             self._check_room(tenant)
             self._held[tenant] += 1
-        return Slot(self, tenant)
+        return Reservation(self, tenant)
 
     def release(self, tenant: str) -> None:
         with self._cond:
@@ -73,13 +74,13 @@ class JobQueue(Generic[J]):
             if self._held[tenant] <= 0:
                 del self._held[tenant]
 
-    def put(self, job: J, slot: Slot | None = None) -> None:
-        """Queue `job`, in its held place if `slot` is one; QueueFull when none is free."""
+    def put(self, job: J, reservation: Reservation | None = None) -> None:
+        """Queue `job`, in its held place if `reservation` is one; QueueFull when none is free."""
         with self._cond:
-            if slot is not None and slot.take():
-                self._held[slot.tenant] -= 1
-                if self._held[slot.tenant] <= 0:
-                    del self._held[slot.tenant]
+            if reservation is not None and reservation.take():
+                self._held[reservation.tenant] -= 1
+                if self._held[reservation.tenant] <= 0:
+                    del self._held[reservation.tenant]
             else:
                 self._check_room(job.tenant)
             self._waiting.setdefault(job.tenant, collections.deque()).append(job)
@@ -137,7 +138,7 @@ class JobQueue(Generic[J]):
         return self._size
 
 
-class Slot:
+class Reservation:
     """A place held in the queue (JobQueue.reserve) until its job is queued or it is released;
     a context manager that releases it, a no-op once the job has been queued."""
 
@@ -157,7 +158,7 @@ class Slot:
         if self.take():
             self._queue.release(self.tenant)
 
-    def __enter__(self) -> Slot:
+    def __enter__(self) -> Reservation:
         return self
 
     def __exit__(self, *exc: object) -> None:
