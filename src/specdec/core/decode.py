@@ -97,6 +97,21 @@ class Clock:
         setattr(self.stats, name, getattr(self.stats, name) + seconds)
 
 
+@dataclass(frozen=True)
+class Draft:
+    """One round's proposal (`Generation.propose`), what `settle` takes back: the drafts x
+    ([k]: the grammar's `forced` ones first) with their q ([k, V]; None: deterministic), the
+    target pass's tokens `ids` ([last committed, *x]), the drafter's `source` and the seconds
+    its draft model spent catching up on context (`catchup_s`, not a per-token cost)."""
+
+    source: str | None
+    ids: list[int]
+    x: torch.Tensor
+    q: torch.Tensor | None
+    forced: int
+    catchup_s: float = 0.0
+
+
 @dataclass(kw_only=True)
 class Generation:
     """One generation: everything it needs, resolved and validated before any model work
@@ -131,7 +146,6 @@ class Generation:
     last_prefill: int = 0  # prompt tokens the latest `prefill` call put in the cache
     _prefilled: int = -1  # prompt tokens in the target's cache; -1: the prefill has not begun
     _t_start: float = 0.0  # clock.now() when the prefill began
-    _draft: tuple[str | None, int, torch.Tensor, torch.Tensor | None, float] | None = None
     _forced: list[int] = field(default_factory=list)  # the grammar's forced tokens (`want`)
 
     def __post_init__(self) -> None:
@@ -199,9 +213,9 @@ class Generation:
         source = drafter.source(self.seq + forced) if drafter is not None and room > 0 else None
         return self.policy, source, room
 
-    def propose(self, k: int, source: str | None) -> list[int]:
-        """Draft up to k tokens x_1..x_k after the grammar's forced ones (1. draft); the tokens
-        of the round's target pass: [last committed, forced..., x_1..x_k] (the drafter may
+    def propose(self, k: int, source: str | None) -> Draft:
+        """Draft up to k tokens x_1..x_k after the grammar's forced ones (1. draft); its `ids`
+        are the round's target pass: [last committed, forced..., x_1..x_k] (the drafter may
         propose fewer than k)."""
         forced = self._forced
         x, q, catchup_s = torch.empty(0, dtype=torch.long), None, 0.0  # [k], [k, V] | None
@@ -218,18 +232,16 @@ class Generation:
         if self.processor is not None and x.numel():  # a forbidden draft would be rejected
             keep = self.processor.valid(x.tolist())
             x, q = x[:keep], q[:keep] if q is not None else None
-        self._draft = (source, x.numel(), x, q, catchup_s)
-        return [self.seq[-1], *x.tolist()]
+        f = min(len(forced), x.numel())
+        return Draft(source, [self.seq[-1], *x.tolist()], x, q, f, catchup_s)
 
-    def settle(self, logits: torch.Tensor, rows: int = 0) -> list[int]:
-        """3. The accept walk over the target's rows p_1..p_{k+1} for the proposed tokens
+    def settle(self, draft: Draft, logits: torch.Tensor, rows: int = 0) -> list[int]:
+        """3. The accept walk over the target's rows p_1..p_{k+1} for `draft`'s tokens
         (`logits`, [k + 1, V]; clock.last["verify_s"] is the pass's time and `rows` its rows,
         0: k + 1); 4. commit, then roll both caches back to the accepted length. Returns the
         committed tokens."""
-        assert self._draft is not None, "settle() follows propose()"
-        source, k, x, q, catchup_s = self._draft
-        f = min(len(self._forced), k)  # the first f drafts were forced by the grammar
-        self._draft = None
+        source, x, q, f, catchup_s = draft.source, draft.x, draft.q, draft.forced, draft.catchup_s
+        k = x.numel()  # the first f drafts were forced by the grammar
         clock, stats, warp = self.clock, self.stats, self.warp
         raw = logits[:, : self.width]  # [k+1, V] the model's own rows
         with clock.phase("sampling_s"):
@@ -390,6 +402,8 @@ def prepare(
         processor=processor,
         top_logprobs=logprobs,
     )
+    if model is not None:  # the draft model's catch-up timed by the generation's clock
+        model.now = gen.clock.now  # type: ignore[union-attr]
     return gen
 
 
@@ -468,10 +482,10 @@ def _round(gen: Generation) -> list[int]:
     """One round of Algorithm 1 with a target pass of its own."""
     policy, source, room = gen.want()
     k = policy.choose(source, room) if policy is not None and source is not None else 0
-    ids = gen.propose(k, source)  # 1. draft
+    draft = gen.propose(k, source)  # 1. draft
     with gen.clock.phase("verify_s"):  # 2. verify: [last committed, x_1..x_k] -> p_1..p_{k+1}
-        logits = gen.target.extend(ids)
-    return gen.settle(logits)  # 3. accept walk, 4. commit and roll back
+        logits = gen.target.extend(draft.ids)
+    return gen.settle(draft, logits)  # 3. accept walk, 4. commit and roll back
 
 
 def rounds_together(gens: Sequence[Generation]) -> list[list[int] | Exception]:
@@ -495,21 +509,21 @@ def rounds_together(gens: Sequence[Generation]) -> list[list[int] | Exception]:
         else:  # its room bounded by its own slot's cache too (Generation.want)
             wants[i] = w
     ks = dict(zip(wants, choose_together(list(wants.values())), strict=True))
-    ids: dict[int, list[int]] = {}
+    drafts: dict[int, Draft] = {}
     for i, (_, src, _) in wants.items():  # as `_round`: nothing drafted without a source
-        x = _own(partial(gens[i].propose, ks[i] if src is not None else 0, src))
-        if isinstance(x, Exception):
-            done[i] = x
+        d = _own(partial(gens[i].propose, ks[i] if src is not None else 0, src))
+        if isinstance(d, Exception):
+            done[i] = d
         else:
-            ids[i] = x
-    if ids:
-        rows = sum(map(len, ids.values()))
+            drafts[i] = d
+    if drafts:
+        rows = sum(len(d.ids) for d in drafts.values())
         t0 = gens[0].clock.now()
-        logits = extend_together([(gens[i].target, x) for i, x in ids.items()])
+        logits = extend_together([(gens[i].target, d.ids) for i, d in drafts.items()])
         seconds = gens[0].clock.now() - t0
-        for i, lg in zip(ids, logits, strict=True):
+        for (i, d), lg in zip(drafts.items(), logits, strict=True):
             gens[i].clock.add("verify_s", seconds)
-            done[i] = _own(partial(gens[i].settle, lg, rows=rows))
+            done[i] = _own(partial(gens[i].settle, d, lg, rows=rows))
     return [done[i] for i in range(len(gens))]
 
 

@@ -59,6 +59,11 @@ class Drafter(Protocol):
 CATCHUP_IN_PASS = 8
 
 
+def _synced_now(model: SpecModel) -> float:
+    synchronize(model.device)
+    return time.perf_counter()
+
+
 class ModelDrafter:
     """A draft model: x_i ~ q(. | context + x[:i]), keeping every q_i (paper, Algorithm 1 line 1).
 
@@ -90,6 +95,9 @@ class ModelDrafter:
         # the target's adjustments (core.processing.Processor.row): q adjusted as p will be
         self.adjust = adjust
         self._base = 0  # len(context) at the last propose
+        # what times the catch-up: the generation's Clock.now (set by decode.Generation, so a
+        # replay's modelled clock times it too); alone, wall time after the device syncs
+        self.now: Callable[[], float] = lambda: _synced_now(model)
 
     def source(self, context: list[int]) -> str | None:
         return "model"
@@ -105,10 +113,9 @@ class ModelDrafter:
         # per-drafted-token cost; the K controller learns the per-token cost without it. A few
         # tokens fed in the drafting pass are: a fully accepted round leaves two every time.
         if len(uncached) > CATCHUP_IN_PASS:  # e.g. the prompt: only the last logits are needed
-            t0 = time.perf_counter()
+            t0 = self.now()
             m.prefill(uncached[:-1])
-            synchronize(m.device)
-            catchup_s, uncached = time.perf_counter() - t0, uncached[-1:]
+            catchup_s, uncached = self.now() - t0, uncached[-1:]
         logits = m.extend(uncached)[-1]  # [V_model] next-token logits after the context
         self._base = len(context)
         xs: list[int] = []
