@@ -114,6 +114,9 @@ def test_inspect_names_an_uncovered_type_and_says_the_guarantee_does_not_hold(
     assert "IQ4_NL" in text and "NOT batch-invariant (IQ4_NL" in text and "deterministic" in text
     assert main(["models", "inspect", str(iq4_nl), "--json"]) == 0
     assert "IQ4_NL" in json.loads(capsys.readouterr().out)["breaking_types"]
+    assert main(["models", "inspect", str(q4_0), "--json", "--measure"]) == 0
+    m = json.loads(capsys.readouterr().out)["measured"]
+    assert m["cached"] == 256 and 0 < m["step_ms"] and 0 < m["pass16_ms"] and m["v16"] > 0
 
 
 @pytest.mark.model

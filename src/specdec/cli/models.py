@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 from specdec.backends import registry
 from specdec.cli.args import EXIT_ERROR, EXIT_FAILED, error
@@ -54,6 +55,12 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     )
     i.add_argument("model", metavar="NAME|FILE", help="a fetched model's name or a .gguf path")
     i.add_argument("--json", action="store_true", help="print the report as JSON (flag)")
+    i.add_argument(
+        "--measure",
+        action="store_true",
+        help="also load the file (default mode, all cores) and time a single step and a "
+        "16-token verify pass on 256 cached tokens, median of 3 (flag; default off)",
+    )
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -101,8 +108,35 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return error(f"{path} is a model directory (hf:); inspect reads GGUF files")
     registry.check_gguf_file(path)
     report = inspect_weights(path, _sdmm_isa())
-    print(json.dumps(report.record(), indent=1) if args.json else "\n".join(report.lines()))
+    rec, lines = report.record(), report.lines()
+    if args.measure:
+        rec["measured"] = _measure(path)
+        m = rec["measured"]
+        lines.append(
+            f"  measured      step {m['step_ms']:.1f} ms, a 16-token pass {m['pass16_ms']:.1f} ms "
+            f"(v(16) = {m['v16']:.2f} steps) on {m['cached']} cached tokens, median of 3"
+        )
+    print(json.dumps(rec, indent=1) if args.json else "\n".join(lines))
     return 0
+
+
+def _measure(path: Path) -> dict[str, float]:
+    """One step and a 16-token verify pass of the file in the default mode (microbench's
+    timing: a warm-up pass, then alternating passes)."""
+    from statistics import median
+
+    from specdec.backends import load_model
+    from specdec.study.run.microbench import measure, probe_ids
+
+    cached, b = 256, 16
+    model = load_model(f"llamacpp:{path}", n_ctx=cached + b + 16)
+    try:
+        ids = probe_ids(model.tokenizer, model.vocab_size, cached + b)
+        verify, _ = measure(model, None, ids, cached, b, 3, progress=False, batches=[1, b])
+    finally:
+        model.close()
+    step, pass16 = median(verify[1]), median(verify[b])
+    return {"cached": cached, "step_ms": step, "pass16_ms": pass16, "v16": pass16 / step}
 
 
 def _sdmm_isa() -> str | None:
