@@ -181,3 +181,17 @@ def test_the_real_tokenizers_chat_template_output_generates(smol_llamacpp) -> No
     got = specdec.generate(smol_llamacpp, ids, **kw)
     assert got.tokens == specdec.generate(smol_llamacpp, list(plain), **kw).tokens
     assert got.stats.prompt_tokens == len(plain)
+
+
+def test_one_drafter_registry() -> None:
+    """core.config.DRAFTER_RUNS is the one place that names the drafters: the type's literal,
+    the server's names and the model / lookup sets all follow it."""
+    import typing
+
+    from specdec.core.config import DRAFTER_RUNS, LOOKUP_DRAFTERS, MODEL_DRAFTERS, DrafterName
+    from specdec.serve.speculation import SPEC_DRAFTERS
+
+    assert set(typing.get_args(DrafterName)) == set(DRAFTER_RUNS)
+    assert SPEC_DRAFTERS == ("none", *DRAFTER_RUNS)
+    assert set(MODEL_DRAFTERS) == {"model", "composite"}
+    assert set(LOOKUP_DRAFTERS) == {"lookup", "prediction", "composite"}

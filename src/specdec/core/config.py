@@ -23,11 +23,23 @@ if TYPE_CHECKING:  # annotations only: the drafters and policies import torch
     from specdec.core.drafters import Drafter
     from specdec.core.policy import KPolicy
 
-#: Drafters by name (core.drafters): a draft model, prompt lookup, lookup else the model, the
-#: request's prediction else lookup.
-DRAFTERS = ("model", "lookup", "composite", "prediction")
+#: The drafters by name (core.drafters) and what each runs: the one place that says it (a new
+#: drafter is a row here and a case in decode.make_drafter).
+#:   lookup      prompt lookup over the context (and a draft pool)
+#:   prediction  the request's prediction, else prompt lookup
+#:   model       a draft model
+#:   composite   prompt lookup, else the draft model
+DRAFTER_RUNS: dict[str, frozenset[str]] = {
+    "lookup": frozenset({"lookup"}),
+    "prediction": frozenset({"prediction", "lookup"}),
+    "model": frozenset({"model"}),
+    "composite": frozenset({"lookup", "model"}),
+}
+DRAFTERS = tuple(DRAFTER_RUNS)
 #: The named drafters that run a draft model.
-MODEL_DRAFTERS = ("model", "composite")
+MODEL_DRAFTERS = tuple(d for d, runs in DRAFTER_RUNS.items() if "model" in runs)
+#: The named drafters that run prompt lookup, so draft from a draft pool too (serve.draft_pools).
+LOOKUP_DRAFTERS = tuple(d for d, runs in DRAFTER_RUNS.items() if "lookup" in runs)
 #: The named K policies (core.policy): cost-model K, transformers' +2/-1 schedule.
 NAMED_K = ("auto", "schedule")
 #: Default largest K: with a draft model, each drafted token costs a draft step; the model-free

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from specdec.core.config import (
+    DRAFTERS,
+    LOOKUP_DRAFTERS,
     MODEL_DRAFTERS,
     NAMED_K,
     KName,
@@ -26,10 +28,7 @@ if TYPE_CHECKING:
 
 #: What a request's speculation.drafter may name: core.config.DRAFTERS and "none" (no drafting at
 #: all, not even from the request's prediction: the target decodes alone).
-SPEC_DRAFTERS = ("none", "lookup", "prediction", "model", "composite")
-#: The drafters that run prompt lookup, so draft from a draft pool too (serve.draft_pools):
-#: prediction's fallback is lookup.
-LOOKUP_DRAFTERS = ("lookup", "prediction", "composite")
+SPEC_DRAFTERS = ("none", *DRAFTERS)
 #: The fields of the `speculation` object.
 SPEC_FIELDS = ("drafter", "k", "k_max")
 #: The largest k or k_max a request may ask for. A round verifies k + 1 tokens in one target pass;
