@@ -22,12 +22,11 @@ from stats_util import two_sample_chi2
 from specdec.backends.costs import CurveFiles
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
+from specdec.core.cost import MIN_SLOPE, PRIOR_SLOPE
 from specdec.core.decode import generate
 from specdec.core.drafters import CATCHUP_IN_PASS, LookupDrafter, ModelDrafter
 from specdec.core.metrics import Round
 from specdec.core.policy import (
-    MIN_SLOPE,
-    PRIOR_SLOPE,
     PROBE_AFTER,
     PROBE_SHARE,
     AutoPolicies,

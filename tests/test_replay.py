@@ -23,6 +23,7 @@ from specdec.backends.mock import MockModel
 from specdec.backends.replay import ModelledClock
 from specdec.cli.main import main
 from specdec.core.config import SpecConfig, Warp
+from specdec.core.policy import CostModelK
 from specdec.study.run import replay as rp
 from specdec.study.run.bench import bench_config, run_bench
 
@@ -44,7 +45,12 @@ PRED = list(range(100, 160))  # 60 distinct tokens: the file
 def test_curve_interpolates_and_extrapolates_per_token() -> None:
     assert CURVE.at(1) == 1.0 and CURVE.at(33) == 9.3
     assert CURVE.at(3) == pytest.approx((1.8 + 2.1) / 2)
-    assert CURVE.at(128) == pytest.approx(12.2 * 2)  # beyond the last point: its cost per token
+    slope = (12.2 - 9.3) / (64 - 33)  # beyond the last point: the last two points' slope
+    assert CURVE.at(128) == pytest.approx(12.2 + slope * (128 - 64))
+    # the rule k="auto" prices a pass with (core.cost.curve_at): a replay prices it alike
+    policy = CostModelK(k_max=64, verify_s=CURVE.v)
+    for b in (3, 5, 33, 50, 64, 100, 128):
+        assert CURVE.at(b) == pytest.approx(policy.v(b)), b
     assert CURVE.round_steps(3, c=0.1) == pytest.approx(2.1 + 0.3)
 
 

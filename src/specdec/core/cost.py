@@ -13,16 +13,57 @@ microbench (study.run.microbench, with measured curves in target steps):
     speedup(K)      E(K) / cost(K): tokens per unit of cost; against target-only decoding when
                     the unit is one target step
 
-and `VerifyCurve`, v(b) as measured: what k="auto", the cost store and `specdec doctor` read.
+and `VerifyCurve`, v(b) as measured: what k="auto", the cost store and `specdec doctor` read;
+`curve_at`, v(b) between and beyond measured points, the one rule k="auto" and a replay
+(study.run.replay.Curve) price a pass with.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+#: Until a pass over b tokens has been timed, it is assumed to cost one step plus PRIOR_SLOPE of
+#: a step per extra token: between a CPU's slope and a GPU's (near zero), so a new source is
+#: tried at K = 1 (break-even at 50% acceptance) and the real cost replaces the guess after one
+#: round. Measured points are interpolated linearly.
+PRIOR_SLOPE = 0.5
+#: The least a token may add to a pass, in steps, where v(b) is extrapolated from measurements:
+#: a verify row at a CPU's int8 peak is a small fraction of a memory-bound step (docs/kernels.md).
+MIN_SLOPE = 0.05
+
+
+def curve_at(
+    known: Sequence[int], value: Callable[[int], float], b: int, step: float | None = None
+) -> float:
+    """v(b) from the points measured at `known` (sorted b, value(b) each; `step`: v(1), else
+    read off the curve): the point itself; linear between points; past the last, the slope of
+    the last two (a CPU's curve is close to linear past a few rows; a joint pass over several
+    requests' rows asks for b beyond what one request verifies), kept within [MIN_SLOPE,
+    PRIOR_SLOPE] steps a token; before the first, or with one, the prior's slope. With no point,
+    the prior in steps (any unit gives k="auto" the same argmax)."""
+    if not known:
+        return 1.0 + PRIOR_SLOPE * (b - 1)
+    i = bisect.bisect_left(known, b)
+    if i < len(known) and known[i] == b:
+        return value(b)
+    if 0 < i < len(known):
+        lo, hi = known[i - 1], known[i]
+        w = (b - lo) / (hi - lo)
+        return (1 - w) * value(lo) + w * value(hi)
+    ref = known[0] if i == 0 else known[-1]
+    if step is None:
+        step = value(ref) / (1 + PRIOR_SLOPE * (ref - 1))
+    slope = PRIOR_SLOPE * step
+    if i > 0 and len(known) > 1:
+        lo = known[-2]
+        last = (value(ref) - value(lo)) / (ref - lo)
+        slope = min(max(last, MIN_SLOPE * step), slope)
+    return max(step, value(ref) + slope * (b - ref))
 
 
 def p_at_least_from_conditional(alphas: Sequence[float]) -> list[float]:

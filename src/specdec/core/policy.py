@@ -33,7 +33,13 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Protocol
 
-from specdec.core.cost import VerifyCurve, expected_tokens_per_round, round_cost
+from specdec.core.cost import (
+    PRIOR_SLOPE,
+    VerifyCurve,
+    curve_at,
+    expected_tokens_per_round,
+    round_cost,
+)
 from specdec.core.cost import p_at_least_from_conditional as p_at_least
 from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
@@ -91,14 +97,6 @@ class _SourceStats:
     draft_s_per_token: float | None = None
 
 
-#: Until a pass over b tokens has been timed, it is assumed to cost one step plus PRIOR_SLOPE of
-#: a step per extra token: between a CPU's slope and a GPU's (near zero), so a new source is
-#: tried at K = 1 (break-even at 50% acceptance) and the real cost replaces the guess after one
-#: round. Measured points are interpolated linearly.
-PRIOR_SLOPE = 0.5
-#: The least a token may add to a pass, in steps, where v(b) is extrapolated from measurements:
-#: a verify row at a CPU's int8 peak is a small fraction of a memory-bound step (docs/kernels.md).
-MIN_SLOPE = 0.05
 #: Sources whose drafts are strong evidence from the start: (prior acceptance, depth cap before
 #: any evidence). A prediction aligned with the output is the file being re-emitted: its drafts
 #: usually run to the next edit, accepted whole.
@@ -187,29 +185,14 @@ class CostModelK:
         return n * self._summary[b] + (1 - n) * prior
 
     def v(self, b: int) -> float:
-        """Seconds for a target pass over b tokens: measured, else interpolated linearly
-        between measurements; past the last, the slope of the last two (a CPU's curve is close
-        to linear past a few rows; a joint pass over several requests' rows asks for b beyond
-        what one request verifies), kept within [MIN_SLOPE, PRIOR_SLOPE] steps a token; before
-        the first, or with one, the prior's slope."""
-        if b in self._summary:
-            return self._measured(b)
+        """Seconds for a target pass over b tokens: core.cost.curve_at over this policy's
+        points, each drawn back to the prior as it goes stale (`_measured`)."""
         known = self._known
         if not known:
-            return 1.0 + PRIOR_SLOPE * (b - 1)  # in steps; any unit gives the same argmax
-        i = bisect.bisect_left(known, b)
-        if 0 < i < len(known):
-            lo, hi = known[i - 1], known[i]
-            w = (b - lo) / (hi - lo)
-            return (1 - w) * self._measured(lo) + w * self._measured(hi)
-        ref = known[0] if i == 0 else known[-1]
+            return curve_at(known, self._measured, b)
+        ref = known[0] if b < known[0] else known[-1]
         step = self._summary.get(1, self._summary[ref] / (1 + PRIOR_SLOPE * (ref - 1)))
-        slope = PRIOR_SLOPE * step
-        if i > 0 and len(known) > 1:
-            lo = known[-2]
-            last = (self._measured(ref) - self._measured(lo)) / (ref - lo)
-            slope = min(max(last, MIN_SLOPE * step), slope)
-        return max(step, self._measured(ref) + slope * (b - ref))
+        return curve_at(known, self._measured, b, step)
 
     def alphas(self, source: str) -> list[float]:
         """Conditional acceptance per position; position i's prior is position i-1's estimate.

@@ -49,6 +49,7 @@ from typing import Any
 
 from specdec.backends.replay import Charged, CostFn, ModelledClock, ReplayTarget
 from specdec.core.config import DrafterName, Warp
+from specdec.core.cost import curve_at
 from specdec.core.decode import make_drafter, stream
 from specdec.core.drafters import CompositeDrafter, Drafter, PredictionDrafter, PredictionIndex
 from specdec.core.metrics import GenerationStats, Round
@@ -93,18 +94,9 @@ class Curve:
     source: str = ""
 
     def at(self, b: int) -> float:
-        """v(b): measured, interpolated linearly between measured points, else beyond the last
-        point at its cost per token (the curve grows at least linearly there)."""
-        if b in self.v:
-            return self.v[b]
-        known = sorted(self.v)
-        lo = max((x for x in known if x < b), default=None)
-        hi = min((x for x in known if x > b), default=None)
-        if lo is not None and hi is not None:
-            w = (b - lo) / (hi - lo)
-            return (1 - w) * self.v[lo] + w * self.v[hi]
-        ref = known[-1] if hi is None else known[0]
-        return self.v[ref] * b / ref
+        """v(b) as k="auto" prices it (core.cost.curve_at): measured, interpolated linearly
+        between measured points, extrapolated past them at the last two's slope, v(1) = 1."""
+        return curve_at(sorted(self.v), self.v.__getitem__, b, 1.0)
 
     def round_steps(self, k: int, c: float = 0.0) -> float:
         """One round drafting k tokens: v(k + 1) + k c (core.cost's cost(K))."""
