@@ -131,9 +131,7 @@ class Modelled(MockModel):
     def _prefill(self, ids: list[int]) -> None:
         self._extend(ids, "prefill")
 
-    joint_passes = True  # its slots' rounds share one pass, as llama.cpp's do
-
-    def _extend_slots(self, calls: list) -> list:
+    def _extend_slots(self, calls: list) -> list:  # one pass for its slots, as llama.cpp's
         self.clock.t += self.FIXED + self.PER_TOKEN * sum(len(ids) for _, ids in calls)
         self.log.extend((m.name, "round", self.clock.t) for m, _ in calls)
         return [MockModel._extend(m, ids) for m, ids in calls]

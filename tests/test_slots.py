@@ -189,6 +189,32 @@ def test_extend_together_checks_every_call_before_any_work() -> None:
     assert a.n_cached == b.n_cached == 0
 
 
+def test_a_failed_joint_extend_leaves_every_slot_as_it_was(monkeypatch) -> None:
+    """SpecModel._extend_slots' default runs the slots one after another; when one fails,
+    those that ran are rolled back, so every backend cache holds what its slot recorded (as
+    llama.cpp's one pass leaves them)."""
+
+    class Held(MockModel):  # a backend cache of its own per slot, as a real backend has
+        def _extend(self, ids: list[int]) -> torch.Tensor:
+            self.__dict__.setdefault("held", []).extend(ids)
+            return super()._extend(ids)
+
+        def _truncate(self, n: int) -> None:
+            del self.__dict__.setdefault("held", [])[n:]
+
+    a, b = Held(V, seed=0).slots(2)
+    a.extend([1, 2, 3])
+    b.extend([4, 5])
+
+    def broken(ids: list[int]) -> torch.Tensor:
+        raise RuntimeError("the pass failed")
+
+    monkeypatch.setattr(b, "_extend", broken)
+    with pytest.raises(RuntimeError, match="the pass failed"):
+        extend_together([(a, [6, 7]), (b, [8])])
+    assert a.cached_tokens == a.held == [1, 2, 3] and b.cached_tokens == b.held == [4, 5]
+
+
 def test_a_backend_with_one_sequence_says_how_to_serve_several() -> None:
     class OneSeq(MockModel):
         def _make_slots(self, n: int) -> list[SpecModel]:

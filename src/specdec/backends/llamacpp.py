@@ -387,8 +387,6 @@ def _check_deterministic_switches(
 class LlamaCppModel(SpecModel):
     """A GGUF model in llama.cpp with one KV sequence, or `n_seq` of them (`slots`)."""
 
-    joint_passes = True  # its slots are sequences of one context: one llama_decode for all
-
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -710,7 +708,8 @@ class LlamaCppModel(SpecModel):
         return self._slots[:n]
 
     def _extend_slots(self, calls: list[tuple[SpecModel, list[int]]]) -> list[torch.Tensor]:
-        # In sequence-id order, as llama.cpp's stream split wants them (module docstring).
+        # Its slots are sequences of one context: one llama_decode for all, in sequence-id
+        # order, as llama.cpp's stream split wants them (module docstring).
         order = sorted(range(len(calls)), key=lambda i: _seq_of(calls[i][0]))
         segments = [(_seq_of(calls[i][0]), calls[i][0].n_cached, calls[i][1]) for i in order]
         logits = self._decode(self._ctx, segments)

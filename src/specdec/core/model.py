@@ -184,9 +184,6 @@ class SpecModel(ABC):
         check_int("slots", n, 1, error=SpecModelError)
         return [self] if n == 1 else self._make_slots(n)
 
-    #: its slots' extends share one pass (extend_together); False: one after another
-    joint_passes: bool = False
-
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless a backend holds resources
         """Release backend resources (optional)."""
 
@@ -201,6 +198,22 @@ class SpecModel(ABC):
 
     def _prefill(self, ids: list[int]) -> None:
         self._extend(ids)  # backends that can skip the output layer override this
+
+    def _extend_slots(self, calls: list[tuple[SpecModel, list[int]]]) -> list[torch.Tensor]:
+        """Run each call's checked ids on its slot of this model (`extend_together`), returning
+        each one's logits; the caller records the tokens once every call has run. A backend
+        whose slots can share one pass (llama.cpp: sequences of one context) overrides this;
+        here they run one after another, and a failure rolls back those that ran, so a failed
+        call leaves every cache as it was either way."""
+        out: list[torch.Tensor] = []
+        try:
+            for m, ids in calls:
+                out.append(m._extend(ids))
+        except BaseException:
+            for (m, _), _ in zip(calls, out, strict=False):
+                m._truncate(m.n_cached)  # the backend's cache back to the recorded tokens
+            raise
+        return out
 
     def _make_slots(self, n: int) -> list[SpecModel]:
         raise SpecModelError(
@@ -248,9 +261,9 @@ class SpecModel(ABC):
 
 def extend_together(calls: Sequence[tuple[SpecModel, TokenIds]]) -> list[torch.Tensor]:
     """`[m.extend(tokens) for m, tokens in calls]`, as one pass where the models are slots of one
-    model whose backend runs `joint_passes` (SpecModel.slots, one `owner`): the same logits,
-    each slot's own, bit for bit on a batch-invariant backend. Every call is checked before any
-    model work."""
+    model (SpecModel.slots, one `owner`: its `_extend_slots`, one pass where the backend can):
+    the same logits, each slot's own, bit for bit on a batch-invariant backend. Every call is
+    checked before any model work."""
     checked = []
     for m, tokens in calls:
         ids = m._validate(tokens)
@@ -259,9 +272,9 @@ def extend_together(calls: Sequence[tuple[SpecModel, TokenIds]]) -> list[torch.T
     if len({id(m) for m, _ in checked}) != len(checked):
         raise SpecModelError("extend_together: a model appears twice; one call per slot")
     owner = checked[0][0].owner if len(checked) > 1 else None
-    if owner is None or not owner.joint_passes or any(m.owner is not owner for m, _ in checked):
+    if owner is None or any(m.owner is not owner for m, _ in checked):
         return [m.extend(ids) for m, ids in checked]
-    out = owner._extend_slots(checked)  # type: ignore[attr-defined]
+    out = owner._extend_slots(checked)
     for m, ids in checked:  # after the pass: a failed pass leaves every cache as it was
         m.cached_tokens.extend(ids)
     return out
