@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from specdec.backends import llamacpp_build
-from specdec.backends.llamacpp import _package_dir, kernels
+from specdec.backends.llamacpp import kernels
+from specdec.backends.llamacpp_lib import package_dir
 
 #: llama.cpp's feature name -> the /proc/cpuinfo flag: with -march=native, each one the CPU has
 #: is compiled in, and none it lacks.
@@ -89,7 +90,7 @@ def test_the_backend_refuses_such_a_build_with_the_fix(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("raise SystemExit('libllama was imported')\n")
     info = {"flavor": "native", "cpu_model": "x", "cpu_flags": ["avx1024"]}
     (pkg / llamacpp_build.MANIFEST).write_text(json.dumps(info))
-    code = "from specdec.backends.llamacpp import _llama; _llama()"
+    code = "from specdec.backends.llamacpp_lib import bindings; bindings()"
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert res.returncode != 0
@@ -99,7 +100,8 @@ def test_the_backend_refuses_such_a_build_with_the_fix(tmp_path: Path) -> None:
 _GREEDY = """
 import hashlib, json
 from specdec.backends import load_model
-from specdec.backends.llamacpp import _package_dir, kernels
+from specdec.backends.llamacpp import kernels
+from specdec.backends.llamacpp_lib import package_dir
 from specdec.core.config import Warp
 from specdec.core.decode import generate
 m = load_model("llamacpp:smollm2-135m", n_threads=1)
@@ -134,8 +136,9 @@ def _greedy(pythonpath: str | None) -> dict:
 _KERNEL_DIGEST = """
 import ctypes, hashlib, sys
 import numpy as np
-from specdec.backends.llamacpp import SDMM_ISAS, _ggml_cpu, _llama
-lib, isa = _ggml_cpu(_llama()), SDMM_ISAS.index(sys.argv[1])
+from specdec.backends.llamacpp import SDMM_ISAS
+from specdec.backends.llamacpp_lib import bindings, ggml_cpu
+lib, isa = ggml_cpu(bindings()), SDMM_ISAS.index(sys.argv[1])
 P = ctypes.c_void_p
 rng = np.random.default_rng(3)
 h = hashlib.sha256()
@@ -200,7 +203,7 @@ def test_the_portable_code_path_runs_and_agrees(smol_path: Path, tmp_path: Path)
     within 1.5 (other kernels quantize activations and sum in another order: 0.79 measured
     between AVX2 and AMX)."""
     lib = llamacpp_build.build_cpu_backend("portable", log=lambda s: None)
-    shutil.copytree(_package_dir(), tmp_path / "llama_cpp")
+    shutil.copytree(package_dir(), tmp_path / "llama_cpp")
     for name in (tmp_path / "llama_cpp" / "lib").glob("libggml-cpu.so*"):
         shutil.copy2(lib, name)
     low, best = _greedy(str(tmp_path)), _greedy(None)

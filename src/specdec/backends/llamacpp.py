@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from specdec.backends.llamacpp_lib import bindings, ggml_cpu, load_log, package_dir
 from specdec.backends.weights import (
     ROW_INVARIANT_TYPES,
     SDMM_TYPES,
@@ -93,7 +94,6 @@ _SEQ = 0  # the model's own sequence id; its slots (n_seq > 1) are 1 .. n_seq - 
 # llama.cpp's default.
 DEFAULT_TYPE_K = 8  # GGML_TYPE_Q8_0
 LLAMA_VOCAB_TYPE_SPM = 1  # llama.h's enum llama_vocab_type
-_GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR = 3, 4  # ggml_log_level; 5 continues a line
 #: llama.cpp's switch for its tiled K-quant GEMM (batches of >= 8 rows), read once per process:
 #: the first model sets it, on for the default mode, off for deterministic (module docstring).
 TILED_MM_ENV = "GGML_CPU_TILED_MM"
@@ -102,10 +102,6 @@ _tiled_set_by = ""  # the mode of the model that set TILED_MM_ENV, if specdec se
 #: llama.cpp's kernels); SDMM_ISA_ENV forces an instruction path (ref, avx2, avx512) for tests.
 SDMM_ENV, SDMM_ISA_ENV = "SPECDEC_MM", "SPECDEC_MM_ISA"
 SDMM_ISAS = ("ref", "avx2", "avx512")
-
-_backend_ready = False
-_log_callback: Any = None  # keeps the ctypes callback alive for as long as llama.cpp may call it
-_log_sink: list[str] | None = None  # collects llama.cpp's INFO lines while a model loads
 
 
 #: A sequence's cells in a multi-sequence context come in multiples of this (llama.cpp pads)
@@ -139,68 +135,10 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _llama() -> Any:
-    """The ctypes bindings, with the backend initialized and llama.cpp's logging tamed (once)."""
-    global _backend_ready, _log_callback
-    if not _backend_ready:
-        _check_build()
-    try:
-        import llama_cpp.llama_cpp as llama
-    except ImportError as e:
-        raise SpecModelError(
-            "the llamacpp backend needs llama-cpp-python (pip install llama-cpp-python); "
-            "or load the model with the hf: backend"
-        ) from e
-    if not _backend_ready:
-
-        @llama.llama_log_callback
-        def forward_errors(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-            # llama.cpp prints hundreds of info lines per model load; keep its warnings and
-            # errors, and hand the rest to a load that asked for them (buffer types).
-            line = text.decode("utf-8", "replace").rstrip()
-            if level in (_GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR):
-                log.warning("llama.cpp: %s", line)
-            elif _log_sink is not None:
-                _log_sink.append(line)
-
-        _log_callback = forward_errors
-        llama.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        llama.llama_backend_init()
-        _backend_ready = True
-    return llama
-
-
-def _package_dir() -> Path | None:
-    """Where the llama_cpp package is, found without importing it (importing loads libllama)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _check_build() -> None:
-    """Refuse, with the fix, a native build made for instructions this CPU lacks."""
-    from specdec.backends import llamacpp_build
-
-    where = _package_dir()
-    if where is not None:
-        try:
-            llamacpp_build.check_build(where)
-        except llamacpp_build.BuildError as e:
-            raise SpecModelError(str(e)) from None
-
-
-def _ggml_cpu(llama: Any) -> Any:
-    """libggml-cpu beside libllama (sdmm's C functions live there in specdec's build)."""
-    return ctypes.CDLL(str(Path(llama._lib._name).with_name("libggml-cpu.so")))
-
-
 def sdmm_isa() -> str | None:
     """The instruction path sdmm's kernels run in this process ("avx512", "avx2", "ref"), or
     None: sdmm is off ($SPECDEC_MM=0) or not in this llama-cpp-python (not specdec's build)."""
-    lib = _ggml_cpu(_llama())
+    lib = ggml_cpu(bindings())
     if not hasattr(lib, "sdmm_buffer_isa"):
         return None
     isa = int(lib.sdmm_buffer_isa())
@@ -213,7 +151,7 @@ def peak_int8_gops(threads: int, seconds: float = 0.5) -> float | None:
     them. None where the CPU lacks AVX-512 VNNI or the build lacks sdmm."""
     import threading
 
-    lib = _ggml_cpu(_llama())
+    lib = ggml_cpu(bindings())
     if not hasattr(lib, "sdmm_peak_macs"):
         return None
     lib.sdmm_peak_macs.restype = ctypes.c_double
@@ -238,7 +176,7 @@ def sdfa_isa() -> str | None:
     """The instruction path of sdfa, specdec's attention for a q8_0 K cache (native/sdfa.h):
     its own choice, which may be wider than sdmm's (AVX-512 without VNNI); or None: off
     ($SPECDEC_FA=0, or sdmm off) or not in this build."""
-    lib = _ggml_cpu(_llama())
+    lib = ggml_cpu(bindings())
     if not hasattr(lib, "sdfa_op_isa"):
         return None
     isa = int(lib.sdfa_op_isa())
@@ -250,7 +188,7 @@ def _check_sdmm_env() -> None:
     want = os.environ.get(SDMM_ISA_ENV, "")
     if not want or os.environ.get(SDMM_ENV) == "0":
         return
-    lib = _ggml_cpu(_llama())
+    lib = ggml_cpu(bindings())
     if want not in SDMM_ISAS:
         raise SpecModelError(f"{SDMM_ISA_ENV}={want!r}: choose one of {', '.join(SDMM_ISAS)}")
     if hasattr(lib, "sdmm_isa_supported") and not lib.sdmm_isa_supported(SDMM_ISAS.index(want)):
@@ -266,8 +204,8 @@ def kernels() -> dict[str, Any]:
     kernels take (None: off or absent)."""
     from specdec.backends import llamacpp_build
 
-    llama = _llama()
-    where = _package_dir()
+    llama = bindings()
+    where = package_dir()
     info = llamacpp_build.installed_manifest(where) if where is not None else None
     text = llama.llama_print_system_info().decode("utf-8", "replace")
     features = sorted(
@@ -296,7 +234,7 @@ def _source_digest() -> str | None:
     build is not specdec's or predates the digest."""
     from specdec.backends import llamacpp_build
 
-    where = _package_dir()
+    where = package_dir()
     info = llamacpp_build.installed_manifest(where) if where is not None else None
     return info.get("source_digest") if info else None
 
@@ -335,13 +273,8 @@ def _load_model(llama: Any, path: Path, mparams: Any) -> tuple[Any, dict[str, fl
     """llama_model_load_from_file, and the MiB of weights llama.cpp put in each of its extra
     buffer types (SDMM, CPU_REPACK, AMX: weights laid out for another kernel), read from its own
     buffer report: where the weights went, and the check that `use_extra_bufts` reached it."""
-    global _log_sink
-    _log_sink = []
-    try:
+    with load_log() as lines:
         model = llama.llama_model_load_from_file(str(path).encode("utf-8"), mparams)
-        lines = _log_sink
-    finally:
-        _log_sink = None
     extra: dict[str, float] = {}
     for line in lines:  # "load_tensors:   CPU_REPACK model buffer size =    28.05 MiB"
         head, sep, size = line.partition(" model buffer size =")
@@ -412,7 +345,7 @@ class LlamaCppModel(SpecModel):
                 f"for; run at most {MAX_SEQ} at once (specdec serve --parallel)"
             )
         self.n_seq = n_seq
-        llama = self._llama = _llama()
+        llama = self._llama = bindings()
         path = Path(path)
         self.name = name or f"llamacpp:{path.name}"
         self.path = path
@@ -596,7 +529,7 @@ class LlamaCppModel(SpecModel):
         dev = get_device(device)
         if dev.type != "cpu":
             kwargs.setdefault("n_gpu_layers", -1)
-            if device is not None and not _llama().llama_supports_gpu_offload():
+            if device is not None and not bindings().llama_supports_gpu_offload():
                 log.warning("this llama.cpp build cannot offload to %s; running on the CPU", dev)
         tokenizer = load_tokenizer(path)  # the same cached conversion HFModel uses
         return cls(path, tokenizer=tokenizer, name=name, **kwargs)

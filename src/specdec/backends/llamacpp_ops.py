@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from specdec.backends.llamacpp import _llama
+from specdec.backends.llamacpp_lib import bindings
 
 
 class OpCapture:
@@ -26,7 +26,7 @@ class OpCapture:
     """
 
     def __init__(self) -> None:
-        llama = _llama()
+        llama = bindings()
         self.recording = False
         self.tensors: dict[str, list[np.ndarray]] = {}
         self.weight_types: dict[str, str] = {}
@@ -64,7 +64,7 @@ class OpTimer:
     """
 
     def __init__(self) -> None:
-        llama = _llama()
+        llama = bindings()
         self.recording = False
         self.nodes: list[tuple[str, str, str | None, str | None, float]] = []
         self._ggml = _ggml_base(llama)

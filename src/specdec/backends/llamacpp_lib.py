@@ -1,0 +1,100 @@
+"""llama-cpp-python's ctypes bindings and the native libraries beside them, loaded once: the
+one place that imports llama_cpp, initializes llama.cpp's backend, tames its logging and finds
+libggml-cpu (where specdec's sdmm and sdfa live). backends.llamacpp and backends.llamacpp_ops
+both read them from here, so neither imports the other's privates.
+
+    bindings()        llama_cpp.llama_cpp, the backend initialized (once)
+    ggml_cpu(llama)   libggml-cpu beside libllama, as a ctypes library
+    package_dir()     where the llama_cpp package is, found without importing it
+    load_log()        collects llama.cpp's info lines while a model loads
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from specdec.core.model import SpecModelError
+
+log = logging.getLogger("specdec.backends.llamacpp")
+
+_GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR = 3, 4  # ggml_log_level; 5 continues a line
+
+_backend_ready = False
+_log_callback: Any = None  # keeps the ctypes callback alive for as long as llama.cpp may call it
+_log_sink: list[str] | None = None  # collects llama.cpp's INFO lines while a model loads
+
+
+def bindings() -> Any:
+    """The ctypes bindings, with the backend initialized and llama.cpp's logging tamed (once)."""
+    global _backend_ready, _log_callback
+    if not _backend_ready:
+        _check_build()
+    try:
+        import llama_cpp.llama_cpp as llama
+    except ImportError as e:
+        raise SpecModelError(
+            "the llamacpp backend needs llama-cpp-python (pip install llama-cpp-python); "
+            "or load the model with the hf: backend"
+        ) from e
+    if not _backend_ready:
+
+        @llama.llama_log_callback
+        def forward_errors(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+            # llama.cpp prints hundreds of info lines per model load; keep its warnings and
+            # errors, and hand the rest to a load that asked for them (buffer types).
+            line = text.decode("utf-8", "replace").rstrip()
+            if level in (_GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR):
+                log.warning("llama.cpp: %s", line)
+            elif _log_sink is not None:
+                _log_sink.append(line)
+
+        _log_callback = forward_errors
+        llama.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        llama.llama_backend_init()
+        _backend_ready = True
+    return llama
+
+
+def package_dir() -> Path | None:
+    """Where the llama_cpp package is, found without importing it (importing loads libllama)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _check_build() -> None:
+    """Refuse, with the fix, a native build made for instructions this CPU lacks."""
+    from specdec.backends import llamacpp_build
+
+    where = package_dir()
+    if where is not None:
+        try:
+            llamacpp_build.check_build(where)
+        except llamacpp_build.BuildError as e:
+            raise SpecModelError(str(e)) from None
+
+
+def ggml_cpu(llama: Any) -> Any:
+    """libggml-cpu beside libllama (sdmm's C functions live there in specdec's build)."""
+    return ctypes.CDLL(str(Path(llama._lib._name).with_name("libggml-cpu.so")))
+
+
+@contextmanager
+def load_log() -> Iterator[list[str]]:
+    """The info lines llama.cpp logs inside the block (a model load's buffer report); its
+    warnings and errors go to the log as always."""
+    global _log_sink
+    lines: list[str] = []
+    _log_sink = lines
+    try:
+        yield lines
+    finally:
+        _log_sink = None
