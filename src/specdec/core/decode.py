@@ -240,8 +240,9 @@ class Generation:
         (`logits`, [k + 1, V]; clock.last["verify_s"] is the pass's time and `rows` its rows,
         0: k + 1); 4. commit, then roll both caches back to the accepted length. Returns the
         committed tokens."""
+        # the first f of the k drafts were forced by the grammar
         source, x, q, f, catchup_s = draft.source, draft.x, draft.q, draft.forced, draft.catchup_s
-        k = x.numel()  # the first f drafts were forced by the grammar
+        k = x.numel()
         clock, stats, warp = self.clock, self.stats, self.warp
         raw = logits[:, : self.width]  # [k+1, V] the model's own rows
         with clock.phase("sampling_s"):

@@ -187,11 +187,10 @@ class CostModelK:
     def v(self, b: int) -> float:
         """Seconds for a target pass over b tokens: core.cost.curve_at over this policy's
         points, each drawn back to the prior as it goes stale (`_measured`)."""
-        known = self._known
-        if not known:
-            return curve_at(known, self._measured, b)
-        ref = known[0] if b < known[0] else known[-1]
-        step = self._summary.get(1, self._summary[ref] / (1 + PRIOR_SLOPE * (ref - 1)))
+        known, step = self._known, self._summary.get(1)
+        if step is None and known:  # no step measured: read off the point extrapolated from
+            ref = known[0] if b < known[0] else known[-1]
+            step = self._summary[ref] / (1 + PRIOR_SLOPE * (ref - 1))
         return curve_at(known, self._measured, b, step)
 
     def alphas(self, source: str) -> list[float]:
