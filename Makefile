@@ -38,7 +38,7 @@ $(LLAMA_STAMP): $(STAMP) $(LLAMA_BUILD)
 	MAKEFLAGS= MFLAGS= $(BIN)/python -m specdec.backends.llamacpp_build install
 	touch $@
 
-# Debian's Chromium and its driver, for the playground's browser tests (tests/test_playground.py):
+# Debian's Chromium and its driver, for the playground's browser tests (tests/serve/test_playground.py):
 # installed when missing and this user may (root, as in CI); elsewhere those tests say what to
 # install, and fail rather than skip where $$CI is set.
 browser:

@@ -6,8 +6,8 @@
     smol_llamacpp    load_model("llamacpp:smollm2-135m"): Q4_1 in llama.cpp, default settings
                      (TEST_THREADS threads).
     smol_prompt_ids  ~300 token ids of real text: a chat-templated prompt plus an answer.
-    pair             (target, draft) mock models, module-wide, shaped by the module's V,
-                     PAIR_SCALE and PAIR_NOISE.
+    pair             (target, draft) mock models, module-wide, shaped by `pair_spec` (a module
+                     overrides that fixture for another vocabulary, scale or noise).
     qwen05_path      Path of qwen2.5-coder-0.5b.gguf, fetched on first use.
 A test that needs a model fetches it (`fetched`); where it cannot, the test fails, never skips.
 
@@ -42,9 +42,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import TEST_THREADS, PairSpec
 
 from specdec.backends import load_model
-from specdec.backends.llamacpp import usable_cores
 from specdec.backends.mock import MockModel
 from specdec.backends.registry import specdec_home
 from specdec.core.model import SpecModel
@@ -72,14 +72,6 @@ REAL_HOME = _hermetic_home()
 
 
 SMOL = "smollm2-135m"
-# Threads per model: every core this process may use (the library's default), as CI's box runs
-# the suite alone; set SPECDEC_TEST_THREADS=1 where the box is shared. Both ggml and torch's
-# OpenMP sync every op with spinning barriers, so a 2-thread pool with one core held by another
-# process stalls at each barrier (docs/results.md has the numbers). No logits depend on the
-# thread count here (llama.cpp: the matmuls split rows, never a sum; HF: fp32, checked within the
-# contract tolerance). Exported, so that the tests' own subprocesses use the same count.
-TEST_THREADS = int(os.environ.get("SPECDEC_TEST_THREADS") or 0) or usable_cores()
-os.environ["SPECDEC_TEST_THREADS"] = str(TEST_THREADS)
 # llama.cpp's tiled K-quant matmul off for the whole test process: it reads the switch once per
 # process, and default-mode and deterministic models share this one (backends/llamacpp.py). It
 # changes nothing for smollm2's Q4_1 weights, nor on a CPU with AMX.
@@ -133,14 +125,19 @@ def fetched(name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pair(request: pytest.FixtureRequest) -> tuple[MockModel, MockModel]:
-    """(target, draft) mock models for a module of mock-model tests: vocabulary `V`, the target's
-    logit scale `PAIR_SCALE` (default: MockModel's) and a draft that is the target plus
-    Gaussian noise `PAIR_NOISE` (default 0.7: close), each read from the test module."""
-    mod = request.module
-    scale = {"scale": mod.PAIR_SCALE} if hasattr(mod, "PAIR_SCALE") else {}
-    target = MockModel(mod.V, seed=0, **scale)
-    return target, MockModel.near(target, noise=getattr(mod, "PAIR_NOISE", 0.7), seed=1)
+def pair_spec() -> PairSpec:
+    """The shape of `pair`'s models; a module that wants another overrides this fixture."""
+    return PairSpec()
+
+
+@pytest.fixture(scope="module")
+def pair(pair_spec: PairSpec) -> tuple[MockModel, MockModel]:
+    """(target, draft) mock models for a module of mock-model tests, shaped by `pair_spec`: the
+    target has vocabulary `v` and logit scale `scale`, the draft is the target plus Gaussian
+    noise `noise`."""
+    scale = {} if pair_spec.scale is None else {"scale": pair_spec.scale}
+    target = MockModel(pair_spec.v, seed=0, **scale)
+    return target, MockModel.near(target, noise=pair_spec.noise, seed=1)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """What the server tests share: `specdec serve` in-process on loopback, the mock models and
 tokenizer it serves, and the HTTP helpers the tests drive it with. Not a test module (pytest
-collects test_*.py only); tests/test_server*.py, test_hardening.py, test_tenants.py and the other
-HTTP tests import from it.
+collects test_*.py only); the HTTP tests under tests/serve/ import from it.
 
 Each server runs in-process (uvicorn in a background thread, on a socket bound to 127.0.0.1:0)
 so a test can compare its output with `specdec.generate` on the very same model objects

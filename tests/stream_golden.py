@@ -6,7 +6,7 @@ what differs between runs masked: ids, timestamps and the two timings of the `sp
 tests/fixtures/default_stream.golden holds what the server sent before the speculation extensions
 existed; it was recorded from commit 6743831 (`git archive 6743831 src tests`, then
 `PYTHONPATH=src python tests/stream_golden.py > tests/fixtures/default_stream.golden` in that
-tree). tests/test_speculation_api.py compares today's server with it. A change to the core that
+tree). tests/serve/test_speculation.py compares today's server with it. A change to the core that
 changes the mock's tokens (sampling, drafting, a K policy) changes the recording without
 changing the stream's shape: re-record it then, from today's tree, after reading the diff.
 """

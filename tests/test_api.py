@@ -10,14 +10,19 @@ from collections import UserDict
 import numpy as np
 import pytest
 import torch
+from support import PairSpec
 
 import specdec
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.model import SpecModelError
 
 V = 16
-PAIR_SCALE = 3.0  # the `pair` fixture (conftest.py)
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 7, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def pair_spec() -> PairSpec:
+    return PairSpec(v=V, scale=3.0)
 
 
 def test_generate_and_stream_take_prepares_arguments(pair) -> None:

@@ -394,3 +394,25 @@ def test_the_size_check_catches_a_long_module_and_function(tmp_path: Path) -> No
     cli.mkdir()
     (cli / "probe.py").write_text(long_fn.replace("def f", "def add"))
     assert _oversized(cli / "probe.py") == []  # a subcommand's argparse builder
+
+
+#: The test modules that belong to no one package: the public API as a user calls it, and the
+#: checks of the repository itself (docs, this layout).
+CROSS_CUTTING_TESTS = {"test_api.py", "test_docs.py", "test_layout.py"}
+
+
+def test_tests_mirror_the_packages() -> None:
+    """tests/<package>/test_*.py tests src/specdec/<package>/, so a change to a package has its
+    tests in one place; the helpers shared by several (support, serverkit, ...) sit beside
+    conftest.py."""
+    tests = ROOT / "tests"
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    stray = [
+        str(p.relative_to(tests))
+        for p in tests.rglob("test_*.py")
+        if p.parent.name not in packages
+        and not (p.parent == tests and p.name in CROSS_CUTTING_TESTS)
+    ]
+    assert not stray, f"move these under tests/<package>/: {stray}"
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), "two test modules share a name (pytest imports by name)"

@@ -35,7 +35,8 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 def default_dtype(device: torch.device) -> torch.dtype:
     # fp32 on the CPU: half-precision CPU matmuls are slow, and fp32 keeps a token's logits within
-    # ~1e-4 whatever the batch shape (tests/test_contract.py). fp16 on accelerators (the paper).
+    # ~1e-4 whatever the batch shape (tests/backends/test_contract.py). fp16 on accelerators (the
+    # paper).
     return torch.float32 if device.type == "cpu" else torch.float16
 
 

@@ -11,7 +11,7 @@ Rollback is one call, as in llama.cpp's common/speculative: `llama_memory_seq_rm
 Slots (`n_seq` > 1, a server's --parallel): one context holds n_seq sequences, each in a KV
 stream of its own (llama.cpp's non-unified cache: n_ctx cells per sequence), so a sequence's
 cells start at 0 and lie in position order exactly as they would alone, and sdfa reads a row's
-cache the same way in company: its logits are the same bits (tests/test_slots.py). One
+cache the same way in company: its logits are the same bits (tests/core/test_slots.py). One
 `llama_decode` over tokens of several sequences is one pass over the weights only if every
 sequence brings the same number of tokens and their ids are consecutive (llama.cpp splits a
 multi-stream batch into ubatches of equal tokens per sequence, over a run of sequence ids);

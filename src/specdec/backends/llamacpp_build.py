@@ -22,7 +22,7 @@ extra buffer type: docs/kernels.md. specdec-no-common.patch leaves llama.cpp's c
 (argument parsing, chat templates and downloads for its tools) out of the wheel, which loads
 libllama and ggml alone. The "portable" flavor (GGML_NATIVE=OFF, AVX2) is built only
 to test that a lesser CPU's code path runs and agrees, and there only its CPU backend
-(build_cpu_backend; tests/test_kernels.py).
+(build_cpu_backend; tests/backends/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def build_cpu_backend(flavor: str = "portable", jobs: int | None = None, log=pri
     """libggml-cpu.so alone for `flavor`, from the wheel's patched source, built once and cached:
     the CPU kernels are all a flavor changes, so the rest of llama.cpp (libllama, ggml's other
     libraries) need not be compiled again. A copy of the installed package with this
-    library in place of its own runs the flavor's kernels (tests/test_kernels.py)."""
+    library in place of its own runs the flavor's kernels (tests/backends/test_kernels.py)."""
     out = home() / "wheels" / f"ggml-cpu-{VERSION}-{flavor}-{wheel_key(flavor)}"
     lib = out / "libggml-cpu.so"
     if lib.is_file():

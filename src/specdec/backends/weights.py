@@ -20,7 +20,7 @@ from typing import Any
 SDMM_TYPES = frozenset({"Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 #: Weight types whose ggml CPU kernels give a row the same bits in any batch (one scale per
 #: 32-value block, one dot product per row): measured by `specdec invariance` on smollm2 (Q4_1,
-#: Q8_0) and the Qwen 0.5B (Q5_0, Q8_0), checked in tests/test_deterministic.py.
+#: Q8_0) and the Qwen 0.5B (Q5_0, Q8_0), checked in tests/backends/test_deterministic.py.
 ROW_INVARIANT_TYPES = frozenset({"Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 
 

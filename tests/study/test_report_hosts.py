@@ -16,8 +16,8 @@ from specdec.study.present import hosts
 from specdec.study.present.report import render_report
 from specdec.study.present.scan import scan
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 RESULTS = ROOT / "results" / "cpu"
 
 XEON = "Intel(R) Xeon(R) Processor @ 2.60GHz"

@@ -42,7 +42,7 @@ from specdec.serve.engine import Engine
 from specdec.serve.speculation import MAX_REQUEST_K
 from specdec.study.run.significance import paired_permutation_p
 
-GOLDEN = Path(__file__).parent / "fixtures" / "default_stream.golden"
+GOLDEN = Path(__file__).parents[1] / "fixtures" / "default_stream.golden"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 REPEATS = "abcabcabcabc, abcabcabcabc"  # prompt lookup finds matches in it
@@ -325,7 +325,7 @@ def _sampled(srv: Server, speculation: dict, seeds: range) -> list[list[int]]:
 
 @pytest.mark.stats
 def test_speculation_on_and_off_per_request_sample_one_distribution(srv: Server) -> None:
-    """The statistical harness of tests/test_decode.py over HTTP: requests with speculation off
+    """The statistical harness of tests/core/test_decode.py over HTTP: requests with speculation off
     and requests with the draft model at K = 4 (disjoint seeds, so the samples are independent):
     paired permutation p of the two-sample chi-square over tokens and bigrams > 0.01."""
     off = _sampled(srv, {"drafter": "none"}, range(50_000, 50_000 + N_SAMPLED))
@@ -545,7 +545,7 @@ def test_serve_drafter_prediction_starts_and_drafts_prediction_else_lookup() -> 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env_path = str(Path(__file__).parent)
+    env_path = str(Path(__file__).parents[1])
     proc = subprocess.Popen(
         [sys.executable, "-c", _DRAFTER_PREDICTION_SERVE, str(port)],
         stdout=subprocess.PIPE,

@@ -15,8 +15,8 @@ import pytest
 
 from specdec.study.artifacts import runs, schema
 
-ROOT = Path(__file__).parent.parent
-FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).parents[2]
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 @pytest.fixture(scope="module")

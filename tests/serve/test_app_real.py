@@ -4,7 +4,7 @@ clients and Predicted Outputs, each against `specdec.generate` on the server's o
 
 The pair is the `smoke` pair: llama.cpp smollm2-135m target + HF smollm2-135m draft, the
 session's models (conftest), fetched if they are not cached. The server runs in-process
-(tests/serverkit.py); tests/test_server.py has the same surface on mock models.
+(tests/serverkit.py); tests/serve/test_app.py has the same surface on mock models.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TEST_THREADS
+from support import TEST_THREADS
 
 from specdec.backends.mock import MockModel
 from specdec.cli import main as cli

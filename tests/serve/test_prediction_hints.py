@@ -2,7 +2,7 @@
 the server (the last user message, or a text prompt) and `specdec generate` (its prompt).
 
 The drafting itself (hints applied from the first occurrence, forgotten when they fail, output
-unchanged) is tested in tests/test_prediction.py.
+unchanged) is tested in tests/core/test_prediction.py.
 """
 
 from __future__ import annotations

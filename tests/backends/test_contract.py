@@ -26,7 +26,7 @@ import random
 
 import pytest
 import torch
-from conftest import TEST_THREADS
+from support import TEST_THREADS
 
 from specdec.backends import load_model
 from specdec.backends.mock import MockModel

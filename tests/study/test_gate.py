@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import TEST_THREADS
+from support import TEST_THREADS, PairSpec
 
 import specdec.backends as models_mod
 import specdec.core.decode as decode_mod
@@ -38,13 +38,17 @@ from specdec.study.run.significance import (
 )
 
 V = 48
-# The `pair` fixture's draft (conftest.py) is loose (acceptance ~15%): an always-accept rule then
-# emits mostly draft tokens, a difference that ~1,000 tokens per method detect.
-PAIR_NOISE = 2.0
 N_PROMPTS = 40
 N_TOK = 25
 P_MIN = 0.01
 SETTINGS = GateSettings(prompts=N_PROMPTS, max_new_tokens=N_TOK, greedy_prompts=3, greedy_tokens=30)
+
+
+@pytest.fixture(scope="module")
+def pair_spec() -> PairSpec:
+    """A loose draft (acceptance ~15%): an always-accept rule then emits mostly draft tokens, a
+    difference that ~1,000 tokens per method detect."""
+    return PairSpec(v=V, noise=2.0)
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +212,8 @@ CI_P_MIN = 0.001
 
 def test_gate_quick_on_smoke_passes(smol_llamacpp, smol_hf, tmp_path, monkeypatch) -> None:
     # The smoke pair is the session's two models (loading the HF one is most of a minute here);
-    # the CLI's own loading is tested through `specdec bench --config smoke` (test_bench.py).
+    # the CLI's own loading is tested through `specdec bench --config smoke`
+    # (tests/study/test_bench.py).
     def session_pair(args, target: str, draft: str):
         assert (target, draft) == ("llamacpp:smollm2-135m", "hf:smollm2-135m")
         assert args.threads == TEST_THREADS and not args.deterministic

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import TEST_THREADS
+from support import TEST_THREADS
 
 from specdec.backends.costs import CurveFiles
 from specdec.backends.mock import MockModel

@@ -3,7 +3,7 @@
 Aligner unit tests drive `PredictionDrafter` with a hand-written output: what it drafts next
 after an exact copy, an insertion, a deletion, a repeated line, a prediction shorter or longer
 than the output, an empty prediction. Exactness: level 2 at T = 1 on mock chains with a partly
-right prediction (permutation p-value, as tests/test_decode.py), greedy equality everywhere.
+right prediction (permutation p-value, as tests/core/test_decode.py), greedy equality everywhere.
 """
 
 from __future__ import annotations

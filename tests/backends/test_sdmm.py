@@ -34,7 +34,7 @@ TYPES = {"Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 TYPES |= {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
 BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}  # values per activation block
 #: the types the Qwen 0.5B's own weights hold (the others are checked on random blocks and,
-#: requantized, on a whole model: tests/test_weights.py)
+#: requantized, on a whole model: tests/backends/test_weights.py)
 REAL_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]
 
 

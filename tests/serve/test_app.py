@@ -9,9 +9,10 @@ models (tests/serverkit.py: the in-process server, the mock pair, the helpers).
     CLI            `specdec serve` as a subprocess: loopback, the key from the environment,
                    decoding in the main thread, SIGTERM, a taken port
 
-The rest of the server's HTTP tests: test_server_hardening.py (the first hardening round,
-issue 11, on servers of their own), test_server_smollm.py (a real model: chat template,
-detokenization, stop strings), test_hardening.py and test_tenants.py (the later rounds).
+The rest of the server's HTTP tests: tests/serve/test_failures.py (the first hardening round,
+issue 11, on servers of their own), tests/serve/test_app_real.py (a real model: chat template,
+detokenization, stop strings), tests/serve/test_input_bounds.py and tests/serve/test_tenants.py
+(the later rounds).
 """
 
 from __future__ import annotations
@@ -467,7 +468,7 @@ def test_models_health_and_metrics(mock: Server) -> None:
 
 # ---------------------------------------------------------------------------- hardening (issue 11)
 # The findings checked on the shared server; those that need a server of their own are in
-# tests/test_server_hardening.py.
+# tests/serve/test_failures.py.
 def test_unknown_paths_without_a_key_add_at_most_one_metrics_series(mock: Server) -> None:
     """Item 1: each distinct /v1 path, 404 before the key check, was a new series forever."""
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from conftest import TEST_THREADS
+from support import TEST_THREADS
 
 from specdec.backends import load_model
 from specdec.core.config import SpecConfig, Warp

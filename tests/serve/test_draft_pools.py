@@ -11,7 +11,7 @@ scope         per API key by default: key B never drafts from key A's pool (the 
 soak          500 requests from 3 keys through 2 pools of 256 tokens: memory fixed at the cap,
               tokens within capacity, text and whole pools evicted
 distribution  lookup over a pool of earlier samples vs the target alone at T = 1: one
-              distribution (tests/test_speculation_api.py's harness)
+              distribution (tests/serve/test_speculation.py's harness)
 flags         bad --draft-pool* values and key files fail at start-up, naming the fix
 """
 
@@ -426,7 +426,7 @@ def _sampled(srv: Server, speculation: dict, seeds: range) -> list[list[int]]:
 
 @pytest.mark.stats
 def test_drafting_from_the_pool_samples_the_target_distribution() -> None:
-    """tests/test_speculation_api.py's harness: the target alone (drafter none; its samples
+    """tests/serve/test_speculation.py's harness: the target alone (drafter none; its samples
     fill the pool) and prompt lookup over that pool at K = 4 (each request drafting the latest
     earlier sample that matches, right or wrong), disjoint seeds: paired permutation p of the
     two-sample chi-square over tokens and bigrams > 0.01; and the pool really drafted."""

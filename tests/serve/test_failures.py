@@ -4,8 +4,8 @@ tokenization, a lone surrogate, a shutdown and a dead worker do to the server. E
 a 500, a stall, a held slot or a wrong count before; after each, the next request is still
 exactly `generate()`'s.
 
-The findings checked on the shared mock server are in tests/test_server.py; the later rounds in
-test_hardening.py (issue 21) and test_tenants.py (issue 33).
+The findings checked on the shared mock server are in tests/serve/test_app.py; the later rounds in
+tests/serve/test_input_bounds.py (issue 21) and tests/serve/test_tenants.py (issue 33).
 """
 
 from __future__ import annotations

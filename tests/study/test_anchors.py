@@ -17,7 +17,7 @@ import pytest
 from specdec.backends import llamacpp_build
 from specdec.study.engines import anchors, endpoint, ik_source
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_peer_is_built_with_cmakes_defaults_and_the_wheel_natively() -> None:

@@ -23,7 +23,7 @@ from specdec.cli.main import main
 from specdec.study.artifacts import schema
 from specdec.study.present.figures import FIGURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 10_000  # a figure with axes, data and text; an empty canvas is ~2-5 KB
 MAIN_BENCHES = {

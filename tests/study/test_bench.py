@@ -325,7 +325,7 @@ def test_the_config_block_is_flat_and_round_trips() -> None:
 def test_the_committed_artifacts_config_blocks_read_back_byte_for_byte() -> None:
     """Every bench artifact committed (results/, the test fixtures): its config block, read into
     a BenchConfig and written again, is the same JSON, key for key."""
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]
     paths = [*(root.parent / "results").rglob("bench_*.json"), *(root / "fixtures").rglob("*.json")]
     n = 0
     for path in paths:

@@ -23,7 +23,7 @@ from specdec.core.model import SpecModel, SpecModelError
 TINY_V = 64
 TINY_LAYERS = 4
 FAILING_LAYER = 2  # layers 0..2 receive the new positions, layer 3 does not
-TOL = 1e-4  # fp32 CPU, a chunk vs one pass: rounding level (see test_contract.py)
+TOL = 1e-4  # fp32 CPU, a chunk vs one pass: rounding level (see tests/backends/test_contract.py)
 
 
 class FakeOOM(RuntimeError):

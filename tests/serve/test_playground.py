@@ -8,8 +8,8 @@ the page asks for it and works once it is given. Needs `apt-get install -y chrom
 chromium-driver` and selenium (requirements.txt); without them the tests skip, except under CI
 (CI set), where a missing browser is a failure, not a skip.
 
-`python tests/test_playground.py docs/playground.png` makes docs/playground.md's screenshot the
-same way, on the real qwen2.5-coder-0.5b (an edit, with the file as its prediction).
+`python tests/serve/test_playground.py docs/playground.png` makes docs/playground.md's screenshot
+the same way, on the real qwen2.5-coder-0.5b (an edit, with the file as its prediction).
 """
 
 from __future__ import annotations

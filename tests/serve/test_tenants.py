@@ -15,7 +15,7 @@ apart, clients that never read bounded, no re-decoding of a whole answer.
     flags        the new flags reach the config, bad values fail at start-up, and the start-up
                  warnings say what a shared pool and keys without an operator key expose
 
-Each finding's test fails on the code before the fix (findings 1-7; tests/test_tenants.py was
+Each finding's test fails on the code before the fix (findings 1-7; tests/serve/test_tenants.py was
 run against it with the new names shimmed); the tests of what the bound must not break pass
 on both.
 """

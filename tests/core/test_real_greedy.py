@@ -4,7 +4,7 @@ The `smoke` pair: hf:smollm2-135m (fp32, dequantized) drafts for llamacpp:smollm
 flash attention) — the same tokenizer, different numerics, so many drafts are rejected and the
 recovered tokens are exercised. Equality needs a batch-invariant target: with flash attention and
 a q8_0 K cache, a llama.cpp verify batch gives the same logits as one-token-at-a-time decoding
-(tests/test_contract.py).
+(tests/backends/test_contract.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ shared with other sequences as in a pass of its own, so each greedy answer is to
 alone and in company, whatever its neighbours' lengths, drafters and start times. The mock runs
 it with 1, 2, 4 and 8 neighbours; llama.cpp (smollm2, four sequences in one context, a KV stream
 each) with the real kernels, rollback of one slot included. The sampled counterpart (level 2,
-statistical) is in tests/test_decode.py.
+statistical) is in tests/core/test_decode.py.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ def test_llamacpp_slots_give_each_sequence_its_own_bits(smol_path, smol_llamacpp
     """Four sequences in one context (a KV stream each): every answer, greedy, with every kind
     of neighbour started at a different round, equals the one-sequence model's; a rollback of
     one slot leaves the others' logits as they were."""
-    from conftest import TEST_THREADS
+    from support import TEST_THREADS
 
     from specdec.backends.llamacpp import LlamaCppModel
 

@@ -2,7 +2,7 @@
 
 Each must leave the output distribution exactly the target's: level-2 two-sample chi-square on
 mock models at T > 0, decided by its permutation p-value (same statistic, rule and threshold as
-tests/test_decode.py and the level-3 gate), and greedy output
+tests/core/test_decode.py and the level-3 gate), and greedy output
 identical to target-only decoding. Controller unit tests use synthetic cost curves.
 """
 
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from stats_util import two_sample_chi2
+from support import PairSpec
 
 from specdec.backends.costs import CurveFiles
 from specdec.backends.mock import MockModel
@@ -38,14 +39,17 @@ from specdec.core.policy import (
 from specdec.study.run.significance import paired_permutation_p
 
 V = 16  # small vocabulary: the sampled output repeats n-grams, so lookup finds matches
-# the `pair` fixture (conftest.py): peaked distributions, so generated text repeats itself like
-# real text does
-PAIR_SCALE = 3.0
 N_GEN = 600
 N_TOK = 30
 P_MIN = 0.01
 # A prompt with repeats, so prompt lookup has material from the first round on.
 PROMPT = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 7, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def pair_spec() -> PairSpec:
+    """Peaked distributions, so generated text repeats itself like real text does."""
+    return PairSpec(v=V, scale=3.0)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TEST_THREADS
+from support import TEST_THREADS
 
 from specdec.backends.costs import CurveFiles, curve_key, read_curve, write_curve
 from specdec.backends.mock import MockModel
