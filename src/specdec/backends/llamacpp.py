@@ -75,7 +75,7 @@ from specdec.backends.weights import (
     matmul_weight_types,
     not_invariant_warning,
 )
-from specdec.core.config import check_int
+from specdec.core.checks import check_int
 from specdec.core.device import get_device
 from specdec.core.model import SpecModel, SpecModelError
 

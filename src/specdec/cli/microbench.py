@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specdec.backends.costs import CurveFiles
 from specdec.cli import args as cli_args
-from specdec.core.config import check_int
+from specdec.core.checks import check_int
 from specdec.core.cost import VerifyCurve
 from specdec.study.run.microbench import (
     CONTENDED_SPREAD,

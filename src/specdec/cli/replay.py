@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from specdec.cli import args as cli_args
-from specdec.core.config import check_int
+from specdec.core.checks import check_int
 from specdec.study.artifacts.schema import write_json
 from specdec.study.run import replay as rp
 

@@ -15,13 +15,14 @@ CLI can declare its flags without importing torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-if TYPE_CHECKING:  # annotations only: the drafters and policies import torch
-    from specdec.core.drafters import Drafter
-    from specdec.core.policy import KPolicy
+from specdec.core.checks import check_int
+
+if TYPE_CHECKING:  # annotations only: the protocols module imports torch
+    from specdec.core.protocols import Drafter, KPolicy
 
 #: The drafters by name (core.drafters) and what each runs: the one place that says it (a new
 #: drafter is a row here and a case in decode.make_drafter).
@@ -51,38 +52,6 @@ GREEDY_BELOW = 1e-5
 
 DrafterName = Literal["model", "lookup", "composite", "prediction"]
 KName = Literal["auto", "schedule"]
-
-
-def check_int(
-    what: str,
-    value: Any,
-    lo: int,
-    hi: int | None = None,
-    *,
-    alternatives: str = "",
-    error: Callable[[str], Exception] = ValueError,
-) -> int:
-    """`value` if it is an int in [lo, hi] (hi None: no upper bound); otherwise `error` (a
-    ValueError unless the caller raises its own kind, e.g. an HTTP 400) with the message
-    "WHAT must be [ALTERNATIVES or ]an integer in [LO, HI], got VALUE".
-
-    The one integer rule of the package. A bool is refused although Python counts it an int:
-    True given as a count is a mistake. `alternatives` names what else the caller accepts in the
-    same place, having checked it first (e.g. "'auto', 'schedule'" for K). VALUE is cut short: a
-    client's value may be as long as a request body."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if lo <= value and (hi is None or value <= hi):
-            return value
-    bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-    either = f"{alternatives} or " if alternatives else ""
-    raise error(f"{what} must be {either}an integer {bound}, got {shown(value)}")
-
-
-def shown(value: Any, quote: bool = True) -> str:
-    """A value for an error message (its repr, or str without `quote`), at most 60 characters:
-    a client's value may be anything up to the request body's cap."""
-    text = repr(value) if quote else str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def is_policy(k: object) -> bool:

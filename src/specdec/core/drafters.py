@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
@@ -30,26 +30,8 @@ from specdec.core.config import Warp
 from specdec.core.device import synchronize
 from specdec.core.edits import Rewrite, Rewrites
 from specdec.core.model import SpecModel
+from specdec.core.protocols import Drafter, Proposal
 from specdec.core.sampling import sample, warped
-
-
-class Proposal(NamedTuple):
-    """What a drafter proposes for one round."""
-
-    x: torch.Tensor  # [k'] int64, the drafted tokens x_1..x_k'
-    q: torch.Tensor | None  # [k', V] float32, the distributions they were drawn from; None: one-hot
-    catchup_s: float = 0.0  # seconds spent prefilling context the draft model had not seen
-
-
-class Drafter(Protocol):
-    model: SpecModel | None
-
-    def source(self, context: list[int]) -> str | None: ...
-
-    def propose(self, context: list[int], k: int) -> Proposal: ...
-
-    def observe(self, n_accepted: int) -> None: ...
-
 
 #: Uncached context tokens a draft model feeds in its first drafting pass, with the last one,
 #: rather than in a prefill of their own: past a few rows a pass costs little more than one

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from specdec.core.config import check_int
+from specdec.core.checks import check_int
 
 #: Token ids as the API takes them: a list (or any iterable) of ints, a 1-D integer tensor (or
 #: [1, n]: a batch of one), or a tokenizer's output holding input_ids (a BatchEncoding, a dict).

@@ -43,6 +43,7 @@ from specdec.core.cost import (
 from specdec.core.cost import p_at_least_from_conditional as p_at_least
 from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
+from specdec.core.protocols import KPolicy
 
 #: Exponential forgetting per observation, so estimates follow a prompt whose character changes.
 DECAY = 0.95
@@ -53,14 +54,6 @@ IDLE_DECAY = 0.995
 #: Prior acceptance (pseudo-counts) for a source never seen: optimistic enough to try drafting.
 PRIOR_ALPHA = 0.6
 PRIOR_WEIGHT = 2.0
-
-
-class KPolicy(Protocol):
-    k_max: int
-
-    def choose(self, source: str, remaining: int) -> int: ...
-
-    def observe(self, r: Round) -> None: ...
 
 
 @dataclass

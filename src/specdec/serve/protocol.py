@@ -27,7 +27,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specdec.backends.grammar import schema_of
-from specdec.core.config import Warp, shown
+from specdec.core.checks import shown
+from specdec.core.config import Warp
 from specdec.core.drafters import PredictionIndex
 from specdec.core.processing import Penalties
 from specdec.serve.errors import bad

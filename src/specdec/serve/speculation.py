@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from specdec.core.checks import check_int, shown
 from specdec.core.config import (
     DRAFTERS,
     LOOKUP_DRAFTERS,
@@ -17,9 +18,7 @@ from specdec.core.config import (
     NAMED_K,
     KName,
     SpecConfig,
-    check_int,
     default_drafter,
-    shown,
 )
 from specdec.serve.errors import bad
 
