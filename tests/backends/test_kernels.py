@@ -137,8 +137,8 @@ _KERNEL_DIGEST = """
 import ctypes, hashlib, sys
 import numpy as np
 from specdec.backends.llamacpp import SDMM_ISAS
-from specdec.backends.llamacpp_lib import bindings, ggml_cpu
-lib, isa = ggml_cpu(bindings()), SDMM_ISAS.index(sys.argv[1])
+from specdec.backends.llamacpp_lib import ggml_lib
+lib, isa = ggml_lib("cpu"), SDMM_ISAS.index(sys.argv[1])
 P = ctypes.c_void_p
 rng = np.random.default_rng(3)
 h = hashlib.sha256()

@@ -27,7 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from specdec.backends.llamacpp import SDMM_ISAS
-from specdec.backends.llamacpp_lib import bindings, ggml_cpu
+from specdec.backends.llamacpp_lib import ggml_lib
 
 #: ggml type ids
 TYPES = {"Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -39,7 +39,7 @@ REAL_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]
 
 
 def _lib() -> ctypes.CDLL:
-    lib = ggml_cpu(bindings())
+    lib = ggml_lib("cpu")
     if not hasattr(lib, "sdmm_matmul"):
         pytest.fail("this llama-cpp-python has no sdmm: it is not specdec's build (make venv)")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

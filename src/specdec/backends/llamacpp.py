@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from specdec.backends.llamacpp_lib import bindings, ggml_cpu, load_log, package_dir
+from specdec.backends.llamacpp_lib import bindings, ggml_lib, load_log, package_dir
 from specdec.backends.weights import (
     ROW_INVARIANT_TYPES,
     SDMM_TYPES,
@@ -138,7 +138,7 @@ def usable_cores() -> int:
 def sdmm_isa() -> str | None:
     """The instruction path sdmm's kernels run in this process ("avx512", "avx2", "ref"), or
     None: sdmm is off ($SPECDEC_MM=0) or not in this llama-cpp-python (not specdec's build)."""
-    lib = ggml_cpu(bindings())
+    lib = ggml_lib("cpu")
     if not hasattr(lib, "sdmm_buffer_isa"):
         return None
     isa = int(lib.sdmm_buffer_isa())
@@ -151,7 +151,7 @@ def peak_int8_gops(threads: int, seconds: float = 0.5) -> float | None:
     them. None where the CPU lacks AVX-512 VNNI or the build lacks sdmm."""
     import threading
 
-    lib = ggml_cpu(bindings())
+    lib = ggml_lib("cpu")
     if not hasattr(lib, "sdmm_peak_macs"):
         return None
     lib.sdmm_peak_macs.restype = ctypes.c_double
@@ -176,7 +176,7 @@ def sdfa_isa() -> str | None:
     """The instruction path of sdfa, specdec's attention for a q8_0 K cache (native/sdfa.h):
     its own choice, which may be wider than sdmm's (AVX-512 without VNNI); or None: off
     ($SPECDEC_FA=0, or sdmm off) or not in this build."""
-    lib = ggml_cpu(bindings())
+    lib = ggml_lib("cpu")
     if not hasattr(lib, "sdfa_op_isa"):
         return None
     isa = int(lib.sdfa_op_isa())
@@ -188,7 +188,7 @@ def _check_sdmm_env() -> None:
     want = os.environ.get(SDMM_ISA_ENV, "")
     if not want or os.environ.get(SDMM_ENV) == "0":
         return
-    lib = ggml_cpu(bindings())
+    lib = ggml_lib("cpu")
     if want not in SDMM_ISAS:
         raise SpecModelError(f"{SDMM_ISA_ENV}={want!r}: choose one of {', '.join(SDMM_ISAS)}")
     if hasattr(lib, "sdmm_isa_supported") and not lib.sdmm_isa_supported(SDMM_ISAS.index(want)):

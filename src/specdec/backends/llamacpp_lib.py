@@ -4,7 +4,7 @@ libggml-cpu (where specdec's sdmm and sdfa live). backends.llamacpp and backends
 both read them from here, so neither imports the other's privates.
 
     bindings()        llama_cpp.llama_cpp, the backend initialized (once)
-    ggml_cpu(llama)   libggml-cpu beside libllama, as a ctypes library
+    ggml_lib(name)    libggml-NAME beside libllama, as a ctypes library
     package_dir()     where the llama_cpp package is, found without importing it
     load_log()        collects llama.cpp's info lines while a model loads
 """
@@ -82,9 +82,17 @@ def _check_build() -> None:
             raise SpecModelError(str(e)) from None
 
 
-def ggml_cpu(llama: Any) -> Any:
-    """libggml-cpu beside libllama (sdmm's C functions live there in specdec's build)."""
-    return ctypes.CDLL(str(Path(llama._lib._name).with_name("libggml-cpu.so")))
+def ggml_lib(name: str) -> Any:
+    """libggml-NAME ("cpu": sdmm's and sdfa's C functions live there in specdec's build; "base":
+    ggml's tensor accessors) from the package's lib/ folder, as a ctypes library. libllama is
+    loaded first (`bindings`), so this is the copy it already runs: the loader hands back the
+    same file's handle."""
+    bindings()
+    where = package_dir()
+    path = where / "lib" / f"libggml-{name}.so" if where is not None else None
+    if path is None or not path.exists():
+        raise SpecModelError(f"llama-cpp-python has no libggml-{name}.so; rebuild it: make venv")
+    return ctypes.CDLL(str(path))
 
 
 @contextmanager

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import ctypes
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from specdec.backends.llamacpp_lib import bindings
+from specdec.backends.llamacpp_lib import bindings, ggml_lib
 
 
 class OpCapture:
@@ -30,7 +29,7 @@ class OpCapture:
         self.recording = False
         self.tensors: dict[str, list[np.ndarray]] = {}
         self.weight_types: dict[str, str] = {}
-        self._ggml = _ggml_base(llama)
+        self._ggml = _ggml_base()
         self.callback = llama.ggml_backend_sched_eval_callback(self._on_eval)
 
     def _on_eval(self, t: int, ask: bool, _user: Any) -> bool:
@@ -67,7 +66,7 @@ class OpTimer:
         llama = bindings()
         self.recording = False
         self.nodes: list[tuple[str, str, str | None, str | None, float]] = []
-        self._ggml = _ggml_base(llama)
+        self._ggml = _ggml_base()
         self._t = 0.0
         self.callback = llama.ggml_backend_sched_eval_callback(self._on_eval)
 
@@ -108,9 +107,9 @@ class _TensorHead(ctypes.Structure):
     ]
 
 
-def _ggml_base(llama: Any) -> Any:
+def _ggml_base() -> Any:
     """ggml's tensor accessors from the libggml-base shipped beside libllama."""
-    lib = ctypes.CDLL(str(Path(llama._lib._name).with_name("libggml-base.so")))
+    lib = ggml_lib("base")
     for fn, res, args in (
         ("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
         ("ggml_op_desc", ctypes.c_char_p, [ctypes.c_void_p]),
