@@ -219,7 +219,7 @@ def test_amx_holds_the_weights_invariantly_without_sdmm(name) -> None:
     its AMX buffer, whose kernels (AVX512-VNNI for one row, AMX tiles for more) sum integers
     exactly and scale each row alike: invariant too (measured on the Intel host of an earlier
     round). sdmm's buffer type comes first, so this is checked with sdmm off."""
-    from specdec.backends.llamacpp import kernels
+    from specdec.backends.llamacpp_kernels import kernels
 
     if "AMX_INT8" not in kernels()["features"]:
         pytest.skip("this CPU has no AMX")

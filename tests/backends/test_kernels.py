@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from specdec.backends import llamacpp_build
-from specdec.backends.llamacpp import kernels
+from specdec.backends.llamacpp_kernels import kernels
 from specdec.backends.llamacpp_lib import package_dir
 
 #: llama.cpp's feature name -> the /proc/cpuinfo flag: with -march=native, each one the CPU has
@@ -100,7 +100,7 @@ def test_the_backend_refuses_such_a_build_with_the_fix(tmp_path: Path) -> None:
 _GREEDY = """
 import hashlib, json
 from specdec.backends import load_model
-from specdec.backends.llamacpp import kernels
+from specdec.backends.llamacpp_kernels import kernels
 from specdec.backends.llamacpp_lib import package_dir
 from specdec.core.config import Warp
 from specdec.core.decode import generate
@@ -136,7 +136,7 @@ def _greedy(pythonpath: str | None) -> dict:
 _KERNEL_DIGEST = """
 import ctypes, hashlib, sys
 import numpy as np
-from specdec.backends.llamacpp import SDMM_ISAS
+from specdec.backends.llamacpp_kernels import SDMM_ISAS
 from specdec.backends.llamacpp_lib import ggml_lib
 lib, isa = ggml_lib("cpu"), SDMM_ISAS.index(sys.argv[1])
 P = ctypes.c_void_p

@@ -26,7 +26,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from specdec.backends.llamacpp import SDMM_ISAS
+from specdec.backends.llamacpp_kernels import SDMM_ISAS
 from specdec.backends.llamacpp_lib import ggml_lib
 
 #: ggml type ids
@@ -234,7 +234,7 @@ def test_each_path_runs_exactly_where_the_cpu_has_what_it_was_compiled_for() -> 
 
 
 def test_this_build_runs_the_best_path_the_cpu_has() -> None:
-    from specdec.backends.llamacpp import sdfa_isa, sdmm_isa
+    from specdec.backends.llamacpp_kernels import sdfa_isa, sdmm_isa
 
     lib = _lib()
     lib.sdfa_isa_supported.restype = ctypes.c_int
@@ -268,7 +268,7 @@ def test_real_weights_every_batch_size_every_path(qtype: str) -> None:
 _LOGITS = """
 import hashlib, json
 from specdec.backends import load_model
-from specdec.backends.llamacpp import kernels
+from specdec.backends.llamacpp_kernels import kernels
 m = load_model("llamacpp:qwen2.5-coder-0.5b", n_threads=1, n_ctx=256)
 ids = list(range(1000, 1040))
 m.prefill(ids[:24])

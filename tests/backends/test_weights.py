@@ -149,7 +149,7 @@ def test_a_requantized_file_on_sdmm_rows_bit_identical_and_greedy_speculation_ex
     pass has the bits of token i's single step, b = 2..64; greedy speculation equals target-only
     token for token."""
     from specdec.backends import load_model
-    from specdec.backends.llamacpp import sdmm_isa
+    from specdec.backends.llamacpp_kernels import sdmm_isa
     from specdec.core.decode import generate
 
     path: Path = request.getfixturevalue(ftype)

@@ -56,7 +56,7 @@ def version_line() -> str:
 
     parts = [f"specdec {version('specdec')}"]
     try:
-        from specdec.backends.llamacpp import kernels
+        from specdec.backends.llamacpp_kernels import kernels
 
         k = kernels()
     except Exception as e:  # no llama-cpp-python, or a build that does not load: say so

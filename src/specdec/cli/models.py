@@ -142,7 +142,7 @@ def _measure(path: Path) -> dict[str, float]:
 def _sdmm_isa() -> str | None:
     """sdmm's instruction path in this process; None where llama-cpp-python is missing."""
     try:
-        from specdec.backends.llamacpp import sdmm_isa
+        from specdec.backends.llamacpp_kernels import sdmm_isa
 
         return sdmm_isa()
     except ImportError:

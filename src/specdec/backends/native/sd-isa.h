@@ -59,3 +59,26 @@ static inline int sd_isa_select(int (*supported)(int isa)) {
     }
     return best;
 }
+
+/* sd_isa_select, once per process: *selected starts at -2 (not chosen yet). */
+static inline int sd_isa_select_once(int * selected, int (*supported)(int isa)) {
+    if (*selected == -2) {
+        *selected = sd_isa_select(supported);
+    }
+    return *selected;
+}
+
+/* Whether path `isa` runs on this CPU, for a kernel whose AVX-512 path needs what `avx512` says
+ * (sdmm's needs VNNI, sdfa's does not); the reference path runs everywhere. */
+static inline int sd_isa_runs(int isa, int avx512) {
+    switch (isa) {
+        case SD_ISA_REF:
+            return 1;
+        case SD_ISA_AVX2:
+            return SD_CPU_HAS(SD_FEATURES_AVX2);
+        case SD_ISA_AVX512:
+            return avx512;
+        default:
+            return 0;
+    }
+}

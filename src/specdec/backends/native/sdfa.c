@@ -89,24 +89,12 @@ void sdfa_kernel_ref(const sdfa_tile * t) {
 }
 
 int sdfa_isa_supported(int isa) {
-    switch (isa) {
-        case SD_ISA_REF:
-            return 1;
-        case SD_ISA_AVX2:
-            return SD_CPU_HAS(SD_FEATURES_AVX2);
-        case SD_ISA_AVX512:
-            return SD_CPU_HAS(SD_FEATURES_AVX512);
-        default:
-            return 0;
-    }
+    return sd_isa_runs(isa, SD_CPU_HAS(SD_FEATURES_AVX512));
 }
 
 int sdfa_isa_selected(void) {
     static int selected = -2;
-    if (selected == -2) {
-        selected = sd_isa_select(sdfa_isa_supported);
-    }
-    return selected;
+    return sd_isa_select_once(&selected, sdfa_isa_supported);
 }
 
 int sdfa_tile_width(int isa) {

@@ -565,24 +565,12 @@ SDMM_REF_(sdmm_kernel_q8_0_ref, SDMM_TYPE_Q8_0)
 /* dispatch                                                                                   */
 
 int sdmm_isa_supported(int isa) {
-    switch (isa) {
-        case SD_ISA_REF:
-            return 1;
-        case SD_ISA_AVX2:
-            return SD_CPU_HAS(SD_FEATURES_AVX2);
-        case SD_ISA_AVX512:
-            return SD_CPU_HAS(SD_FEATURES_AVX512_VNNI);
-        default:
-            return 0;
-    }
+    return sd_isa_runs(isa, SD_CPU_HAS(SD_FEATURES_AVX512_VNNI));
 }
 
 int sdmm_isa_selected(void) {
     static int selected = -2;
-    if (selected == -2) {
-        selected = sd_isa_select(sdmm_isa_supported);
-    }
-    return selected;
+    return sd_isa_select_once(&selected, sdmm_isa_supported);
 }
 
 sdmm_kernel_fn sdmm_kernel(int type, int isa) {

@@ -56,7 +56,7 @@ def meta_block() -> dict[str, Any]:
 
 def _kernels() -> dict[str, Any] | None:
     try:
-        from specdec.backends.llamacpp import kernels
+        from specdec.backends.llamacpp_kernels import kernels
 
         return kernels()
     except Exception:  # no llama.cpp backend installed: nothing ran on its kernels
