@@ -47,7 +47,7 @@ from serverkit import (
 
 from specdec.core.config import Warp
 from specdec.core.decode import generate
-from specdec.serve.app import GRACEFUL_SHUTDOWN_S
+from specdec.serve.connections import GRACEFUL_SHUTDOWN_S
 from specdec.serve.text import TextAssembler
 
 
@@ -568,7 +568,7 @@ def test_cli_serve_subprocess_binds_loopback() -> None:
 _MAIN_THREAD_SERVE = """
 import sys, threading
 from specdec.backends.mock import MockModel
-from specdec.serve import app
+from specdec.serve import config, launch
 
 seen = set()
 extend = MockModel.extend
@@ -576,7 +576,7 @@ def recording_extend(self, ids):
     seen.add(threading.current_thread() is threading.main_thread())
     return extend(self, ids)
 MockModel.extend = recording_extend
-code = app.serve(app.ServeConfig(target="mock:vocab=48,seed=0", port=int(sys.argv[1])))
+code = launch.serve(config.ServeConfig(target="mock:vocab=48,seed=0", port=int(sys.argv[1])))
 print("DECODED_IN_MAIN_THREAD", sorted(seen), flush=True)
 sys.exit(code)
 """

@@ -19,7 +19,7 @@ import pytest
 from serverkit import Server, expected, metric
 
 from specdec.backends import chat as prompting
-from specdec.serve.app import ServeConfig
+from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 
 SMOKE_TARGET = "llamacpp:smollm2-135m"

@@ -34,7 +34,7 @@ from specdec.cli.serve import resolve_api_keys
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
 from specdec.core.pool import DraftPool
-from specdec.serve.app import ServeConfig
+from specdec.serve.config import ServeConfig
 from specdec.serve.draft_pools import (
     DEFAULT_POOL_TOKENS,
     MIN_POOL_TOKENS,
@@ -44,7 +44,7 @@ from specdec.serve.draft_pools import (
 from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError
 from specdec.serve.keys import ANONYMOUS, KeyRing
-from specdec.serve.speculation import Speculation
+from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
 from specdec.study.run.significance import paired_permutation_p
 
 #: A mock whose greedy answer to PROMPT does not repeat itself within ANSWER tokens, so prompt
@@ -300,7 +300,8 @@ def test_off_is_off() -> None:
         m = _metrics(srv)
         for name in ("scopes", "tokens", "memory_bytes", "memory_limit_bytes", "documents_total"):
             assert _pool(m, name) == 0, name
-        assert srv.engine.stream_args(Speculation("lookup", 8), None)["pool"] is None
+        lookup = Speculation(SpecConfig("lookup", 8))
+        assert srv.engine.stream_args(lookup, None)["pool"] is None
         card = srv.request("GET", "/v1/models")[2]["data"][0]["speculation"]["draft_pool"]
         assert card == {"scope": "off", "tokens": 0}
     finally:
@@ -322,7 +323,8 @@ def test_the_drafters_that_run_prompt_lookup_get_the_pool(drafter: str, reads_po
     lookup); the draft model alone and "none" never run prompt lookup."""
     engine = Engine(SlowMock(V), draft_pool=PoolConfig())
     pool = DraftPool(MIN_POOL_TOKENS)
-    got = engine.stream_args(Speculation(drafter, None if drafter == "none" else 4), [1], pool)
+    sp = resolve_speculation({"drafter": drafter}, SpecDefaults(has_draft=True), False)
+    got = engine.stream_args(sp, [1], pool)
     assert (got["pool"] is pool) == reads_pool
 
 

@@ -35,7 +35,7 @@ from serverkit import (
 )
 
 from specdec.backends.mock import MockModel
-from specdec.serve.app import GRACEFUL_SHUTDOWN_S
+from specdec.serve.connections import GRACEFUL_SHUTDOWN_S
 
 
 class SlowPrefillMock(MockModel):
@@ -135,22 +135,22 @@ def test_a_lone_surrogate_in_a_text_prompt_is_400_not_500() -> None:
         srv.close()
 
 
-def test_a_request_abandoned_in_the_queue_frees_its_slot_at_once() -> None:
-    """Low: a cancelled job kept its queue slot (429s) until the worker reached it."""
+def test_a_request_abandoned_in_the_queue_frees_its_place_at_once() -> None:
+    """Low: a cancelled job kept its place in the queue (429s) until the worker reached it."""
     srv = mock_server(delay=0.02, max_queue=1, with_draft=False)
     try:
         running, _ = open_stream(srv, LONG)
         waiting = _send_and_leave(srv, {**LONG, "max_tokens": 4})
         wait_for(lambda: srv.engine.queue_depth == 1, 10, "the second request was not queued")
         waiting.close()  # its client goes away while it waits
-        wait_for(lambda: srv.engine.queue_depth == 0, 5, "the abandoned job kept its slot")
+        wait_for(lambda: srv.engine.queue_depth == 0, 5, "the abandoned job kept its place")
         with ThreadPoolExecutor(max_workers=1) as pool:
             body = {**GOOD, "temperature": 0, "return_token_ids": True}
             third = pool.submit(srv.request, "POST", "/v1/completions", body)
             wait_for(lambda: srv.engine.queue_depth == 1 or third.done(), 10, "not queued")
             running.close()  # now the engine is free for it
             status, _, r = third.result()
-        assert status == 200, r  # not 429: the slot was free
+        assert status == 200, r  # not 429: the place was free
         assert r["choices"][0]["token_ids"] == expected(srv, GOOD["prompt"], 4).tokens
     finally:
         srv.close()

@@ -28,7 +28,8 @@ from serverkit import (
 
 from specdec.core import drafters
 from specdec.serve import connections as serve_connections
-from specdec.serve.app import ServeConfig, public_model_name
+from specdec.serve.app import public_model_name
+from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 
 KEY = "k-hardening"

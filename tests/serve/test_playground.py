@@ -30,7 +30,7 @@ from stream_golden import TemplateTokenizer
 
 from specdec.core.config import SpecConfig
 from specdec.serve import playground
-from specdec.serve.app import ServeConfig
+from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 
 CHROMIUM = shutil.which("chromium")
@@ -325,7 +325,7 @@ def make_screenshot(out: Path, target: str = "llamacpp:qwen2.5-coder-0.5b") -> N
     """docs/playground.md's screenshot: `target` behind `specdec serve --drafter prediction`
     (K = auto), an edit request with the file as its prediction, then the same without
     speculation."""
-    from specdec.serve.app import build_engine
+    from specdec.serve.launch import build_engine
 
     cfg = ServeConfig(target=target, drafter="prediction", threads=1)
     srv = Server(build_engine(cfg), cfg)

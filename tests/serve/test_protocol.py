@@ -13,8 +13,9 @@ from specdec.backends.mock import MockModel
 from specdec.cli.serve import API_KEY_ENV, resolve_api_key
 from specdec.core.config import K_MAX_FREE, K_MAX_MODEL, SpecConfig
 from specdec.core.metrics import Round
-from specdec.serve.engine import Engine, Job
+from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError
+from specdec.serve.jobs import Job
 from specdec.serve.metrics import Metrics
 from specdec.serve.origins import OriginTracker
 from specdec.serve.protocol import (
@@ -26,7 +27,12 @@ from specdec.serve.protocol import (
     parse_request,
     validate_request,
 )
-from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
+from specdec.serve.speculation import (
+    NO_DRAFTER,
+    SpecDefaults,
+    Speculation,
+    resolve_speculation,
+)
 from specdec.serve.text import TextAssembler
 
 V = 48
@@ -270,32 +276,49 @@ def test_submit_to_an_engine_whose_worker_is_not_running_is_503_at_once() -> Non
 
 # ---------------------------------------------------------------------------- speculation
 def test_speculation_defaults_come_from_the_start_up_flags() -> None:
-    no_flags = SpecDefaults.of(SpecConfig(k="auto"), has_draft=False)
-    assert no_flags.drafter is None and no_flags.k == "auto"
+    no_flags = SpecDefaults(SpecConfig(k="auto"), has_draft=False)
+    assert no_flags.drafter is None and no_flags.spec.k == "auto"
+    assert SpecDefaults() == no_flags  # the server's default K is auto
     # no drafter flag: a request's prediction is drafted from, else the target decodes alone
-    assert resolve_speculation(None, no_flags, has_prediction=True).drafter == "prediction"
+    sp = resolve_speculation(None, no_flags, has_prediction=True)
+    assert sp.config.drafter == "prediction"
     assert resolve_speculation(None, no_flags, has_prediction=False) == Speculation()
-    with_draft = SpecDefaults.of(SpecConfig(k=4, p_min=0.2), has_draft=True)
-    sp = resolve_speculation({}, with_draft, has_prediction=False)
-    assert (sp.drafter, sp.k, sp.k_max, sp.p_min) == ("model", 4, None, 0.2)
+    with_draft = SpecDefaults(SpecConfig(k=4, p_min=0.2), has_draft=True)
+    got = resolve_speculation({}, with_draft, has_prediction=False).config
+    assert got == SpecConfig("model", 4, None, 0.2)
     # a request's fields override the flags, one by one; --k-max bounds only the named K
-    flags = SpecDefaults("lookup", "auto", 16, None, has_draft=True)
-    assert resolve_speculation({"k": 3}, flags, False) == Speculation("lookup", 3, None)
-    assert resolve_speculation({"drafter": "model"}, flags, False).k_max == 16
-    assert resolve_speculation({"k_max": 5}, flags, False).k_max == 5
-    assert resolve_speculation({"drafter": None, "k": None}, flags, False).drafter == "lookup"
+    flags = SpecDefaults(SpecConfig("lookup", "auto", 16), has_draft=True)
+    assert resolve_speculation({"k": 3}, flags, False) == Speculation(SpecConfig("lookup", 3))
+    assert resolve_speculation({"drafter": "model"}, flags, False).config.k_max == 16
+    assert resolve_speculation({"k_max": 5}, flags, False).config.k_max == 5
+    got = resolve_speculation({"drafter": None, "k": None}, flags, False).config
+    assert got.drafter == "lookup"
+
+
+def test_the_wire_none_is_cores_no_drafter() -> None:
+    """ "none" is the API's word alone: inside, a request without a drafter is core's None."""
+    flags = SpecDefaults(SpecConfig("lookup", 4), has_draft=False)
+    sp = resolve_speculation({"drafter": NO_DRAFTER}, flags, has_prediction=True)
+    assert sp == Speculation() and sp.config.drafter is None and not sp.drafts
+    assert sp.drafter_name == NO_DRAFTER
+    assert sp.settings() == {"drafter": NO_DRAFTER, "k": None, "k_max": None}
 
 
 def test_speculation_runs_as_the_core_config_it_names() -> None:
     # "prediction" is lookup with the request's prediction drafted first (core.decode.stream)
-    assert Speculation("prediction", "auto").spec_config() == SpecConfig("lookup", "auto")
-    assert Speculation().spec_config() == SpecConfig()  # none: no drafter, no draft model
+    predicted = Speculation(SpecConfig("prediction", "auto"))
+    assert predicted.run_config() == SpecConfig("lookup", "auto")
+    assert predicted.settings()["drafter"] == "prediction"
+    assert Speculation().run_config() == SpecConfig()  # none: no drafter, no draft model
     # p_min is a draft model's setting only
-    assert Speculation("lookup", 2, None, 0.3).spec_config().p_min is None
-    assert Speculation("model", 2, None, 0.3).spec_config().p_min == 0.3
-    assert Speculation("lookup", "auto").settings()["k_max"] == K_MAX_FREE
-    assert Speculation("composite", "auto").settings()["k_max"] == K_MAX_MODEL
-    assert Speculation("model", 3).settings() == {"drafter": "model", "k": 3, "k_max": None}
+    flags = SpecDefaults(SpecConfig(k=2, p_min=0.3), has_draft=True)
+    assert resolve_speculation({"drafter": "lookup"}, flags, False).config.p_min is None
+    assert resolve_speculation({"drafter": "model"}, flags, False).config.p_min == 0.3
+    assert resolve_speculation({"drafter": "composite"}, flags, False).config.p_min == 0.3
+    assert Speculation(SpecConfig("lookup", "auto")).settings()["k_max"] == K_MAX_FREE
+    assert Speculation(SpecConfig("composite", "auto")).settings()["k_max"] == K_MAX_MODEL
+    three = Speculation(SpecConfig("model", 3)).settings()
+    assert three == {"drafter": "model", "k": 3, "k_max": None}
 
 
 def test_include_speculation_is_off_by_default_and_needs_a_stream() -> None:

@@ -12,7 +12,7 @@ from serverkit import MOCK_SPEC, Server, V, wait_for
 
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig
-from specdec.serve.app import ServeConfig
+from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 from specdec.serve.scheduler import (
     PREFILL_MIN,

@@ -37,7 +37,8 @@ from specdec.backends import chat as prompting
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
 from specdec.core.metrics import GenerationStats, Round
-from specdec.serve.app import GRACEFUL_SHUTDOWN_S, ServeConfig
+from specdec.serve.config import ServeConfig
+from specdec.serve.connections import GRACEFUL_SHUTDOWN_S
 from specdec.serve.engine import Engine
 from specdec.serve.speculation import MAX_REQUEST_K
 from specdec.study.run.significance import paired_permutation_p
@@ -509,7 +510,7 @@ def test_metrics_count_generations_by_drafter(srv: Server) -> None:
 _DRAFTER_PREDICTION_SERVE = """
 import sys
 from specdec.backends import load_model
-from specdec.serve import app
+from specdec.serve import config, launch
 from stream_golden import TemplateTokenizer
 
 real = load_model
@@ -519,8 +520,8 @@ def with_tokenizer(spec, **kw):  # a mock model that reads text, to send a text 
     return m
 import specdec.backends
 specdec.backends.load_model = with_tokenizer  # build_engine imports it when it runs
-cfg = app.ServeConfig(target="mock:vocab=48,seed=0", drafter="prediction", port=int(sys.argv[1]))
-sys.exit(app.serve(cfg))
+cfg = config.ServeConfig(target="mock:vocab=48,seed=0", drafter="prediction", port=int(sys.argv[1]))
+sys.exit(launch.serve(cfg))
 """
 
 

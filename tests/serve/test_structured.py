@@ -19,7 +19,7 @@ from serverkit import Server
 
 from specdec.backends import load_model
 from specdec.core.config import SpecConfig
-from specdec.serve.app import ServeConfig
+from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 
 pytestmark = pytest.mark.model

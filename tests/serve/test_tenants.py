@@ -48,7 +48,7 @@ from specdec.core.config import SpecConfig, Warp
 from specdec.core.cost import VerifyCurve
 from specdec.core.decode import generate
 from specdec.serve import tokens as tokens_mod
-from specdec.serve.app import ServeConfig
+from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 from specdec.serve.tenant_policies import TenantPolicies
 from specdec.serve.text import MAX_HELD_TOKENS, TextAssembler
@@ -453,7 +453,7 @@ def test_bad_new_flags_fail_at_start_up(flags: list[str], message: str, capsys) 
 def test_the_start_up_warnings_name_what_a_shared_pool_and_several_keys_expose() -> None:
     """Finding 6: the shared pool's warning named speed alone, yet cached_tokens reports
     another key's prompt blocks directly."""
-    from specdec.serve.app import _warnings
+    from specdec.serve.launch import _warnings
 
     shared = _warnings(ServeConfig(target=MOCK_SPEC, api_keys=(KEY_A, KEY_B), draft_pool="shared"))
     assert any("cached_tokens" in w for w in shared)

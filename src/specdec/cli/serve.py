@@ -9,15 +9,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from specdec.cli import args as cli_args
-from specdec.serve.app import (
+from specdec.serve.config import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REQUEST_TIMEOUT_S,
-    DEFAULT_WRITE_TIMEOUT_S,
     ServeConfig,
-    serve,
 )
+from specdec.serve.connections import DEFAULT_WRITE_TIMEOUT_S
 from specdec.serve.draft_pools import (
     DEFAULT_POOL_SCOPES,
     DEFAULT_POOL_TOKENS,
@@ -26,7 +25,8 @@ from specdec.serve.draft_pools import (
     POOL_MODES,
     pool_memory_bytes,
 )
-from specdec.serve.engine import DEFAULT_MAX_QUEUE
+from specdec.serve.job_queue import DEFAULT_MAX_QUEUE
+from specdec.serve.launch import serve
 from specdec.serve.scheduler import PREFILL_SHARE
 
 #: The environment variable read for the API key when neither flag gives one.
@@ -45,7 +45,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     )
     cli_args.add_spec_args(
         p,
-        k_default=None,  # None: serve.app.DEFAULT_K
+        k_default=None,  # None: serve.speculation.DEFAULT_K
         k_help="default draft tokens per round: an int >= 1, 'auto' (K in 0..--k-max from "
         "measured costs; 0 where drafting cannot pay) or 'schedule' (default auto; a request's "
         "speculation.k overrides it)",

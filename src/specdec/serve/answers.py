@@ -25,11 +25,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdec.core.metrics import GenerationStats
-from specdec.serve.engine import Delta, Done, Engine, Event, Failed, Job, TokenEntry
+from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError, timeout_error
 from specdec.serve.job_queue import Reservation
+from specdec.serve.jobs import Delta, Done, Event, Failed, Job
 from specdec.serve.protocol import SEED_RANGE, ChatRequest, CompletionRequest, GenParams
 from specdec.serve.speculation import Speculation
+from specdec.serve.tokens import TokenEntry
 from specdec.serve.tools import Call, ToolParser
 
 
@@ -112,6 +114,12 @@ class Choice:
     @property
     def calls(self) -> list[Call]:
         return self.parser.calls if self.parser is not None else []
+
+    @property
+    def ended(self) -> GenerationStats:
+        """Its stats, once it has ended (`end`): an answer is written after every Done."""
+        assert self.stats is not None, "the sample has not ended"
+        return self.stats
 
     def take(self, ev: Delta) -> tuple[str, list[Call]]:
         """A delta's content (tool calls taken out) and the calls it finished."""
@@ -217,13 +225,13 @@ class Reply:
             if self.req.return_token_ids:
                 choice["token_ids"] = c.ids
             if len(choices) > 1:
-                choice["spec"] = spec_record(c.stats)  # type: ignore[arg-type]
+                choice["spec"] = spec_record(c.ended)
             out.append(choice)
         body = self._envelope("chat.completion" if self.chat else "text_completion", out)
-        stats = [c.stats for c in choices]
-        body.update(usage=self._usage(stats, streamed=False))  # type: ignore[arg-type]
+        stats = [c.ended for c in choices]
+        body.update(usage=self._usage(stats, streamed=False))
         if len(choices) == 1:
-            body["spec"] = spec_record(stats[0])  # type: ignore[arg-type]
+            body["spec"] = spec_record(stats[0])
         if self.req.return_token_ids:
             body["prompt_token_ids"] = self.prompt_ids
         return body
@@ -267,19 +275,19 @@ class Reply:
     def last_chunk(self, c: Choice, n: int) -> dict[str, Any]:
         last = self.chunk(c.index, None, (), c.finish)
         if n == 1:
-            last.update(usage=self._usage([c.stats], streamed=True), spec=spec_record(c.stats))  # type: ignore[list-item,arg-type]
+            last.update(usage=self._usage([c.ended], streamed=True), spec=spec_record(c.ended))
         else:
-            last["choices"][0]["spec"] = spec_record(c.stats)  # type: ignore[arg-type]
+            last["choices"][0]["spec"] = spec_record(c.ended)
         return last
 
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
         """stream_options.include_usage: a last chunk with no choices."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = self._envelope(obj, [])
-        stats = [c.stats for c in choices]
-        body.update(usage=self._usage(stats, streamed=True))  # type: ignore[arg-type]
+        stats = [c.ended for c in choices]
+        body.update(usage=self._usage(stats, streamed=True))
         if len(choices) == 1:
-            body["spec"] = spec_record(stats[0])  # type: ignore[arg-type]
+            body["spec"] = spec_record(stats[0])
         return body
 
 

@@ -98,12 +98,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import os
-import signal
-import sys
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -115,18 +111,16 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdec.backends.weights import kernel_of
-from specdec.core.config import MODEL_DRAFTERS, SpecConfig
 from specdec.core.model import SpecModel
 from specdec.serve import answers, playground
 from specdec.serve.answers import Reply, sample_params
+from specdec.serve.config import ServeConfig
 from specdec.serve.connections import (
-    DEFAULT_WRITE_TIMEOUT_S,
-    GRACEFUL_SHUTDOWN_S,  # noqa: F401 - re-exported: the tests read the shutdown bound here
-    uvicorn_server,
+    uvicorn_server,  # noqa: F401 - re-exported: tests/serverkit.py imports it from here
 )
-from specdec.serve.draft_pools import DEFAULT_POOL_SCOPES, DEFAULT_POOL_TOKENS, PoolConfig
-from specdec.serve.engine import DEFAULT_MAX_QUEUE, Engine, Job
+from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError
+from specdec.serve.jobs import Job
 from specdec.serve.keys import KeyRing, unauthorized
 from specdec.serve.protocol import (
     MAX_N,
@@ -136,122 +130,9 @@ from specdec.serve.protocol import (
     parse_request,
     validate_request,
 )
-from specdec.serve.scheduler import PREFILL_SHARE
-from specdec.serve.speculation import MAX_REQUEST_K, SPEC_DRAFTERS
 from specdec.serve.tools import ToolFormat
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 32k-token context is ~130 KB of text
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
-#: A slow client may take this long to send a request's body (408 after; its headers get
-#: serve.connections.HEADER_TIMEOUT_S).
-DEFAULT_BODY_TIMEOUT_S = 10.0
-#: Connections open at once (uvicorn's limit_concurrency): past it, new ones get 503, so stalled
-#: clients cannot exhaust memory or descriptors.
-DEFAULT_MAX_CONNECTIONS = 256
-#: Host names served when bound to loopback and no --allowed-host is given.
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-#: The server's K unless -k says: K per round from measured costs (core.policy.CostModelK),
-#: which stops drafting where it cannot pay; a fixed K = 4 costs time wherever a verify pass is
-#: dear (a CPU) or the drafts are poor.
-DEFAULT_K = "auto"
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """`specdec serve` flags, one to one."""
-
-    target: str
-    draft: str | None = None
-    # None: "model" with a draft; without one a request's prediction (else prompt lookup), and
-    # the target alone for a request with no prediction
-    drafter: str | None = None
-    k: int | str | None = None  # None: DEFAULT_K
-    k_max: int | None = None
-    p_min: float | None = None
-    device: str | None = None
-    threads: int | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # a key /v1 and /metrics accept (Bearer); none: no key needed
-    api_keys: tuple[str, ...] = ()  # more accepted keys, each a tenant (--api-keys-file)
-    metrics_key: str | None = None  # the operator's key for /metrics (_check_operator)
-    allowed_hosts: tuple[str, ...] = ()  # empty: loopback names when bound to loopback, else any
-    max_queue: int = DEFAULT_MAX_QUEUE
-    parallel: int = 1  # requests generated at once, a slot (KV cache) each: serve.engine
-    prefill_share: float = PREFILL_SHARE  # a cycle's prefill, at most, per its round: scheduler
-    ctx_size: int | None = None  # context per request (n_ctx); None: the backend's default
-    # one key's requests generated at once; None: all slots with one key, half with several
-    max_running_per_key: int | None = None
-    # one key's waiting requests, at most; None: half of max_queue with several keys (queue_per_key)
-    max_queue_per_key: int | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
-    deterministic: bool = False  # batch-invariant llama.cpp numerics (backends.load_model)
-    # keep the KV of the prefix shared with the previous request; None: only where the output
-    # cannot depend on it (a batch-invariant target: serve.engine)
-    prompt_cache: bool | None = None
-    body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds to receive a request's body
-    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open at once; 503 beyond (uvicorn's limit)
-    # open at once from one address (serve.connections); None: half of max_connections
-    max_connections_per_client: int | None = None
-    write_timeout: float = DEFAULT_WRITE_TIMEOUT_S  # s a response may wait for its client to read
-    draft_pool: str = "key"  # whose earlier requests prompt lookup drafts from: key, shared, off
-    draft_pool_tokens: int = DEFAULT_POOL_TOKENS  # each scope's pool, in tokens
-    draft_pool_scopes: int = DEFAULT_POOL_SCOPES  # pools held at once, at most
-
-    def __post_init__(self) -> None:
-        self.pool_config()  # a bad --draft-pool* value fails here, before any model loads
-        if self.metrics_key is not None and self.metrics_key in self.keys():
-            raise ValueError(
-                "the --metrics-key-file key is also an API key: give the operator a key of "
-                "their own, or the tenant that holds it reads every key's metrics"
-            )
-
-    def keys(self) -> tuple[str, ...]:
-        """Every accepted API key (none: no key is required)."""
-        return tuple(dict.fromkeys(([self.api_key] if self.api_key else []) + list(self.api_keys)))
-
-    def queue_per_key(self) -> int:
-        """Waiting requests one key may hold: --max-queue-per-key, else all of --max-queue on a
-        server with one tenant and half of it (at least 1) with several, so that one key never
-        takes every place."""
-        if self.max_queue_per_key is not None:
-            return min(self.max_queue_per_key, self.max_queue)
-        return self.max_queue if len(self.keys()) <= 1 else max(1, self.max_queue // 2)
-
-    def running_per_key(self) -> int:
-        """Requests of one key generated at once: --max-running-per-key, else every slot on a
-        server with one tenant and half of them (at least 1) with several, as queue_per_key."""
-        if self.max_running_per_key is not None:
-            return min(self.max_running_per_key, self.parallel)
-        return self.parallel if len(self.keys()) <= 1 else max(1, self.parallel // 2)
-
-    def connections_per_client(self) -> int:
-        """Connections one address may hold open: --max-connections-per-client, else half of
-        --max-connections (at least 1)."""
-        if self.max_connections_per_client is not None:
-            return min(self.max_connections_per_client, self.max_connections)
-        return max(1, self.max_connections // 2)
-
-    def pool_config(self) -> PoolConfig:
-        """The draft pools' settings, with no more pools than this server has tenants."""
-        cfg = PoolConfig(self.draft_pool, self.draft_pool_tokens, self.draft_pool_scopes)
-        return cfg.for_tenants(len(self.keys()))
-
-    def spec_config(self) -> SpecConfig:
-        """The server's default speculation, which requests may override: SpecConfig's
-        defaults where none was set, but K = DEFAULT_K."""
-        k = DEFAULT_K if self.k is None else self.k
-        opts = {"drafter": self.drafter, "k_max": self.k_max, "p_min": self.p_min}
-        return SpecConfig(k=k, **{key: v for key, v in opts.items() if v is not None})
-
-    def host_names(self) -> frozenset[str] | None:
-        """The Host header names served; None for any."""
-        if self.allowed_hosts:
-            return None if "*" in self.allowed_hosts else frozenset(self.allowed_hosts)
-        return frozenset(LOOPBACK_HOSTS) if is_loopback(self.host) else None
 
 
 @dataclass(frozen=True)
@@ -506,16 +387,11 @@ def _weights_card(target: SpecModel) -> dict[str, Any] | None:
 
 
 def _speculation_card(engine: Engine) -> dict[str, Any]:
-    """What a request's `speculation` may ask of this server, and what it gets by default."""
-    d = engine.defaults
-    drafters = [x for x in SPEC_DRAFTERS if d.has_draft or x not in MODEL_DRAFTERS]
-    # drafter None: no flag chose one (a request's prediction is drafted from, else nothing)
-    default = {"drafter": d.drafter, "k": d.k if isinstance(d.k, (int, str)) else None}
-    pool = engine.pools.cfg  # whose earlier requests prompt lookup drafts from (serve.draft_pools)
+    """What a request's `speculation` may ask of this server, what it gets by default, and whose
+    earlier requests prompt lookup drafts from (serve.draft_pools)."""
+    pool = engine.pools.cfg
     return {
-        "drafters": drafters,
-        "default": {**default, "k_max": d.k_max},
-        "max_k": MAX_REQUEST_K,
+        **engine.defaults.card(),
         "draft_pool": {"scope": pool.mode, "tokens": 0 if pool.mode == "off" else pool.tokens},
     }
 
@@ -613,39 +489,7 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     return app
 
 
-# ------------------------------------------------------------------------------ entry points
-def build_engine(cfg: ServeConfig) -> Engine:
-    """Load the models named by `cfg`, check them with a warm-up generation, return the engine."""
-    from specdec.backends import load_model, parse_spec
-
-    load_kw: dict[str, Any] = {"n_threads": cfg.threads} if cfg.threads else {}
-    load_kw["deterministic"] = cfg.deterministic
-    if cfg.ctx_size is not None:
-        load_kw["n_ctx"] = cfg.ctx_size
-
-    def load(spec: str) -> SpecModel:
-        # a llama.cpp context holds the slots' sequences: made for them at load
-        llamacpp = parse_spec(spec)[0] == "llamacpp"
-        slots = {"n_seq": cfg.parallel} if cfg.parallel > 1 and llamacpp else {}
-        return load_model(spec, device=cfg.device, **load_kw, **slots)
-
-    target = load(cfg.target)
-    draft = load(cfg.draft) if cfg.draft else None
-    engine = Engine.from_config(cfg, target, draft)
-    engine.warm_up()
-    return engine
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and loopback addresses (no name lookup: nothing leaves the machine)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
+# ------------------------------------------------------------------------------ names
 def public_model_name(spec: str) -> str:
     """`spec` without the directories of a local path ("llamacpp:/home/u/m.gguf" ->
     "llamacpp:m.gguf"); registry names and hub ids ("hf:org/name") are kept."""
@@ -655,74 +499,3 @@ def public_model_name(spec: str) -> str:
     if os.path.isabs(name) or name.startswith(("~", ".")) or "\\" in name:
         name = os.path.basename(name.replace("\\", "/").rstrip("/")) or "model"
     return f"{backend}{sep}{name}"
-
-
-def _warnings(cfg: ServeConfig) -> list[str]:
-    """What the operator should know about these flags before the server starts."""
-    out = []
-    if not is_loopback(cfg.host) and not cfg.keys():
-        out.append(
-            f"serving on {cfg.host} without an API key: anyone who can reach this port can use "
-            "the model"
-        )
-    if cfg.draft_pool == "shared" and len(cfg.keys()) > 1:
-        out.append(
-            f"--draft-pool shared with {len(cfg.keys())} API keys: a client can learn whether its "
-            "text matches another key's requests, through speed, and through "
-            "usage.prompt_tokens_details.cached_tokens, which counts the prompt blocks the "
-            "previous request of any key left in the prompt cache (--draft-pool key keeps each "
-            "key's pool and cache apart)"
-        )
-    if len(cfg.keys()) > 1 and not cfg.metrics_key:
-        out.append(
-            f"{len(cfg.keys())} API keys and no --metrics-key-file: /metrics, which counts "
-            "every key's requests, answers no one (403)"
-        )
-    return out
-
-
-def serve(cfg: ServeConfig) -> int:
-    """Load, warm up and serve until SIGINT/SIGTERM; the exit code (1: could not listen)."""
-    for warning in _warnings(cfg):
-        print(f"warning: {warning}", file=sys.stderr)
-    engine = build_engine(cfg)
-    print(
-        f"specdec: serving {cfg.target}"
-        + (f" (draft {cfg.draft})" if cfg.draft else "")
-        + f" at http://{cfg.host}:{cfg.port}/v1; {engine.pools.cfg.describe()}",
-        file=sys.stderr,
-    )
-    kv = sum(getattr(m, "kv_bytes", 0) for m in (engine.target, engine.draft) if m is not None)
-    if kv:  # what --parallel costs, said once (the backend refused what would not fit)
-        print(
-            f"specdec: {cfg.parallel} slot(s), KV caches {kv / (1 << 20):.0f} MiB", file=sys.stderr
-        )
-    server = uvicorn_server(create_app(engine, cfg), host=cfg.host, port=cfg.port)
-    # The engine's worker runs in this, the main thread, and uvicorn beside it: llama.cpp's
-    # OpenMP barriers spin only for the main thread's decode (serve.engine explains).
-    engine.runs_in_caller = True
-
-    def serve_http() -> None:
-        try:
-            server.run()
-        finally:  # also when uvicorn could not start (a port in use): end the worker too
-            engine.stop(timeout=0)
-
-    http = threading.Thread(target=serve_http, name="specdec-http")
-
-    def shut_down(signum: int, _frame: Any) -> None:
-        # uvicorn's own handlers need the main thread; this is what they do. Its shutdown
-        # drains the engine, and the lifespan's engine.stop() ends `engine.run` below.
-        if server.should_exit:
-            server.force_exit = True
-        server.should_exit = True
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, shut_down)
-    http.start()
-    try:
-        engine.run()
-    finally:
-        server.should_exit = True
-        http.join()
-    return 0 if server.started else 1

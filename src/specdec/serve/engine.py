@@ -21,16 +21,8 @@ Requests wait in a bounded queue, one FIFO per tenant served in turn (serve.job_
 `max_queue` waiting in all, not counting those being generated, and `max_queue_per_key` for one
 API key; 429 with Retry-After beyond either); a free slot takes the next request of a tenant
 running fewer than `max_running_per_key`, so one key cannot hold every slot either. The worker
-hands each job typed events through the job's asyncio.Queue (`loop.call_soon_threadsafe`), in
-order:
-
-    Start                   generation began (the request left the queue)
-    Delta(text, token_ids, origins, logprobs)  one round's committed tokens and the text now
-                            safe to send; `origins` (stream_options.include_speculation only)
-                            says where each token came from (serve.origins); `logprobs` each
-                            token's (serve.tokens.TokenEntry), when asked
-    Done(finish_reason, stats)
-    Failed(error)           at any point instead of the rest; an ApiError for the client
+hands each job its events (serve.jobs: Start, Delta, Done or Failed) through the job's
+asyncio.Queue.
 
 A job is abandoned (`Engine.withdraw`) when its client goes away, its deadline passes or the
 server shuts down. A waiting job leaves the queue at once, freeing its place; a running one
@@ -56,7 +48,6 @@ request waits, off the worker).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
@@ -71,35 +62,28 @@ from specdec.backends.costs import CurveFiles
 from specdec.backends.grammar import Grammars
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import Generation, prepare, rounds_together, stream
-from specdec.core.metrics import GenerationStats
 from specdec.core.model import SpecModel
 from specdec.core.pool import DraftPool
 from specdec.serve import scheduler
 from specdec.serve.draft_pools import PoolConfig, PoolUse, ServedPools
-from specdec.serve.errors import (
-    ApiError,
-    bad,
-    cancelled_error,
-    timeout_error,
-    unavailable_error,
-)
-from specdec.serve.job_queue import JobQueue, QueueFull, Reservation
+from specdec.serve.errors import ApiError, bad, unavailable_error
+from specdec.serve.job_queue import DEFAULT_MAX_QUEUE, JobQueue, QueueFull, Reservation
+from specdec.serve.jobs import Delta, Done, Failed, Job, Start, error_for
 from specdec.serve.keys import ANONYMOUS
 from specdec.serve.metrics import Metrics, RoundMark
 from specdec.serve.origins import OriginTracker
-from specdec.serve.protocol import GenParams, Structure
+from specdec.serve.protocol import Structure
 from specdec.serve.scheduler import PassCosts, SlotView, State
 from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
 from specdec.serve.tenant_policies import TenantPolicies
 from specdec.serve.text import TextAssembler
-from specdec.serve.tokens import TokenEntry, Tokens
+from specdec.serve.tokens import Tokens
 
 if TYPE_CHECKING:
-    from specdec.serve.app import ServeConfig
+    from specdec.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUE = 64
 #: The prompt cache reuses, and reports, whole blocks of this many tokens: a client that guesses
 #: another's prompt learns at most whether a 256-token block matched, not the matching length
 #: (and only within a scope: the previous request's KV is kept for a request of its scope alone).
@@ -108,76 +92,9 @@ RETRY_AFTER_RANGE_S = (1, 60)
 _SERVICE_EMA = 0.8  # smoothing of the mean generation time that Retry-After is estimated from
 
 
-# ------------------------------------------------------------------------------ events
-@dataclass(frozen=True)
-class Start:
-    """The job left the queue and its generation began."""
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str  # may be empty: text held back (a possible stop string, a partial character)
-    token_ids: tuple[int, ...]  # the round's committed tokens (empty for the final flush)
-    origins: dict | None = None  # the round's token origins, when the request asked for them
-    logprobs: tuple[TokenEntry, ...] = ()  # one per token, when the request asked for them
-
-
-@dataclass(frozen=True)
-class Done:
-    finish_reason: str  # "stop" (a stop string or a stop id) or "length"
-    stats: GenerationStats
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: ApiError
-
-
-Event = Start | Delta | Done | Failed
-
-
-# ------------------------------------------------------------------------------ jobs
-@dataclass
-class Job:
-    """One request on its way through the engine."""
-
-    params: GenParams
-    loop: asyncio.AbstractEventLoop
-    arrived: float  # time.perf_counter() at arrival
-    deadline: float  # time.perf_counter() after which the request has timed out
-    tenant: str = ANONYMOUS  # the API key's id (serve.keys): whose draft pool it reads and feeds
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)  # worker -> event loop
-    reason: str | None = None  # why it was abandoned: "cancelled", "timeout" or "shutdown"
-    _abandoned: threading.Event = field(default_factory=threading.Event)  # event loop -> worker
-
-    def emit(self, event: Event) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-    def abandon(self, reason: str) -> None:
-        if not self._abandoned.is_set():
-            self.reason = reason  # the first reason is the one counted
-            self._abandoned.set()
-
-    def stopped(self) -> str | None:
-        """Why the worker should stop generating this job, or None to go on."""
-        if self._abandoned.is_set():
-            return self.reason
-        return "timeout" if time.perf_counter() > self.deadline else None
-
-
-def error_for(reason: str) -> ApiError:
-    """The error an abandoned job ends with."""
-    if reason == "timeout":
-        return timeout_error()
-    if reason == "shutdown":
-        return unavailable_error("the server is shutting down", "shutting_down")
-    return cancelled_error()
-
-
 # ------------------------------------------------------------------------------ the engine
 class Engine:
-    """The models, the worker thread, the queue; see the module docstring for the events.
+    """The models, the worker thread, the queue; the events it hands a job are serve.jobs'.
 
     `lock` is held while any generation runs: code outside the worker (tests, a warm-up) takes
     it to use the models directly.
@@ -222,12 +139,11 @@ class Engine:
         self._targets = target.slots(parallel)
         self._drafts = draft.slots(parallel) if draft is not None else [None] * parallel
         self.model_id = model_id or target.name
-        self.spec = spec
         # What one request's k="auto" learned carries to the next of its tenant
         # (serve.tenant_policies)
         self.policies = policies if policies is not None else TenantPolicies(CurveFiles())
         # What a request gets when its `speculation` object does not say (the start-up flags)
-        self.defaults = SpecDefaults.of(spec, draft is not None)
+        self.defaults = SpecDefaults(spec, draft is not None)
         # Keep the target's KV of the prefix shared with the previous request, in whole blocks
         # (an editor re-sends the file, a chat the conversation): decode.stream(reuse_prefix=).
         # On by default only where it cannot change the output: kept rows were computed in
@@ -266,7 +182,7 @@ class Engine:
     def from_config(
         cls, cfg: ServeConfig, target: SpecModel, draft: SpecModel | None = None, **overrides: Any
     ) -> Engine:
-        """The engine `cfg` (serve.app.ServeConfig) describes, on these models: the one mapping
+        """The engine `cfg` (serve.config.ServeConfig) describes, on these models: the one mapping
         from the server's settings to the engine's (`overrides`: an Engine argument set by
         hand, e.g. a test's own speculation or policies)."""
         kw: dict[str, Any] = {
@@ -281,6 +197,11 @@ class Engine:
             "prefill_share": cfg.prefill_share,
         }
         return cls(target, draft, **(kw | overrides))
+
+    @property
+    def spec(self) -> SpecConfig:
+        """The start-up speculation (a request's `speculation` overrides it: `defaults`)."""
+        return self.defaults.spec
 
     @property
     def tokenizer(self) -> object | None:
@@ -325,7 +246,7 @@ class Engine:
         option at startup rather than in a request, and pays one-time costs there too."""
         bos = getattr(self.tokenizer, "bos_token_id", None)
         prompt = [bos if bos is not None else 0]
-        default = self.defaults.speculation()
+        default = resolve_speculation(None, self.defaults, False)
         runs = [default]
         if self.draft is not None and not default.uses_draft:
             runs.append(resolve_speculation({"drafter": "model"}, self.defaults, False))
@@ -352,12 +273,12 @@ class Engine:
     ) -> dict[str, object]:
         """`decode.stream`'s draft, spec, prediction, pool and policies for a request's
         speculation: the draft model (`slot`'s) only for the drafters that run it, no prediction
-        for "none" (it drafts nothing), the draft pool only for the drafters that run prompt
-        lookup, the k="auto" policies of the request's tenant."""
+        without a drafter (it drafts nothing), the draft pool only for the drafters that run
+        prompt lookup, the k="auto" policies of the request's tenant."""
         return {
             "draft": self._drafts[slot] if sp.uses_draft else None,
-            "spec": sp.spec_config(),
-            "prediction": None if sp.drafter == "none" else prediction,
+            "spec": sp.run_config(),
+            "prediction": prediction if sp.drafts else None,
             "pool": pool if sp.uses_lookup else None,
             "policies": self.policies.get(tenant),
         }
@@ -447,7 +368,7 @@ class Engine:
 
     def withdraw(self, job: Job, reason: str) -> None:
         """Abandon `job` ("cancelled", "timeout"): a waiting job leaves the queue now, freeing
-        its slot; a running one stops at the worker's next check. A no-op for a finished job."""
+        its place; a running one stops at the worker's next check. A no-op for a finished job."""
         job.abandon(reason)
         if self._jobs.remove(job):  # the worker will never see it: end it here
             self._end_unstarted(job, job.reason or reason)
@@ -669,7 +590,7 @@ class Engine:
         wall = time.perf_counter() - a.started
         self._service_s = _SERVICE_EMA * self._service_s + (1 - _SERVICE_EMA) * wall
         self.metrics.record_generation(a.gen.stats, outcome, a.job.arrived, a.started, a.rounds)
-        self.metrics.inc("specdec_generations_by_drafter_total", drafter=p.speculation.drafter)
+        self.metrics.inc("specdec_generations_by_drafter_total", drafter=p.speculation.drafter_name)
         if done is not None:
             a.job.emit(done)
 

@@ -19,6 +19,9 @@ import itertools
 import threading
 from typing import Generic, Protocol, TypeVar
 
+#: Requests waiting, at most, unless --max-queue says (beyond: 429).
+DEFAULT_MAX_QUEUE = 64
+
 
 class _Tenanted(Protocol):
     tenant: str

@@ -124,7 +124,7 @@ class PassCosts:
         lo, hi = 1, most  # cost(t) / t falls as t grows (a pass's fixed part spread thinner)
         while lo < hi:
             mid = (lo + hi) // 2
-            if self(mid) / mid <= waste * best:  # type: ignore[operator]
+            if self._estimate(mid) / mid <= waste * best:
                 hi = mid
             else:
                 lo = mid + 1
@@ -132,9 +132,11 @@ class PassCosts:
 
     def __call__(self, tokens: int) -> float | None:
         """Estimated seconds to prefill `tokens`; None until a pass was measured."""
+        return self._estimate(tokens) if self._points else None
+
+    def _estimate(self, tokens: int) -> float:
+        """`self(tokens)`, once a pass was measured."""
         pts = self._points
-        if not pts:
-            return None
         i = bisect.bisect_left(pts, (tokens, float("-inf")))
         if i < len(pts) and pts[i][0] == tokens:
             return pts[i][1]

@@ -206,7 +206,7 @@ class Tokens:
     def prepare_prediction(self, params: GenParams, instruction: str) -> GenParams:
         """`params` with its prediction's hints, and its index where PREBUILT_INDEX_TOKENS
         allows (else the worker builds it when the request starts). Call off the event loop."""
-        if not params.prediction or params.speculation.drafter == "none":
+        if not params.prediction or not params.speculation.drafts:
             return params  # nothing drafts from it
         hints = self._hints(instruction)
         tokens = len(params.prediction)
@@ -220,6 +220,6 @@ class Tokens:
     def prediction(p: GenParams) -> list[int] | PredictionIndex | None:
         """What the request drafts from first: its index, built now if it was not built ahead
         (`prepare_prediction`)."""
-        if p.prediction_index is not None or not p.prediction or p.speculation.drafter == "none":
+        if p.prediction_index is not None or not p.prediction or not p.speculation.drafts:
             return p.prediction_index or p.prediction
         return PredictionIndex(p.prediction, PredictionDrafter.N_MAX, p.prediction_hints)
