@@ -1,17 +1,12 @@
-"""Load test for a running `specdec serve` (a benchmark, not a test), in three modes.
+"""Robustness soaks of a running `specdec serve` (benchmarks, not tests), in two modes.
 
-The load run (the default): N streamed chat completions at concurrency C, each of a prompt from
-the vendored prompt set (cycled), so that the client sees the time to first token as well as the
-whole latency:
+The load test that was this script's default mode (N streamed chat completions at concurrency C:
+latency, TTFT, tokens/s, errors, acceptance) is `specdec bench --concurrency C --endpoint URL`
+(study/run/together.py), which reports those per method:
 
-    specdec serve --target llamacpp:smollm2-135m --drafter lookup -k auto --threads 2 &
-    .venv/bin/python scripts/loadtest.py -n 200 -c 8 --max-tokens 32 --out results/cpu/loadtest.json
-
-    latency_p50_s, _p95_s   request sent -> [DONE] received (queue wait included)
-    ttft_p50_s, _p95_s      request sent -> first chunk with text
-    tokens_per_s            completion tokens of successful requests / wall time of the run
-    errors                  requests that failed (HTTP status, stream error or exception)
-    acceptance_rate, tokens_per_round   pooled over the responses' `spec` objects
+    specdec serve --target llamacpp:smollm2-135m --drafter lookup -k auto --threads 2 --parallel 8 &
+    specdec bench --config all_gguf --endpoint http://127.0.0.1:8000 --concurrency 8 \\
+        --prompts 32 --max-new-tokens 32
 
 --soak, the mixed soak (issue 11): a deterministic mix of good requests (streamed and not, greedy
 and sampled), malformed bodies (bad JSON, wrong types, deep nesting, lone surrogates,
@@ -33,37 +28,34 @@ only if all of those hold.
 client sends, a burst past the queue, /health timed throughout, the RSS's course, and every
 answer compared with `generate()`. scripts/loadtest_hostile.py says what it sends and checks.
 
-Every mode prints one line and, with --out, writes its record as a specdec artifact
-(`specdec.loadtest/1`, `specdec.loadtest_soak/1`, `specdec.loadtest_hostile/1`) whose `meta`
-names the machine; the exit status is 0 only if the record is `ok`. Where the code is:
-scripts/loadtest_common.py (what the modes share: the request sender, the server's readings,
-the tally, generate(), the artifact), scripts/loadtest_hostile.py (the hostile mix), this file
-(the command line, the load run and the mixed soak). The client side is the standard library;
-specdec is imported for the prompt set, the reference generation and the artifact. Loopback
-URLs only: it is a load generator.
+Each mode prints one line and, with --out, writes its record as a specdec artifact
+(`specdec.loadtest_soak/1`, `specdec.loadtest_hostile/1`) whose `meta` names the machine; the
+exit status is 0 only if the record is `ok`. Where the code is: scripts/loadtest_common.py (what
+the modes share: the request sender, the server's readings, the tally, generate(), the
+artifact), scripts/loadtest_hostile.py (the hostile mix), this file (the command line and the
+mixed soak). Requests go out over the standard library's http.client; a streamed answer is read
+by specdec's one reader of streams (specdec.study.engines.stream), and specdec is imported for
+the prompt set, the reference generation and the artifact too. Loopback URLs only: it is a load
+generator.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import sys
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from loadtest_common import (
-    SHORT_PROMPTS,
     WARMUP_OFFSET,
     Plan,
     Server,
-    connect,
+    add_server_args,
+    connect_from_args,
     crashes,
     growth,
     load_reference,
-    percentile,
     regenerate,
     run_mix,
     send,
@@ -76,139 +68,7 @@ from loadtest_common import (
 from loadtest_hostile import hostile_soak
 from loadtest_hostile import report as report_hostile
 
-#: The load run's prompts where the package is not installed: the first short prompts.
-DEFAULT_PROMPTS = SHORT_PROMPTS[:4]
-
-
-def _prompts() -> list[str]:
-    try:
-        from specdec.study.run.prompts import load_prompts
-
-        return [p.text for p in load_prompts()] or list(DEFAULT_PROMPTS)
-    except ImportError:  # run without the package installed: a small built-in set
-        return list(DEFAULT_PROMPTS)
-
-
-def _fmt(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.3f}"
-
-
-# ------------------------------------------------------------------------------ the load run
-def _stream_one(server: Server, body: dict, timeout: float) -> dict[str, Any]:
-    """One streamed request: latency, TTFT, completion tokens, spec, or the error."""
-    t0 = time.perf_counter()
-    out: dict[str, Any] = {"ok": False, "latency_s": None, "ttft_s": None, "tokens": 0}
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=timeout)
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), server.headers)
-        resp = conn.getresponse()
-        if resp.status != 200:
-            out["error"] = f"HTTP {resp.status}: {resp.read()[:200].decode(errors='replace')}"
-            return out
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data: "):
-                continue
-            data = line[len(b"data: ") :]
-            if data == b"[DONE]":
-                out["ok"] = True
-                break
-            event = json.loads(data)
-            if "error" in event:
-                out["error"] = event["error"].get("message", "stream error")
-                return out
-            for c in event.get("choices", ()):
-                if out["ttft_s"] is None and (c.get("delta") or {}).get("content"):
-                    out["ttft_s"] = time.perf_counter() - t0
-            if event.get("usage"):
-                out["tokens"] = event["usage"]["completion_tokens"]
-                out["spec"] = event.get("spec")
-        if not out["ok"]:
-            out["error"] = "stream ended without [DONE]"
-    except (OSError, http.client.HTTPException, ValueError) as e:
-        out["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        conn.close()
-        out["latency_s"] = time.perf_counter() - t0
-    return out
-
-
-def load(args: argparse.Namespace, server: Server) -> dict[str, Any]:
-    """The load run; returns its record (see the module docstring)."""
-    prompts = _prompts()
-    done = 0
-    lock = threading.Lock()
-
-    def run(i: int) -> dict[str, Any]:
-        nonlocal done
-        body = {
-            "model": server.model,
-            "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
-            "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
-            "seed": i,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        r = _stream_one(server, body, args.timeout)
-        with lock:
-            done += 1
-            if done % max(1, args.requests // 10) == 0:
-                print(f"  {done}/{args.requests}", file=sys.stderr, flush=True)
-        return r
-
-    t0 = time.perf_counter()
-    results = run_mix(run, range(args.requests), args.concurrency)
-    return _load_record(args, server, results, time.perf_counter() - t0)
-
-
-def _load_record(
-    args: argparse.Namespace, server: Server, results: list[dict[str, Any]], wall: float
-) -> dict[str, Any]:
-    ok = [r for r in results if r["ok"]]
-    lat = [r["latency_s"] for r in ok]
-    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
-    tokens = sum(r["tokens"] for r in ok)
-    specs = [r["spec"] for r in ok if r.get("spec")]
-    drafted = sum(s["drafted"] for s in specs)
-    accepted = sum(s["accepted"] for s in specs)
-    rounds = sum(s["rounds"] for s in specs)
-    errors = [r["error"] for r in results if not r["ok"]]
-    return {
-        "url": args.url,
-        "model": server.model,
-        "requests": args.requests,
-        "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "wall_s": wall,
-        "completed": len(ok),
-        "errors": len(errors),
-        "error_samples": sorted(set(errors))[:5],
-        "latency_p50_s": percentile(lat, 50),
-        "latency_p95_s": percentile(lat, 95),
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p95_s": percentile(ttft, 95),
-        "completion_tokens": tokens,
-        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-        "requests_per_s": len(ok) / wall if wall > 0 else 0.0,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "tokens_per_round": tokens / rounds if rounds else None,
-        "ok": not errors,
-    }
-
-
-def _report_load(record: dict[str, Any]) -> None:
-    print(
-        f"{record['completed']}/{record['requests']} ok, {record['errors']} errors in "
-        f"{record['wall_s']:.1f} s | latency p50 {_fmt(record['latency_p50_s'])} s, p95 "
-        f"{_fmt(record['latency_p95_s'])} s | TTFT p50 {_fmt(record['ttft_p50_s'])} s, p95 "
-        f"{_fmt(record['ttft_p95_s'])} s | {record['tokens_per_s']:.1f} tokens/s | acceptance "
-        f"{_fmt(record['acceptance_rate'])}, {_fmt(record['tokens_per_round'])} tokens/round"
-    )
-    for e in record["error_samples"]:
-        print(f"  error: {e}", file=sys.stderr)
-
+from specdec.study.run.prompts import load_prompts
 
 # ------------------------------------------------------------------------------ the mixed soak
 #: Kinds of soak request, by i % 10: half are good, each other kind is a tenth.
@@ -312,7 +172,7 @@ def _final_reference(args: argparse.Namespace) -> list[int]:
 
 def soak(args: argparse.Namespace, server: Server) -> dict[str, Any]:
     """The mixed soak; returns its record (see the module docstring)."""
-    prompts = _prompts()
+    prompts = [p.text for p in load_prompts()]
     stop_at = time.perf_counter() + args.time_limit
 
     def run(i: int) -> dict[str, Any]:
@@ -405,21 +265,11 @@ def _report_soak(record: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------ the command line
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback)")
-    ap.add_argument("-n", "--requests", type=int, default=200, help="requests (int; default 200)")
-    ap.add_argument("-c", "--concurrency", type=int, default=8, help="clients (int; default 8)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="per request (int; default 64)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="(float; default 0, greedy)")
-    ap.add_argument("--model", default=None, help="model id (default: the server's first)")
-    key = ap.add_mutually_exclusive_group()
-    key.add_argument("--api-key", default=None, help="Bearer key, if the server wants one")
-    key.add_argument("--api-key-file", default=None, help="read the key from this file (path)")
-    ap.add_argument("--timeout", type=float, default=300.0, help="per request, s (default 300)")
-    ap.add_argument("--out", default=None, help="write the JSON record here (path)")
-    soak_args = ap.add_argument_group("--soak and --hostile: the robustness runs")
-    soak_args.add_argument("--soak", action="store_true", help="run the mixed soak instead")
+    add_server_args(ap, requests=200, timeout=300.0)
+    soak_args = ap.add_argument_group("--soak and --hostile: the robustness runs (one of them)")
+    soak_args.add_argument("--soak", action="store_true", help="run the mixed soak")
     soak_args.add_argument(
-        "--hostile", action="store_true", help="run the hostile soak instead (implies --soak)"
+        "--hostile", action="store_true", help="run the hostile soak (overrides --soak)"
     )
     soak_args.add_argument("--pid", type=int, default=None, help="the server's pid, for its RSS")
     soak_args.add_argument("--target", default=None, help="the server's --target, for generate()")
@@ -446,28 +296,22 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    if not (1 <= args.requests <= 100_000 and 1 <= args.concurrency <= 256):
-        ap.error("need 1 <= --requests <= 100000 and 1 <= --concurrency <= 256")
+    if not (args.soak or args.hostile):
+        ap.error(
+            "pass --soak or --hostile; the load test that was the default mode is "
+            "`specdec bench --concurrency C --endpoint URL`"
+        )
     if not args.time_limit > 0:
         ap.error("--time-limit must be > 0")
     if args.k is not None and args.k.isdigit():
         args.k = int(args.k)
-    key = args.api_key
-    if args.api_key_file:  # its first line, as `specdec serve --api-key-file` reads it
-        key = Path(args.api_key_file).read_text().splitlines()[0].strip()
-    try:
-        server = connect(args.url, key, args.model)
-    except ValueError as e:
-        ap.error(str(e))
+    server = connect_from_args(ap, args)
     if args.hostile:
         record, schema = hostile_soak(args, server), "specdec.loadtest_hostile/1"
         report_hostile(record)
-    elif args.soak:
+    else:
         record, schema = soak(args, server), "specdec.loadtest_soak/1"
         _report_soak(record)
-    else:
-        record, schema = load(args, server), "specdec.loadtest/1"
-        _report_load(record)
     write_record(args.out, schema, record)
     return 0 if record["ok"] else 1
 

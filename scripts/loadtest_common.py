@@ -1,11 +1,13 @@
-"""What every mode of scripts/loadtest.py shares, written once: the server under test and a GET of
-it, one planned request sent and what came back, the server's process and /metrics read from
-outside, the tally of a mix against the statuses each kind may get, the answers regenerated with
-`generate()` on the server's models, and the artifact written with the project's `write_json`
-and `meta_block`.
+"""What the soaks of scripts/loadtest.py and scripts/loadtest_parallel.py share, written once: the
+server under test and a GET of it, one planned request sent and what came back, the server's
+process and /metrics read from outside, the tally of a mix against the statuses each kind may
+get, the answers regenerated with `generate()` on the server's models, and the artifact written
+with the project's `write_json` and `meta_block`.
 
-The client side is the standard library; specdec is imported only to regenerate answers (after a
-soak, loading the models here) and to write the artifact.
+Requests go out over the standard library's http.client (a hostile client needs its sockets);
+a streamed answer is read by the library's one reader of streams (specdec.study.engines.stream),
+and specdec is otherwise imported to regenerate answers (after a soak, loading the models here)
+and to write the artifact.
 
 A soak's mix is a table of request kinds: request i is of kind MIX[i % len(MIX)], and
 `turn(i, MIX)` counts how many of its kind came before it, which rotates a kind's variants.
@@ -13,6 +15,7 @@ A soak's mix is a table of request kinds: request i is of kind MIX[i % len(MIX)]
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import ipaddress
 import json
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from specdec.study.engines.stream import EndpointError, StreamReader, read_stream
 
 #: Indices of warm-up requests: other prompts and seeds than those of the run.
 WARMUP_OFFSET = 1_000_000
@@ -62,6 +67,10 @@ class Server:
     headers: dict[str, str]
     model: str
 
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
 
 def connect(url: str, api_key: str | None, model: str | None) -> Server:
     """The server at `url`; its first model when `model` is None. ValueError unless the URL is
@@ -86,6 +95,37 @@ def connect(url: str, api_key: str | None, model: str | None) -> Server:
     return server
 
 
+def add_server_args(ap: argparse.ArgumentParser, requests: int, timeout: float) -> None:
+    """The flags every load script takes: the server (--url, --model, its key), the run's size
+    (-n, -c), a request's timeout and where the record goes (--out)."""
+    ap.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback)")
+    ap.add_argument(
+        "-n", "--requests", type=int, default=requests, help=f"requests (int; default {requests})"
+    )
+    ap.add_argument("-c", "--concurrency", type=int, default=8, help="clients (int; default 8)")
+    ap.add_argument("--model", default=None, help="model id (default: the server's first)")
+    key = ap.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="Bearer key, if the server wants one")
+    key.add_argument("--api-key-file", default=None, help="read the key from this file (path)")
+    ap.add_argument(
+        "--timeout", type=float, default=timeout, help=f"per request, s (default {timeout:g})"
+    )
+    ap.add_argument("--out", default=None, help="write the JSON record here (path)")
+
+
+def connect_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Server:
+    """The server add_server_args' flags name, the run's size checked; ap.error otherwise."""
+    if not (1 <= args.requests <= 100_000 and 1 <= args.concurrency <= 256):
+        ap.error("need 1 <= --requests <= 100000 and 1 <= --concurrency <= 256")
+    key = args.api_key
+    if args.api_key_file:  # its first line, as `specdec serve --api-key-file` reads it
+        key = Path(args.api_key_file).read_text().splitlines()[0].strip()
+    try:
+        return connect(args.url, key, args.model)
+    except ValueError as e:
+        ap.error(str(e))
+
+
 def get(server: Server, path: str) -> tuple[int, bytes]:
     """GET `path` with the server's headers: (status, body), or (0, b"") if it did not answer."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
@@ -97,14 +137,6 @@ def get(server: Server, path: str) -> tuple[int, bytes]:
         return 0, b""
     finally:
         conn.close()
-
-
-def percentile(xs: Iterable[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None for no data."""
-    s = sorted(xs)
-    if not s:
-        return None
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
 
 
 def turn(i: int, mix: Sequence[str]) -> int:
@@ -170,7 +202,7 @@ def send(server: Server, plan: Plan, timeout: float = 300.0) -> dict[str, Any]:
             return out
         raw = resp.read()
         out["retry_after"] = resp.getheader("Retry-After")
-        _read_answer(out, resp.status, raw, plan.body or {})
+        _read_answer(out, resp.status, raw, plan.body or {}, server.url + plan.path)
     except (OSError, http.client.HTTPException, ValueError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -179,35 +211,47 @@ def send(server: Server, plan: Plan, timeout: float = 300.0) -> dict[str, Any]:
     return out
 
 
-def _read_answer(out: dict[str, Any], status: int, raw: bytes, body: dict[str, Any]) -> None:
-    streamed = bool(body.get("stream"))
+def _read_answer(
+    out: dict[str, Any], status: int, raw: bytes, body: dict[str, Any], url: str
+) -> None:
+    got = None
+    if status == 200 and body.get("stream"):
+        got, out["error"] = streamed(raw, url)
+        if got is None:
+            return
     if status == 200 and body.get("return_token_ids"):
-        out["prompt_ids"], out["ids"], out["cached"] = ids_of(raw, streamed)
+        out["prompt_ids"], out["ids"], out["cached"] = ids_of(raw, got)
         out["body"] = body  # what generate() is asked afterwards
     elif status >= 400:  # an error answer is JSON with a code (ValueError otherwise)
         out["code"] = json.loads(raw).get("error", {}).get("code")
-    if status == 200 and streamed and b'"error"' in raw:
-        snippet = raw[raw.find(b'"error"') :][:160].decode(errors="replace")
-        out["error"] = f"stream error: {snippet}"
 
 
-def ids_of(raw: bytes, streamed: bool) -> tuple[list[int] | None, list[int], int | None]:
-    """(prompt ids, completion ids, cached prompt tokens) of a response with return_token_ids."""
-    if not streamed:
-        obj = json.loads(raw)
-        cached = obj["usage"]["prompt_tokens_details"]["cached_tokens"]
-        return obj.get("prompt_token_ids"), obj["choices"][0].get("token_ids", []), cached
-    prompt, ids, cached = None, [], None
-    for line in raw.split(b"\n"):
-        if not line.startswith(b"data: {"):
-            continue
-        chunk = json.loads(line[6:])
-        prompt = chunk.get("prompt_token_ids", prompt)
-        if chunk.get("choices"):
-            ids += chunk["choices"][0].get("token_ids", [])
-        if chunk.get("usage"):
-            cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
-    return prompt, ids, cached
+def streamed(raw: bytes, url: str) -> tuple[StreamReader | None, str | None]:
+    """A whole streamed 200 answer, read: (what it said, None), or (None, what was wrong: an
+    error event, a malformed event, or no [DONE] at its end)."""
+    try:
+        got = read_stream([raw], url)
+    except EndpointError as e:
+        return None, f"{e.kind}: {e}"
+    return (got, None) if got.done else (None, "the stream ended without data: [DONE]")
+
+
+def ids_of(raw: bytes, got: StreamReader | None) -> tuple[list[int] | None, list[int], int | None]:
+    """(prompt ids, completion ids, cached prompt tokens) of a 200 answer with return_token_ids:
+    the stream `got` read, or else the JSON body `raw`."""
+    if got is not None:
+        return got.prompt_token_ids, got.token_ids, _cached(got.usage)
+    obj = json.loads(raw)
+    return (
+        obj.get("prompt_token_ids"),
+        obj["choices"][0].get("token_ids", []),
+        _cached(obj["usage"]),
+    )
+
+
+def _cached(usage: dict[str, Any] | None) -> int | None:
+    """The prompt tokens the server's prompt cache held (usage.prompt_tokens_details)."""
+    return ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 def tally(
@@ -348,8 +392,8 @@ def write_record(path: str | None, schema: str, record: dict[str, Any]) -> None:
     """Write `record` as a specdec artifact (its schema id, meta with the machine) to `path`."""
     if not path:
         return
+    from specdec.study.artifacts import write_json
     from specdec.study.artifacts.provenance import meta_block
-    from specdec.study.artifacts.schema import write_json
 
     meta = meta_block()
     # the command line is recorded: a key given with --api-key must not be

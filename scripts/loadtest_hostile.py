@@ -53,7 +53,6 @@ from loadtest_common import (
     get,
     growth,
     load_reference,
-    percentile,
     regenerate,
     rss_mb,
     run_mix,
@@ -63,6 +62,8 @@ from loadtest_common import (
     tally,
     turn,
 )
+
+from specdec.study.engines.endpoint import percentile
 
 HOSTILE_MIX = (
     "good",

@@ -70,12 +70,14 @@ from loadtest_common import (
     CANCEL_AFTER_S,
     SHORT_PROMPTS,
     Server,
-    connect,
+    add_server_args,
+    connect_from_args,
     crashes,
     get,
     ids_of,
     run_mix,
     snapshot,
+    streamed,
     turn,
     write_record,
 )
@@ -293,7 +295,7 @@ def send(server: Server, req: Req, timeout: float) -> dict[str, Any]:
             resp.close()  # with conn.close() below: the socket's last reference
             out["status"] = "left"
             return out
-        _answer(out, resp.status, resp.read(), req.body)
+        _answer(out, resp.status, resp.read(), req.body, server.url + req.path)
     except (OSError, http.client.HTTPException, ValueError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -302,34 +304,22 @@ def send(server: Server, req: Req, timeout: float) -> dict[str, Any]:
     return out
 
 
-def _answer(out: dict[str, Any], status: int, raw: bytes, body: dict[str, Any]) -> None:
+def _answer(out: dict[str, Any], status: int, raw: bytes, body: dict[str, Any], url: str) -> None:
     if status != 200:
         out["error"] = raw.decode(errors="replace")[:2000]
         return
-    if not body.get("stream"):
-        obj = json.loads(raw)
-        choice = obj["choices"][0]
+    got = None
+    if body.get("stream"):
+        got, error = streamed(raw, url)
+        if got is None:
+            out["error"] = str(error)[:2000]
+            return
+        out["text"], out["finish"] = got.text, got.finish_reason
+    else:
+        choice = json.loads(raw)["choices"][0]
         out["text"] = choice["message"]["content"] if "message" in choice else choice["text"]
         out["finish"] = choice.get("finish_reason")
-    else:
-        text, done = [], False
-        for line in raw.split(b"\n"):
-            if line.strip() == b"data: [DONE]":
-                done = True
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                out["error"] = f"stream error event: {json.dumps(chunk)[:2000]}"
-                return
-            for c in chunk.get("choices", ()):
-                text.append(c.get("text") or c.get("delta", {}).get("content") or "")
-                out["finish"] = c.get("finish_reason") or out.get("finish")
-        if not done:
-            out["error"] = "the stream ended without data: [DONE]"
-            return
-        out["text"] = "".join(text)
-    prompt_ids, out["ids"], out["cached"] = ids_of(raw, bool(body.get("stream")))
+    prompt_ids, out["ids"], out["cached"] = ids_of(raw, got)
     if prompt_ids is None and isinstance(body.get("prompt"), list):
         prompt_ids = body["prompt"]  # sent as token ids: the server's prompt ids
     out["prompt_ids"] = prompt_ids
@@ -580,35 +570,20 @@ def report(record: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------ the command line
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback)")
-    ap.add_argument("-n", "--requests", type=int, default=500, help="requests (int; default 500)")
-    ap.add_argument("-c", "--concurrency", type=int, default=8, help="clients (int; default 8)")
+    add_server_args(ap, requests=500, timeout=900.0)
     ap.add_argument("--seed", type=int, default=0, help="the mix's seed (int; default 0)")
-    ap.add_argument("--model", default=None, help="model id (default: the server's first)")
-    ap.add_argument("--api-key-file", default=None, help="the server's key, if any (path)")
-    ap.add_argument("--timeout", type=float, default=900.0, help="per request, s (default 900)")
     ap.add_argument("--pid", type=int, default=None, help="the server's pid, for its RSS")
     ap.add_argument("--server-log", default=None, help="the server's stderr, for tracebacks")
     ap.add_argument("--target", default=None, help="the server's --target, for solo answers")
     ap.add_argument("--threads", type=int, default=None, help="the server's --threads")
     ap.add_argument("--deterministic", action="store_true", help="the server runs --deterministic")
-    ap.add_argument("--out", default=None, help="write the JSON record here (path)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    if not (1 <= args.requests <= 100_000 and 1 <= args.concurrency <= 256):
-        ap.error("need 1 <= --requests <= 100000 and 1 <= --concurrency <= 256")
-    key = None
-    if args.api_key_file:  # its first line, as `specdec serve --api-key-file` reads it
-        key = Path(args.api_key_file).read_text().splitlines()[0].strip()
-    try:
-        server = connect(args.url, key, args.model)
-    except ValueError as e:
-        ap.error(str(e))
-    record = soak(args, server)
+    record = soak(args, connect_from_args(ap, args))
     report(record)
     write_record(args.out, "specdec.loadtest_parallel/1", record)
     return 0 if record["ok"] else 1

@@ -2,10 +2,11 @@
 
     python scripts/migrate_artifacts.py results/ [DIR ...]
 
-The readers in study/artifacts/schema.py know one format only; this is where the older ones
-went. It is idempotent (a file already current is left untouched, byte for byte), so run it on
-any directory of artifacts, as often as you like. Only the four kinds that the schema reads are
-rewritten (specdec.bench/1, sweep/1, microbench/1, gate/1); other JSON is left alone.
+The readers in study/artifacts/ know one format only; this is where the older ones went. It is
+idempotent (a file already current is left untouched, byte for byte), so run it on any
+directory of artifacts, as often as you like. Only the four kinds that had older formats are
+rewritten (specdec.bench/1, sweep/1, microbench/1, gate/1); other JSON, the other kinds
+included, is left alone (together/1's fields added later are artifacts.added_later()).
 
 What an older artifact lacks is filled the way the reader used to fill it, so figures and
 REPORT.md read the same numbers after the migration as before:
@@ -33,8 +34,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from specdec.study.artifacts import MAIN_METHODS, ArtifactError, read, to_json, write_json
 from specdec.study.artifacts.runs import pooled_acceptance_length
-from specdec.study.artifacts.schema import MAIN_METHODS, ArtifactError, read, to_json, write_json
 
 #: Fields an AGG holds (artifacts.Agg): absent ones are written as null.
 AGG_FIELDS = (
@@ -87,7 +88,7 @@ def migrate_run(r: dict[str, Any]) -> None:
 
 
 def _bench_config(config: dict[str, Any]) -> None:
-    from specdec.study.run.bench import config_defaults
+    from specdec.study.run.bench_settings import config_defaults
 
     for key, value in config_defaults().items():
         config.setdefault(key, value)

@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.study.artifacts import write_json
 from specdec.study.artifacts.provenance import meta_block
-from specdec.study.artifacts.schema import write_json
 
 #: Short edit prompts like the README's (not in the vendored prompt set).
 PROMPTS = [

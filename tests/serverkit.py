@@ -12,7 +12,8 @@ so a test can compare its output with `specdec.generate` on the very same model 
     servers    `Server` over any engine; `mock_server` builds the mock pair from keywords,
                `serve_models` serves the models a test built itself
     HTTP       `Server.request` for raw requests (what the openai client will not send),
-               `Server.client` for the openai client; `bearer`, `open_stream`, `metric`,
+               `Server.client` for the openai client; `bearer`, `open_stream` (a stream read
+               by specdec.study.engines.stream, the one reader of streams), `metric`,
                `error_of`, `assert_good_request_exact`, `wait_for`
 """
 
@@ -33,6 +34,7 @@ from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
 from specdec.serve.app import ServeConfig, create_app, uvicorn_server
 from specdec.serve.engine import Engine
+from specdec.study.engines.stream import read_stream
 
 V = 48
 MOCK_SPEC = "mock:vocab=48,seed=0"
@@ -185,13 +187,16 @@ def expected(
 
 # ---------------------------------------------------------------------------- HTTP helpers
 def open_stream(srv: Server, body: dict) -> tuple[http.client.HTTPConnection, Any]:
-    """A streaming request, read up to its first chunk with generated text."""
+    """A streaming request, read (by the library's stream reader) up to its first chunk with
+    generated text; the rest of the stream is left unread in `resp`."""
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), JSON)
     resp = conn.getresponse()
     assert resp.status == 200
-    while b'"text":"' not in (line := resp.readline()) or b'"text":""' in line:
-        assert line, "the stream ended before any text"
+    url = f"http://127.0.0.1:{srv.port}/v1/completions"
+    # a line at a time, so that nothing past the first text chunk is taken from `resp`
+    got = read_stream(iter(resp.readline, b""), url, until=lambda r: bool(r.pieces))
+    assert got.pieces, "the stream ended before any text"
     return conn, resp
 
 

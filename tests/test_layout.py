@@ -181,13 +181,13 @@ def test_every_study_module_is_in_a_room() -> None:
 def test_the_room_check_catches_a_backward_import() -> None:
     """The room rule can fail: present/ importing run/, artifacts/ importing anything."""
     present = SRC / "study" / "present" / "figures.py"
-    schema = SRC / "study" / "artifacts" / "schema.py"
+    schema = SRC / "study" / "artifacts" / "base.py"
     run = SRC / "study" / "run" / "bench.py"
     assert _study_room_breach(present, 1, "specdec.study.run.bench".split("."))
     assert _study_room_breach(schema, 1, "specdec.study.present.fmt".split("."))
     assert _study_room_breach(run, 1, "specdec.study".split("."))  # which room?
     assert not _study_room_breach(run, 1, "specdec.study.engines.anchors".split("."))
-    assert not _study_room_breach(present, 1, "specdec.study.artifacts.schema".split("."))
+    assert not _study_room_breach(present, 1, "specdec.study.artifacts.bench".split("."))
 
 
 def test_the_walker_resolves_relative_and_lazy_imports() -> None:
@@ -309,15 +309,16 @@ def _module_name(path: Path) -> str:
 
 
 def _module_graph(paths: list[Path]) -> dict[str, set[str]]:
-    """module -> the modules of `paths` it imports when it runs (lazy imports included, type-only
-    ones not); `from P import m` counts P.m where that is one of them. A module's own packages
-    are left out: Python runs them first whatever the module imports."""
+    """module -> the modules of `paths` it imports (lazy and annotation-only imports included: a
+    type a module only names still ties the two together); `from P import m` counts P.m where
+    that is one of them. A module's own packages are left out: Python runs them first whatever
+    the module imports."""
     known = {_module_name(p) for p in paths}
     graph: dict[str, set[str]] = {}
     for path in paths:
         me = _module_name(path)
         package = None if path.is_relative_to(SRC) else []  # tests and scripts: no packages
-        deps = {m for _, m in _imports(path, typing_only=False, package=package, names=True)}
+        deps = {m for _, m in _imports(path, package=package, names=True)}
         graph[me] = {d for d in deps & known if d != me and not me.startswith(d + ".")}
     return graph
 
@@ -325,7 +326,9 @@ def _module_graph(paths: list[Path]) -> dict[str, set[str]]:
 @pytest.mark.parametrize("tree", sorted(TREES))
 def test_no_import_cycle_anywhere(tree: str) -> None:
     """Each module can be read (and imported) after the ones it imports, in the library, the
-    tests and the scripts alike: a cycle would mean two modules that only make sense together."""
+    tests and the scripts alike: a cycle would mean two modules that only make sense together.
+    An import under `if TYPE_CHECKING:` counts: a protocol both sides name goes to a module of
+    its own (core.protocols)."""
     cycle = _cycle(_module_graph(TREES[tree]))
     assert cycle is None, f"{tree}: " + " -> ".join(cycle or ())
 
@@ -335,6 +338,10 @@ def test_the_module_graph_resolves_submodules_and_skips_parents(tmp_path: Path) 
     (tmp_path / "b.py").write_text("def helper():\n    import a\n")
     graph = _module_graph([tmp_path / "a.py", tmp_path / "b.py"])
     assert graph == {"a": {"b"}, "b": {"a"}} and _cycle(graph) == ["a", "b", "a"]
+    (tmp_path / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
+    )
+    assert _module_graph([tmp_path / "a.py", tmp_path / "c.py"])["c"] == {"a"}  # annotations count
     hf, backends = SRC / "backends" / "hf.py", SRC / "backends" / "__init__.py"
     graph = _module_graph([hf, backends, SRC / "backends" / "llamacpp.py", *CORE])
     assert "specdec.backends" not in graph["specdec.backends.llamacpp"]  # its own package
@@ -357,7 +364,7 @@ def test_the_cycle_check_finds_cycles() -> None:
 #: The size rule: a module a reader can hold in mind, a function that fits on a screen or two.
 #: The one exception is a subcommand's argparse builder (cli/<name>.py `add`): a flat list of
 #: options, read as a table, longer when the command has more flags.
-MAX_MODULE_LINES = 800
+MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80
 
 

@@ -1,5 +1,5 @@
-"""llama.cpp's tools as the peer (study/engines/anchors.py): built as users build it, started as
-documented.
+"""llama.cpp's tools as the peer (study/engines/anchor_build.py, anchors.py): built as users
+build it, started as documented.
 
 Building and running llama-server is a benchmark (minutes of compile), not a test; these check
 what decides whether that comparison is fair and what a user sees when something is missing.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from specdec.backends import llamacpp_build
-from specdec.study.engines import anchors, endpoint, ik_source
+from specdec.study.engines import anchor_build, anchors, endpoint, ik_source
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def test_the_peer_is_built_with_cmakes_defaults_and_the_wheel_natively() -> None
     """The peer is llama.cpp as its users build it: no flag that picks ggml's kernels (CMake's
     default is GGML_NATIVE=ON), only the upstream fixes; specdec's wheel is -march=native from
     the same source, so both run the same kernels."""
-    assert not [f for f in anchors.CMAKE_FLAGS if f.startswith("-DGGML_")]
+    assert not [f for f in anchor_build.CMAKE_FLAGS if f.startswith("-DGGML_")]
     assert llamacpp_build.KERNEL_FLAGS["native"] == ("-DGGML_NATIVE=ON",)
     fixes = llamacpp_build.patch_files(fixes_only=True)
     assert fixes and all(p.name.startswith("fix-") for p in fixes)
@@ -34,24 +34,26 @@ def test_the_peer_is_built_with_cmakes_defaults_and_the_wheel_natively() -> None
 
 
 def test_the_build_key_changes_with_flags_and_patches(monkeypatch, tmp_path) -> None:
-    key = anchors.build_key()
-    monkeypatch.setattr(anchors, "CMAKE_FLAGS", (*anchors.CMAKE_FLAGS, "-DGGML_NATIVE=OFF"))
-    assert anchors.build_key() != key
+    key = anchor_build.build_key()
+    monkeypatch.setattr(
+        anchor_build, "CMAKE_FLAGS", (*anchor_build.CMAKE_FLAGS, "-DGGML_NATIVE=OFF")
+    )
+    assert anchor_build.build_key() != key
     monkeypatch.undo()
     (tmp_path / "fix-more.patch").write_text("x")
     monkeypatch.setattr(llamacpp_build, "PATCHES", tmp_path)
-    assert anchors.build_key() != key
+    assert anchor_build.build_key() != key
 
 
 def test_the_twin_is_the_same_tools_with_specdecs_kernels(tmp_path, monkeypatch) -> None:
     """The "same kernels" twin: its own key and directory (every patch and sdmm's sources go
     into it, and only into it), its modes named twin-<mode>, run on its own binary."""
-    assert anchors.build_key("twin") != anchors.build_key()
-    assert anchors.anchor_dir("twin") != anchors.anchor_dir()
-    assert "twin-" in anchors.anchor_dir("twin").name
+    assert anchor_build.build_key("twin") != anchor_build.build_key()
+    assert anchor_build.anchor_dir("twin") != anchor_build.anchor_dir()
+    assert "twin-" in anchor_build.anchor_dir("twin").name
     native = llamacpp_build.native_files()
-    assert native and not set(native) & set(anchors._sources("stock"))
-    assert set(native) <= set(anchors._sources("twin"))
+    assert native and not set(native) & set(anchor_build._sources("stock"))
+    assert set(native) <= set(anchor_build._sources("twin"))
     assert anchors.method_name("twin-ngram-mod") == "llama-server-twin-ngram-mod"
     assert anchors.method_name("twin-none") == "llama-server-twin"
     assert anchors.method_name("ngram-mod") == "llama-server-ngram-mod"
@@ -71,11 +73,16 @@ def test_ik_llama_cpp_is_a_named_peer_with_its_users_best_settings(tmp_path, mon
     named ik-<mode> (draft and suffix only on an upstream build: the sdist's --spec-type has
     neither), run with --run-time-repack and specdec's numerics, its key in a file (it reads
     none from the environment) and its web UI off in its own spelling."""
-    assert anchors.build_key("ik") not in (anchors.build_key(), anchors.build_key("twin"))
-    assert anchors.anchor_dir("ik").name.startswith(f"ik_llama.cpp-{anchors.PEERS['ik'].version}-")
-    assert anchors._sources("ik") == []
+    assert anchor_build.build_key("ik") not in (
+        anchor_build.build_key(),
+        anchor_build.build_key("twin"),
+    )
+    assert anchor_build.anchor_dir("ik").name.startswith(
+        f"ik_llama.cpp-{anchors.PEERS['ik'].version}-"
+    )
+    assert anchor_build._sources("ik") == []
     with pytest.raises(anchors.AnchorError, match="unknown peer 'vllm'"):
-        anchors.build_key("vllm")
+        anchor_build.build_key("vllm")
     assert anchors.method_name("ik-none") == "ik-llama-server"
     assert anchors.method_name("ik-ngram-mod") == "ik-llama-server-ngram-mod"
     anchors.check_modes(["ik-none", "ik-ngram-mod", "ngram-mod"], "llamacpp:a", "llamacpp:b")
@@ -97,7 +104,7 @@ def test_ik_llama_cpp_is_a_named_peer_with_its_users_best_settings(tmp_path, mon
     assert anchors.plain_mode("ngram-mod") == anchors.plain_mode("lookup") == "none"
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     with pytest.raises(anchors.AnchorError, match="specdec anchors build --peer ik"):
-        anchors.binary("llama-server", "ik")
+        anchor_build.binary("llama-server", "ik")
 
 
 def test_ik_source_gets_its_build_info_written(tmp_path, monkeypatch) -> None:
@@ -115,10 +122,10 @@ def test_ik_source_gets_its_build_info_written(tmp_path, monkeypatch) -> None:
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     with pytest.raises(anchors.AnchorError, match="is not the pinned ik-llama-cpp-python"):
-        anchors._source("ik", sdist, tmp_path / "w0", lambda s: None)
+        anchor_build._source("ik", sdist, tmp_path / "w0", lambda s: None)
     pinned = dataclasses.replace(ik, sdist_sha256=llamacpp_build._sha256(sdist))
     monkeypatch.setitem(anchors.PEERS, "ik", pinned)
-    src = anchors._source("ik", sdist, tmp_path / "w1", lambda s: None)
+    src = anchor_build._source("ik", sdist, tmp_path / "w1", lambda s: None)
     written = (src / "common" / "build-info.cpp").read_text()
     assert "LLAMA_BUILD_NUMBER = 0;" in written and "LLAMA_COMMIT" in written
     assert "@" not in written
@@ -141,7 +148,7 @@ def test_ik_from_its_upstream_source_is_a_build_of_its_own(tmp_path, monkeypatch
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     tree = _ik_tree(tmp_path / "ik")
     with pytest.raises(anchors.AnchorError, match=r"not an ik_llama\.cpp source tree.*iqk"):
-        anchors.build(peer="ik", src=tmp_path, progress=lambda s: None)
+        anchor_build.build(peer="ik", src=tmp_path, progress=lambda s: None)
     sid = ik_source.identify(tree)["source_id"]
     assert sid.startswith("tree-")
     (tree / "build").mkdir()
@@ -152,42 +159,46 @@ def test_ik_from_its_upstream_source_is_a_build_of_its_own(tmp_path, monkeypatch
     assert ik_source.identify(tree)["source_id"] != sid
     shutil.rmtree(tree / ".git")
     with pytest.raises(anchors.AnchorError, match="--commit must be a git commit id"):
-        anchors.build(peer="ik", src=tree, commit="main", progress=lambda s: None)
+        anchor_build.build(peer="ik", src=tree, commit="main", progress=lambda s: None)
     a, b = "8337e4cd3861406fc04e0854b1409cd1b027fbc9", "1794846f7351ba405b3ab0b3654f8c9f9f387d01"
     origin = ik_source.identify(tree, a.upper())
     assert origin["source_id"] == f"git-{a}" and origin["commit"] == a
-    sdist_key = anchors.build_key("ik", None)
-    keys = {sdist_key, anchors.build_key("ik", f"git-{a}"), anchors.build_key("ik", f"git-{b}")}
-    assert len(keys) == 3 and anchors.build_key("ik") == sdist_key  # nothing selected yet
-    up = anchors.anchor_dir("ik", f"git-{a}")
+    sdist_key = anchor_build.build_key("ik", None)
+    keys = {
+        sdist_key,
+        anchor_build.build_key("ik", f"git-{a}"),
+        anchor_build.build_key("ik", f"git-{b}"),
+    }
+    assert len(keys) == 3 and anchor_build.build_key("ik") == sdist_key  # nothing selected yet
+    up = anchor_build.anchor_dir("ik", f"git-{a}")
     assert up.name.startswith("ik_llama.cpp-git-8337e4cd3861-")
-    assert anchors.anchor_dir("ik").name.startswith("ik_llama.cpp-0.1.5-")
+    assert anchor_build.anchor_dir("ik").name.startswith("ik_llama.cpp-0.1.5-")
     # a found build is selected; a sdist build (made or found) selects the sdist again
     for t in anchors.PEERS["ik"].targets:
         (up / "bin").mkdir(parents=True, exist_ok=True)
         (up / "bin" / t).write_text("x")
     (up / "manifest.json").write_text("{}")
-    assert anchors.build(peer="ik", src=tree, commit=a, progress=lambda s: None) == up / "bin"
-    assert anchors.ik_source() == f"git-{a}" and anchors.anchor_dir("ik") == up
-    assert anchors.binary("llama-server", "ik") == up / "bin" / "llama-server"
+    assert anchor_build.build(peer="ik", src=tree, commit=a, progress=lambda s: None) == up / "bin"
+    assert anchor_build.ik_source() == f"git-{a}" and anchor_build.anchor_dir("ik") == up
+    assert anchor_build.binary("llama-server", "ik") == up / "bin" / "llama-server"
     anchors.check_modes(["ik-draft", "ik-suffix"], "llamacpp:a", "llamacpp:b")
     shutil.rmtree(up)
     with pytest.raises(anchors.AnchorError, match=f"--peer ik --src {tree} --commit {a}"):
-        anchors.binary("llama-server", "ik")
-    sd = anchors.anchor_dir("ik", None)
+        anchor_build.binary("llama-server", "ik")
+    sd = anchor_build.anchor_dir("ik", None)
     for t in anchors.PEERS["ik"].targets:
         (sd / "bin").mkdir(parents=True, exist_ok=True)
         (sd / "bin" / t).write_text("x")
     (sd / "manifest.json").write_text("{}")
-    anchors.build(peer="ik", progress=lambda s: None)
-    assert anchors.ik_source() is None and anchors.anchor_dir("ik") == sd
+    anchor_build.build(peer="ik", progress=lambda s: None)
+    assert anchor_build.ik_source() is None and anchor_build.anchor_dir("ik") == sd
     for bad, match in (
         ({"peer": "stock", "src": tree}, "pass --peer ik"),
         ({"peer": "ik", "src": tree, "sdist": tmp_path / "x.tar.gz"}, "two sources"),
         ({"peer": "ik", "commit": a}, "pass --src DIR"),
     ):
         with pytest.raises(anchors.AnchorError, match=match):
-            anchors.build(progress=lambda s: None, **bad)
+            anchor_build.build(progress=lambda s: None, **bad)
 
 
 def test_ik_source_id_reads_a_checkouts_commit_and_its_changes(tmp_path) -> None:
@@ -219,16 +230,16 @@ def test_an_upstream_tree_is_copied_with_its_build_info_and_recorded(tmp_path) -
     (tree / "spm-headers").mkdir()
     (tree / "spm-headers" / "ggml.h").symlink_to("../CMakeLists.txt")
     origin = ik_source.identify(tree, "8337e4cd3861406fc04e0854b1409cd1b027fbc9")
-    src = anchors._source("ik", None, tmp_path / "w", lambda s: None, origin)
+    src = anchor_build._source("ik", None, tmp_path / "w", lambda s: None, origin)
     assert not (src / ".git").exists() and not (src / "build").exists()
     assert (src / "spm-headers" / "ggml.h").is_symlink()
     info = (src / "common" / "build-info.cpp").read_text()
     assert 'LLAMA_COMMIT = "8337e4cd3861";' in info and "@" not in info
     assert not (tree / "common" / "build-info.cpp").exists()
-    made = anchors._manifest("ik", 2, 1.0, origin)
+    made = anchor_build._manifest("ik", 2, 1.0, origin)
     assert made["source"]["kind"] == "upstream" and made["source"]["commit"] == origin["commit"]
     assert made["version"] == origin["source_id"] and made["sdist_sha256"] is None
-    assert anchors._manifest("ik", 2, 1.0)["source"]["kind"] == "sdist"
+    assert anchor_build._manifest("ik", 2, 1.0)["source"]["kind"] == "sdist"
 
 
 def test_ik_modes_map_to_its_own_flags_and_one_slot_for_speculation(tmp_path) -> None:
@@ -262,7 +273,7 @@ def test_the_cli_builds_ik_from_a_source_tree(tmp_path, monkeypatch, capsys) -> 
     from specdec.cli import main as cli
 
     calls = []
-    monkeypatch.setattr(anchors, "build", lambda **kw: calls.append(kw) or tmp_path / "bin")
+    monkeypatch.setattr(anchor_build, "build", lambda **kw: calls.append(kw) or tmp_path / "bin")
     argv = ["anchors", "build", "--peer", "ik", "--src", str(tmp_path), "--jobs", "2"]
     assert cli.main(argv) == 0
     assert calls[-1]["src"] == tmp_path and calls[-1]["peer"] == "ik" and calls[-1]["jobs"] == 2
@@ -311,7 +322,7 @@ def test_a_build_collects_its_tools_and_every_shared_library(tmp_path) -> None:
     (build / "src" / "libllama.so.0").symlink_to("libllama.so")
     (build / "src" / "CMakeFiles" / "x.so.d").mkdir(parents=True)
     dest.mkdir()
-    anchors._collect(build, dest, ["llama-server"])
+    anchor_build._collect(build, dest, ["llama-server"])
     names = {p.name for p in dest.iterdir()}
     assert names == {"llama-server", "libggml.so", "libllama.so", "libllama.so.0", "libmtmd.so"}
     assert (dest / "libllama.so.0").is_symlink()
@@ -320,14 +331,14 @@ def test_a_build_collects_its_tools_and_every_shared_library(tmp_path) -> None:
 def test_missing_binary_names_the_build_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     with pytest.raises(anchors.AnchorError, match="specdec anchors build"):
-        anchors.binary("llama-server")
+        anchor_build.binary("llama-server")
 
 
 def test_build_without_a_compiler_says_what_to_install(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
-    monkeypatch.setattr(anchors.shutil, "which", lambda name: None)
+    monkeypatch.setattr(anchor_build.shutil, "which", lambda name: None)
     with pytest.raises(anchors.AnchorError, match="cmake, git and a C\\+\\+ compiler"):
-        anchors.build(progress=lambda s: None)
+        anchor_build.build(progress=lambda s: None)
     assert not (tmp_path / "anchors").exists()
 
 
@@ -366,7 +377,7 @@ def test_a_server_that_exits_while_starting_is_a_clear_error(tmp_path) -> None:
 
 def test_bench_and_gate_refuse_bad_llama_server_settings_before_loading_anything(capsys) -> None:
     from specdec.cli import main as cli
-    from specdec.study.run.bench import BenchConfig, Peers
+    from specdec.study.run.bench_settings import BenchConfig, Peers
 
     peers = Peers(compare="llama-server", llama_server=("none",))
     with pytest.raises(ValueError, match="the target must be a llamacpp: model"):
@@ -450,7 +461,7 @@ def test_bench_runs_llama_lookup_on_the_templated_prompt(tmp_path) -> None:
     """The bench's runner gives llama-lookup the task's chat-templated prompt as text and turns
     its report into a RUN record; a prompt that tokenizes differently is a recorded failure."""
     from specdec.study.engines import endpoint
-    from specdec.study.run import bench, methods
+    from specdec.study.run import bench_settings, methods
 
     class Tok:  # ids are characters: the round trip is exact
         def decode(self, ids, skip_special_tokens=True):
@@ -462,7 +473,9 @@ def test_bench_runs_llama_lookup_on_the_templated_prompt(tmp_path) -> None:
     prompt = "<|im_start|>user\nhi<|im_end|>\n"
     exe = _fake_lookup(tmp_path, "ok")
     (tmp_path / "report.txt").write_text(_REPORT.replace(" 512 tokens", f" {len(prompt)} tokens"))
-    cfg = bench.BenchConfig("custom", "mock:vocab=300", "mock:vocab=300", max_new_tokens=300)
+    cfg = bench_settings.BenchConfig(
+        "custom", "mock:vocab=300", "mock:vocab=300", max_new_tokens=300
+    )
     tool = anchors.LlamaLookup(tmp_path / "t.gguf", exe=exe)
     run = methods.tool_runner(cfg, "llama-lookup", tool, Tok())
     task = methods.Task([ord(c) for c in prompt], 0, None, None, text="hi")

@@ -13,16 +13,18 @@ from pathlib import Path
 import pytest
 
 import specdec.study.run.bench as bench
+import specdec.study.run.bench_settings as bench_settings
 from specdec.backends import registry
 from specdec.backends.mock import MockModel
 from specdec.cli.main import main
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
-from specdec.study.artifacts import provenance, runs, schema
+from specdec.study.artifacts import provenance, read, runs, write_json
 from specdec.study.present.tables import format_table
 from specdec.study.run import methods
 from specdec.study.run import prompts as prompt_set
-from specdec.study.run.bench import BenchConfig, Peers, bench_config, run_bench
+from specdec.study.run.bench import run_bench
+from specdec.study.run.bench_settings import BenchConfig, Peers, bench_config
 from specdec.study.run.sweep import format_sweep_table, run_sweep
 
 V = 48
@@ -44,7 +46,7 @@ def _cfg(**kw) -> BenchConfig:
 
 def _load(path: Path) -> dict:
     art = json.loads(path.read_text())
-    schema.validate(art)
+    read(art)
     return art
 
 
@@ -248,7 +250,7 @@ def test_hf_assisted_refuses_a_non_hf_pair(models, tmp_path) -> None:
 
 def test_bench_config() -> None:
     c = bench_config("smoke", spec=SpecConfig("model", 2))
-    assert (c.name, c.draft, c.target, c.spec.k) == ("smoke", *bench.CONFIGS["smoke"], 2)
+    assert (c.name, c.draft, c.target, c.spec.k) == ("smoke", *bench_settings.CONFIGS["smoke"], 2)
     assert bench_config(None, DRAFT_SPEC, TARGET_SPEC).name == "custom"
     assert bench_config("custom", DRAFT_SPEC, TARGET_SPEC).name == "custom"
     with pytest.raises(ValueError, match="custom"):
@@ -310,9 +312,9 @@ def test_the_config_block_is_flat_and_round_trips() -> None:
     }
     assert BenchConfig.from_json(json.loads(json.dumps(block))) == cfg
     # every setting has one key, and the key names its field in the record that holds it
-    assert {key for key, _ in bench.CONFIG_KEYS} == set(OLD_CONFIG_KEYS)
+    assert {key for key, _ in bench_settings.CONFIG_KEYS} == set(OLD_CONFIG_KEYS)
     records = {"": BenchConfig, "spec": SpecConfig, "warp": Warp, "peers": Peers}
-    for key, part in bench.CONFIG_KEYS:
+    for key, part in bench_settings.CONFIG_KEYS:
         assert key in {f.name for f in dataclasses.fields(records[part])}, (key, part)
     # a block from before a flag takes its default; what is no setting is refused
     assert BenchConfig.from_json({"name": "x", "draft": DRAFT_SPEC, "target": TARGET_SPEC}) == (
@@ -341,7 +343,7 @@ def test_the_committed_artifacts_config_blocks_read_back_byte_for_byte() -> None
 
 def test_config_defaults_are_what_an_old_artifact_ran_with() -> None:
     """scripts/migrate_artifacts.py fills a key an artifact predates with its default."""
-    assert bench.config_defaults() == {
+    assert bench_settings.config_defaults() == {
         "k": 4,
         "temperature": 0.8,
         "top_k": None,
@@ -364,7 +366,7 @@ def test_config_defaults_are_what_an_old_artifact_ran_with() -> None:
         "llama_server": (),
         "served": False,
     }
-    assert list(bench.config_defaults()) == OLD_CONFIG_KEYS[3:]
+    assert list(bench_settings.config_defaults()) == OLD_CONFIG_KEYS[3:]
 
 
 def test_a_bench_names_its_drafter() -> None:
@@ -382,7 +384,7 @@ def test_the_latency_split_stacks_the_prefill_on_verify() -> None:
 def test_write_json_is_atomic_and_compact(tmp_path) -> None:
     path = tmp_path / "a" / "x.json"
     obj = {"tokens": [1, 2, 3], "nested": {"xs": [0.5, -1e-05]}, "s": "[1,\n 2]", "path": "p"}
-    schema.write_json(path, obj)
+    write_json(path, obj)
     text = path.read_text()
     assert "[1, 2, 3]" in text and "[0.5, -1e-05]" in text
     assert json.loads(text) == {k: v for k, v in obj.items() if k != "path"}
@@ -442,7 +444,7 @@ def test_hf_assisted_matches_our_greedy_baseline(smol_hf, tmp_path) -> None:
         peers=Peers(compare="hf-assisted"),
     )
     art = run_bench(cfg, tmp_path, progress=False, models=(draft, smol_hf)).to_json()
-    schema.validate(art)
+    read(art)
     row = art["rows"][0]
     hf = row["hf_assisted"]
     assert hf["tokens"] == row["baseline"]["tokens"] == row["speculative"]["tokens"]
@@ -467,7 +469,7 @@ def test_variants_and_categories_in_one_run(models, tmp_path) -> None:
     variants = ("lookup:auto", "model:2")
     cfg = _cfg(spec=SpecConfig("model", "auto"), variants=variants, n_prompts=4, warmup=1)
     art = run_bench(cfg, tmp_path, progress=False, models=models).to_json()
-    schema.validate(art)
+    read(art)
     assert art["variants"] == ["lookup-kauto", "model-k2"]
     for row in art["rows"]:
         assert set(row["variants"]) == {"lookup-kauto", "model-k2"}
@@ -498,7 +500,7 @@ def test_category_filter_runs_the_first_prompts_of_those_categories(models, tmp_
     assert set(art["aggregates"]["by_category"]) <= set(cats)
     # An artifact without the field (written before the filter existed) still validates.
     del on_disk["config"]["categories"]
-    schema.validate(on_disk)
+    read(on_disk)
     with pytest.raises(ValueError, match="unknown prompt category 'poetry'; choose from"):
         _cfg(categories=("poetry",))
 

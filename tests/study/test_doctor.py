@@ -26,6 +26,7 @@ from specdec.backends.mock import MockModel
 from specdec.core.cost import VerifyCurve
 from specdec.core.model import SpecModel
 from specdec.core.policy import AutoPolicies
+from specdec.study.artifacts import DoctorArtifact, read, to_json
 from specdec.study.artifacts.provenance import model_block
 from specdec.study.run import microbench
 from specdec.study.run.doctor import BATCHES, diagnose, format_report, format_stored, run
@@ -115,6 +116,9 @@ def test_a_draft_model_as_slow_as_the_target_cannot_pay(monkeypatch, tmp_path: P
     )
     assert d.verdict[1].startswith("a draft model cannot pay here: c = 1.01")
     assert not rep.contended and rep.repeats >= 3
+    data = json.loads(json.dumps(to_json(rep)))  # as written: b keys are strings
+    again = read(data)
+    assert isinstance(again, DoctorArtifact) and again == rep and to_json(again) == data
     # k=auto's curve store now holds the measured curve, in seconds, and k=auto starts from it
     assert rep.cost_store == str(tmp_path / "costs" / "target.json")
     saved = json.loads((tmp_path / "costs" / "target.json").read_text())["verify_s"]

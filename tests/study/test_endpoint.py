@@ -21,9 +21,11 @@ import pytest
 import torch
 from serverkit import MOCK_SPEC, FakeTokenizer, SlowMock, V, serve_models
 
-from specdec.study.artifacts import schema
-from specdec.study.engines import endpoint
-from specdec.study.run.bench import BenchConfig, run_bench
+from specdec.study.artifacts import BenchArtifact
+from specdec.study.engines import endpoint, stream
+from specdec.study.run import together
+from specdec.study.run.bench import run_bench
+from specdec.study.run.bench_settings import BenchConfig
 from specdec.study.run.gate import MIN_PROMPTS, GateSettings, run_endpoint_gate
 
 N_PROMPTS = 32
@@ -170,8 +172,28 @@ def test_bench_between_two_endpoints_writes_the_usual_artifact(servers, tmp_path
         assert row.baseline["text"] == row.speculative["text"]
     assert art.config["engines"]["speculative"]["url"].endswith(str(servers["spec"].port))
     assert art.aggregates.speedup is not None
-    again = schema.BenchArtifact.from_json(json.loads(art.path.read_text()))
+    again = BenchArtifact.from_json(json.loads(art.path.read_text()))
     assert again.rows[0].speculative["tokens"] == art.rows[0].speculative["tokens"]
+
+
+def test_concurrency_bench_against_an_endpoint_is_the_load_test(servers, tmp_path) -> None:
+    """`specdec bench --concurrency 2 --endpoint URL`: what scripts/loadtest.py's load mode
+    reported, per method: latency and TTFT percentiles, errors, and the acceptance and tokens
+    per round of the server's `spec` objects."""
+    cfg = _bench_cfg(endpoint=f"http://127.0.0.1:{servers['spec'].port}", warmup=0)
+    record = together.run_together(cfg, 2, tmp_path, progress=False)
+    m = record["methods"]["endpoint"]
+    assert m["errors"] == 0 and m["answers"] == 4 and m["tokens_per_s"] > 0
+    assert 0 < m["latency_p50_s"] <= m["latency_p95_s"]
+    assert 0 < m["ttft_p50_s"] <= m["ttft_p95_s"] <= m["latency_p95_s"]
+    assert 0 <= m["acceptance_rate"] <= 1 and m["tokens_per_round"] >= 1
+    reqs = [q for row in record["rows"] for q in row["requests"]]
+    assert all(q["tokens"] == 10 and q["rounds"] and q["drafted"] >= q["accepted"] for q in reqs)
+    accepted = sum(q["accepted"] for q in reqs)
+    assert m["acceptance_rate"] == accepted / sum(q["drafted"] for q in reqs)
+    assert "lat p50/p95 s" in together.format_table(record)
+    with open(record["path"]) as f:
+        assert json.load(f)["methods"] == record["methods"]
 
 
 def test_bench_endpoint_against_in_process_baseline_keeps_going_past_failures(
@@ -372,8 +394,8 @@ def test_the_client_ends_a_trickling_upstream_at_its_deadline(script) -> None:
 
 
 def test_the_client_caps_lines_streams_and_error_bodies(monkeypatch) -> None:
-    monkeypatch.setattr(endpoint, "MAX_EVENT_BYTES", 1 << 16)
-    monkeypatch.setattr(endpoint, "MAX_STREAM_BYTES", 1 << 20)
+    monkeypatch.setattr(stream, "MAX_EVENT_BYTES", 1 << 16)
+    monkeypatch.setattr(stream, "MAX_STREAM_BYTES", 1 << 20)
     endless = b"x" * (1 << 16)
 
     def no_newline(srv: _Hostile, conn: socket.socket) -> None:

@@ -19,7 +19,7 @@ import specdec.core.decode as decode_mod
 from specdec.cli import args as cli_args
 from specdec.cli import main as cli
 from specdec.cli.args import EXIT_FAILED
-from specdec.study.artifacts import schema
+from specdec.study.artifacts import read
 from specdec.study.run.gate import (
     MIN_PROMPTS,
     QUICK,
@@ -135,7 +135,7 @@ def test_gate_passes_a_correct_pair(pair, prompts) -> None:
     assert s.n_bins == len(s.bins) == s.dof + 1
 
     art = build_artifact({"name": "mock"}, {"draft": None, "target": None}, res)
-    assert schema.validate(art.to_json()) == "specdec.gate/1"
+    assert read(art.to_json()).SCHEMA == "specdec.gate/1"
     json.dumps(art.to_json())  # plain JSON types only
 
 
@@ -234,7 +234,7 @@ def test_gate_quick_on_smoke_passes(smol_llamacpp, smol_hf, tmp_path, monkeypatc
         ]
     )
     art = json.loads((tmp_path / "gate_smoke.json").read_text())
-    assert schema.validate(art) == "specdec.gate/1"
+    assert read(art).SCHEMA == "specdec.gate/1"
     s = art["sampled"]
     why = f"chi2={s['chi2']:.1f} dof={s['dof']} p_perm={s['p_value_permutation']:.4f}"
     assert rc in (0, EXIT_FAILED) and art["greedy"]["passed"], why

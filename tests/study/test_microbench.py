@@ -7,13 +7,14 @@ cost model's arithmetic, and the order in which the probes run.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from support import TEST_THREADS
 
 from specdec.backends.mock import MockModel
 from specdec.cli import main as cli
-from specdec.study.artifacts import schema
+from specdec.study.artifacts import ArtifactError, read
 from specdec.study.run.microbench import (
     acceptance_profile,
     artifact_path,
@@ -24,6 +25,8 @@ from specdec.study.run.microbench import (
     round_cost,
 )
 
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+BENCH = FIXTURES / "bench_all_gguf_k4_t0.8.json"
 K_MAX = 8
 FLAT = [1.0] * (K_MAX + 1)  # v(b) = 1: verification perfectly parallel
 LINEAR = [float(b) for b in range(1, K_MAX + 2)]  # v(b) = b: verification fully serial
@@ -77,30 +80,13 @@ def test_best_k_follows_the_costs() -> None:
 
 # ------------------------------------------------------------------------------ acceptance
 def _bench_artifact(rows: list[dict]) -> dict:
-    agg = {
-        k: 0
-        for k in (
-            "n",
-            "tok_s_mean",
-            "tok_s_std",
-            "acceptance_rate",
-            "positional_acceptance",
-            "tokens_per_round",
-            "ms_per_token",
-        )
-    }
-    return {
-        "schema": "specdec.bench/1",
-        "meta": {},
-        "complete": True,
-        "config": {"name": "synthetic", "k": 4, "temperature": 0.8},
-        "models": {},
-        "aggregates": {"baseline": agg, "speculative": agg},
-        "rows": [
-            {"baseline": {"tokens_per_s": 1.0}, "speculative": {"tokens_per_s": 1.0, **r}}
-            for r in rows
-        ],
-    }
+    """A committed bench artifact (K = 4), its recorded rows replaced by one per `rows` entry,
+    whose counts its speculative run takes."""
+    art = json.loads(BENCH.read_text())
+    row = art["rows"][0]
+    art["config"]["name"] = "synthetic"
+    art["rows"] = [{**row, "speculative": {**row["speculative"], **r}} for r in rows]
+    return art
 
 
 def test_acceptance_profile_pools_rows_over_rounds_that_drafted_each_position() -> None:
@@ -118,8 +104,11 @@ def test_acceptance_profile_pools_rows_over_rounds_that_drafted_each_position() 
 
 
 def test_acceptance_profile_refuses_other_artifacts() -> None:
-    with pytest.raises(schema.SchemaError):
+    with pytest.raises(ArtifactError, match="missing field 'config'"):
         acceptance_profile({"schema": "specdec.gate/1", "meta": {}})
+    gate = json.loads((FIXTURES / "gate_primary.json").read_text())
+    with pytest.raises(ValueError, match=r"expected a specdec\.bench/1 artifact"):
+        acceptance_profile(gate, "gate.json")
 
 
 # ------------------------------------------------------------------------------ measurement
@@ -193,7 +182,7 @@ def test_microbench_cli_on_mock_models_writes_a_valid_artifact(tmp_path, capsys)
     path = artifact_path(out, "mock:vocab=48,seed=0")
     assert path.name == "microbench_mock-vocab-48-seed-0.json"
     art = json.loads(path.read_text())
-    assert schema.validate(art) == "specdec.microbench/1"
+    assert read(art).SCHEMA == "specdec.microbench/1"
     assert [pt["b"] for pt in art["verify"]] == [1, 2, 3, 4, 5]
     assert art["models"]["target"]["backend"] == "mock" and "dtype" in art["models"]["target"]
     assert art["verify"][0]["ratio"] == 1.0
@@ -227,7 +216,7 @@ def test_microbench_without_draft_or_acceptance_reports_cost_only(tmp_path) -> N
     )
     assert rc == 0
     art = json.loads(next(out.glob("microbench_*.json")).read_text())
-    schema.validate(art)
+    read(art)
     assert art["draft_step_ms"] is None and art["c"] is None and art["prediction_c"] == 0.0
     assert art["acceptance"] is None and art["best_k"] is None
     assert [r["k"] for r in art["prediction"]] == [1, 2]
@@ -271,7 +260,7 @@ def test_microbench_real_tiny_run(tmp_path) -> None:
     )
     assert rc == 0
     art = json.loads(artifact_path(out, "llamacpp:smollm2-135m").read_text())
-    assert schema.validate(art) == "specdec.microbench/1"
+    assert read(art).SCHEMA == "specdec.microbench/1"
     assert art["prefix_tokens"] == 100 and art["max_batch"] == 4
     assert [pt["b"] for pt in art["verify"]] == [1, 2, 3, 4]
     assert art["models"]["target"]["sha256"] is not None

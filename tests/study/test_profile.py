@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec.study.run.profile import GROUPS, category, group, run_profile, summarize
+from specdec.study.artifacts import ProfileProbe
+from specdec.study.run.profile import (
+    GROUPS,
+    category,
+    format_table,
+    group,
+    run_profile,
+    summarize,
+)
 
 
 def test_categories_name_the_weight_role_and_type() -> None:
@@ -46,6 +54,9 @@ def test_summary_subtracts_the_launch_cost_and_adds_up() -> None:
     assert p["unaccounted_ms"] == pytest.approx(0.0, abs=1e-9)
     assert p["ops"][0]["category"] == "matmul output (q6_K)"  # heaviest first
     assert set(g) == set(GROUPS)
+    probe = ProfileProbe(context=40, batch=1, **p)  # as run_profile keeps it
+    assert probe.ops[0].gops is None and probe.groups == g
+    assert format_table([probe]).splitlines()[1].split()[:2] == ["40", "1"]
     with pytest.raises(ValueError, match="graph changed"):
         summarize([nodes(1.0), nodes(1.0)[:-1]], [raw, raw], raw)
 
@@ -64,18 +75,18 @@ def test_profile_of_a_real_model() -> None:
     from specdec.study.run.invariance import probe_ids
 
     probes = run_profile("llamacpp:smollm2-135m", [40], [1, 4], repeats=2, n_threads=1)
-    assert [(p["context"], p["batch"]) for p in probes] == [(40, 1), (40, 4)]
+    assert [(p.context, p.batch) for p in probes] == [(40, 1), (40, 4)]
     for p in probes:
-        g = p["groups"]
+        g = p.groups
         assert g["matmul other"] > 0 and g["output matmul"] > 0 and g["attention"] > 0
-        assert p["nodes"] > 30 * 10  # 30 layers, a dozen nodes each
-        assert sum(g.values()) + p["unaccounted_ms"] == pytest.approx(p["pass_ms"])
+        assert p.nodes > 30 * 10  # 30 layers, a dozen nodes each
+        assert sum(g.values()) + p.unaccounted_ms == pytest.approx(p.pass_ms)
         # The timed parts cover most of the pass (nothing large unseen). The other side is not
         # bounded: on a ~10 ms pass the per-node timer's own cost can make the parts sum past
         # the untimed pass (measured once: -7.9 ms of 9.6 ms), which says nothing of coverage.
-        assert p["unaccounted_ms"] < 0.5 * p["pass_ms"]
-        q41 = [o for o in p["ops"] if o["category"].startswith("matmul attn_q (")]
-        assert q41 and q41[0]["nodes"] == 30 and q41[0]["category"].endswith("(q4_1)")
+        assert p.unaccounted_ms < 0.5 * p.pass_ms
+        q41 = [o for o in p.ops if o.category.startswith("matmul attn_q (")]
+        assert q41 and q41[0].nodes == 30 and q41[0].category.endswith("(q4_1)")
 
     timer = OpTimer()
     plain = load_model("llamacpp:smollm2-135m", n_threads=1, n_ctx=256)

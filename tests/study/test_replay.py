@@ -24,15 +24,18 @@ from specdec.backends.replay import ModelledClock
 from specdec.cli.main import main
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.policy import CostModelK
+from specdec.study.artifacts import ReplayArtifact, read, to_json
 from specdec.study.run import replay as rp
-from specdec.study.run.bench import bench_config, run_bench
+from specdec.study.run import replay_loop as loop
+from specdec.study.run.bench import run_bench
+from specdec.study.run.bench_settings import bench_config
 
-CURVE = rp.Curve({1: 1.0, 2: 1.8, 4: 2.1, 8: 3.0, 16: 3.8, 32: 5.8, 33: 9.3, 64: 12.2}, 0.065)
+CURVE = loop.Curve({1: 1.0, 2: 1.8, 4: 2.1, 8: 3.0, 16: 3.8, 32: 5.8, 33: 9.3, 64: 12.2}, 0.065)
 
 
-def _task(output: list[int], prediction: list[int] | None, **kw) -> rp.Recorded:
+def _task(output: list[int], prediction: list[int] | None, **kw) -> loop.Recorded:
     fields = dict(max_new_tokens=len(output), stopped=False)
-    return rp.Recorded("t", (1, 2, 3), tuple(output), _t(prediction), **{**fields, **kw})
+    return loop.Recorded("t", (1, 2, 3), tuple(output), _t(prediction), **{**fields, **kw})
 
 
 def _t(ids):
@@ -58,7 +61,7 @@ def test_a_perfect_copy_at_fixed_k_costs_what_the_rounds_say() -> None:
     """20 tokens that repeat the prediction, K = 4: every round drafts 4, accepts 4 and adds
     the bonus token, so 4 rounds of v(5) steps."""
     task = _task(PRED[:20], PRED[:20])
-    run = rp.run_task(task, "prediction", rp.make_replay_policy("4", CURVE, 64), *_costs())
+    run = loop.run_task(task, "prediction", loop.make_replay_policy("4", CURVE, 64), *_costs())
     assert [(r.k, r.n_accepted, r.n_emitted) for r in run.rounds] == [(4, 4, 5)] * 4
     assert run.stats.generated == 20 and run.stats.accepted_prediction_tokens == 16
     assert run.steps == pytest.approx(4 * CURVE.at(5))
@@ -67,7 +70,7 @@ def test_a_perfect_copy_at_fixed_k_costs_what_the_rounds_say() -> None:
 
 
 def _costs():
-    return rp.curve_costs(CURVE), CURVE
+    return loop.curve_costs(CURVE), CURVE
 
 
 def test_an_edit_is_rejected_and_the_stop_ends_the_output() -> None:
@@ -75,7 +78,7 @@ def test_an_edit_is_rejected_and_the_stop_ends_the_output() -> None:
     stop are rejected; every token of the output is emitted exactly once."""
     out = [*PRED[:30], 7, 8, *PRED[32:40]]
     task = _task(out, PRED, stopped=True, max_new_tokens=64)
-    run = rp.run_task(task, "prediction", rp.make_replay_policy("8", CURVE, 64), *_costs())
+    run = loop.run_task(task, "prediction", loop.make_replay_policy("8", CURVE, 64), *_costs())
     assert run.stats.generated == len(out)
     emitted = sum(r.n_emitted for r in run.rounds)
     assert emitted == len(out)
@@ -110,15 +113,15 @@ def test_best_fixed_reports_the_best_k_in_hindsight() -> None:
 
 def test_unknown_names_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="unknown policy 'fast'"):
-        rp.make_replay_policy("fast", CURVE, 64)
+        loop.make_replay_policy("fast", CURVE, 64)
     with pytest.raises(ValueError, match="cannot import"):
-        rp.make_replay_policy("nowhere.at.all:Policy", CURVE, 64)
+        loop.make_replay_policy("nowhere.at.all:Policy", CURVE, 64)
     with pytest.raises(ValueError, match="unknown replay drafter"):
-        rp.task_drafter("model", _task([1], None))
+        loop.task_drafter("model", _task([1], None))
 
 
 def test_a_policy_given_as_module_attr() -> None:
-    pol = rp.make_replay_policy("specdec.core.policy:ScheduleK", CURVE, 8)
+    pol = loop.make_replay_policy("specdec.core.policy:ScheduleK", CURVE, 8)
     assert type(pol).__name__ == "ScheduleK" and pol.k_max == 8
 
 
@@ -145,7 +148,7 @@ def _live(target, prompt, drafter, k, pred, stops=()):
     rounds = []
     kw = {"prediction": pred} if drafter == "prediction" else {}
     if isinstance(target, _Timed):
-        kw["clock"] = target.clock = ModelledClock(rp.curve_costs(CURVE))
+        kw["clock"] = target.clock = ModelledClock(loop.curve_costs(CURVE))
     res = generate(
         target,
         prompt,
@@ -167,13 +170,15 @@ def _replayed(target, prompt, drafter, k, pred, stops=()):
     from specdec.core.policy import make_policy
 
     res, rounds = _live(target, prompt, drafter, k, pred, stops)
-    task = rp.Recorded(
+    task = loop.Recorded(
         "t", tuple(prompt), tuple(res.tokens), tuple(pred), res.stop_reason == "stop", 60
     )
     # k=auto as the live run made it (decode._policy: no stored curve), else the replay's name
-    policy = make_policy(k, K_MAX_FREE) if k == "auto" else rp.make_replay_policy(str(k), CURVE, 64)
-    cost = rp.recorded_costs(rounds, rp.curve_costs(CURVE))
-    return res, rounds, rp.run_task(task, drafter, policy, cost, CURVE)
+    policy = (
+        make_policy(k, K_MAX_FREE) if k == "auto" else loop.make_replay_policy(str(k), CURVE, 64)
+    )
+    cost = loop.recorded_costs(rounds, loop.curve_costs(CURVE))
+    return res, rounds, loop.run_task(task, drafter, policy, cost, CURVE)
 
 
 def _walk(rounds):
@@ -326,6 +331,10 @@ def test_cli_replays_a_jsonl_with_a_microbench_curve(tmp_path, capsys) -> None:
     art = json.loads(js.read_text())
     assert art["schema"] == rp.SCHEMA and set(art["policies"]) >= {"oracle", "auto", "4"}
     assert art["policies"]["oracle"]["tasks"]["x"]["generated"] == len(out)
+    again = read(art, str(js))
+    assert isinstance(again, ReplayArtifact) and to_json(again) == art  # reads back as written
+    hist = again.policies["oracle"].tasks["x"].k_histogram  # K -> rounds
+    assert hist and all(isinstance(k, int) for k in hist)
     assert main(["replay", str(f), "--curve", str(f)]) == 2  # not a microbench: a clear error
     assert "error:" in capsys.readouterr().err
 
@@ -335,7 +344,8 @@ def test_record_writes_greedy_outputs_that_replay_reads_back(tmp_path) -> None:
     pair, greedy-exact) written as JSONL; read back, they are the target-only outputs."""
     from specdec.core.config import Warp
     from specdec.core.decode import generate
-    from specdec.study.run.bench import select_prompts, task_ids
+    from specdec.study.run.bench import task_ids
+    from specdec.study.run.bench_settings import select_prompts
 
     target = MockModel(16, seed=0, scale=3.0)
     prompts = select_prompts(("rewrite",), 2)

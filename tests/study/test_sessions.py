@@ -14,9 +14,10 @@ from specdec.core.config import SpecConfig, Warp
 from specdec.study.engines import endpoint
 from specdec.study.present.sessions import format_sessions
 from specdec.study.present.tables import format_table
-from specdec.study.run import bench, methods
+from specdec.study.run import bench, bench_settings, methods
 from specdec.study.run import prompts as prompt_set
-from specdec.study.run.bench import Peers, bench_config, run_bench
+from specdec.study.run.bench import run_bench
+from specdec.study.run.bench_settings import Peers, bench_config
 
 MOCK = ("mock:vocab=48,seed=1", "mock:vocab=48,seed=0")
 
@@ -61,11 +62,11 @@ def test_the_answer_the_editor_applies_is_its_first_code_block() -> None:
 
 
 def test_session_category_is_selected_alone_and_checked() -> None:
-    openings = bench.select_prompts(("session",))
+    openings = bench_settings.select_prompts(("session",))
     assert [p.id for p in openings] == [s.id for s in prompt_set.load_sessions()]
-    assert "session" in bench.CATEGORIES
+    assert "session" in bench_settings.CATEGORIES
     with pytest.raises(ValueError, match="runs alone"):
-        bench.select_prompts(("session", "rewrite"))
+        bench_settings.select_prompts(("session", "rewrite"))
     with pytest.raises(ValueError, match="chat conversation"):
         bench_config(
             None,

@@ -37,7 +37,8 @@ def resolve_config(name: str) -> PairConfig:
 
 
 def model_record(spec: str, model: Any) -> dict[str, Any]:
-    """The MODEL block of an artifact (schema.py): what was loaded, from where, on what device.
+    """The MODEL block of an artifact (study.artifacts.Model): what was loaded, from where, on
+    what device.
 
     sha256 is the registry's pinned hash for registry names (verified on fetch), else None.
     """

@@ -67,7 +67,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_anchors(args: argparse.Namespace) -> int:
-    from specdec.study.engines import anchors
+    from specdec.study.engines import anchor_build
 
     try:
         if args.anchors_cmd == "build":
@@ -80,7 +80,7 @@ def _cmd_anchors(args: argparse.Namespace) -> int:
                 return error("--src builds ik_llama.cpp from its source: pass --peer ik with it")
             if args.commit is not None and args.src is None:
                 return error("--commit names the commit of a --src tree: pass --src DIR with it")
-            bin_dir = anchors.build(
+            bin_dir = anchor_build.build(
                 sdist=args.sdist,
                 src=args.src,
                 commit=args.commit,
@@ -91,10 +91,10 @@ def _cmd_anchors(args: argparse.Namespace) -> int:
             print(bin_dir)
             return 0
         if args.anchors_cmd == "path":
-            print(anchors.binary(peer=args.peer))
-            print(json.dumps(anchors.manifest(args.peer), indent=2))
+            print(anchor_build.binary(peer=args.peer))
+            print(json.dumps(anchor_build.manifest(args.peer), indent=2))
             return 0
-    except anchors.AnchorError as e:
+    except anchor_build.AnchorError as e:
         return error(str(e))
     args.anchors_parser.print_help()
     return 2

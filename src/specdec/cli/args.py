@@ -17,7 +17,7 @@ from specdec.core.config import DRAFTERS, NAMED_K
 
 if TYPE_CHECKING:
     from specdec.core.model import SpecModel
-    from specdec.study.artifacts.schema import Model
+    from specdec.study.artifacts import Model
 
 # ------------------------------------------------------------------------------ exit codes
 EXIT_FAILED = 1  # the command ran and found a failure: a gate verdict, a missing model, bad JSON
@@ -188,8 +188,8 @@ def add_out_arg(p: argparse.ArgumentParser, artifact: str) -> None:
 
 
 def add_tag_arg(p: argparse._ActionsContainer, help: str = TAG_HELP) -> None:
-    """--tag (str; None: no suffix) for the artifact's file name; study.run.bench.tag_suffix
-    checks it is safe in a file name."""
+    """--tag (str; None: no suffix) for the artifact's file name;
+    study.run.bench_settings.tag_suffix checks it is safe in a file name."""
     p.add_argument("--tag", default=None, help=help)
 
 

@@ -9,7 +9,8 @@ from specdec.core.config import SpecConfig, Warp, check_int
 from specdec.study.engines import anchors, endpoint
 from specdec.study.present.tables import format_table
 from specdec.study.run import prompts as prompt_set
-from specdec.study.run.bench import (
+from specdec.study.run.bench import run_bench
+from specdec.study.run.bench_settings import (
     CATEGORIES,
     COMPARES,
     CONFIGS,
@@ -17,7 +18,6 @@ from specdec.study.run.bench import (
     Peers,
     bench_config,
     parse_categories,
-    run_bench,
     select_prompts,
     tag_suffix,
 )
@@ -144,6 +144,27 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         f"anchors build --peer ik) (comma-separated; default "
         f"{','.join(anchors.DEFAULT_MODES)}; settings are llama.cpp's defaults)",
     )
+    _add_endpoint_args(p)
+    p.set_defaults(func=_cmd_bench)
+
+    s = subparsers.add_parser(
+        "sweep", help="bench at several K, each against its own baseline (paper, Table 4)"
+    )
+    _add_common(s, prompts=10, max_new=96, out="results/sweep")
+    default_ks = ",".join(map(str, DEFAULT_SWEEP_KS))
+    s.add_argument(
+        "-k",
+        "--k",
+        type=_k_list,
+        default=list(DEFAULT_SWEEP_KS),
+        metavar="K,K,...",
+        help=f"speculation lengths, each >= 1 (comma-separated ints; default {default_ks})",
+    )
+    s.set_defaults(func=_cmd_sweep)
+
+
+def _add_endpoint_args(p: argparse.ArgumentParser) -> None:
+    """bench's servers: --endpoint and its kin, --serve, and --concurrency (the load test)."""
     e = p.add_argument_group(
         "endpoints",
         "measure an OpenAI-compatible server (vLLM, SGLang, llama-server, specdec "
@@ -188,7 +209,9 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         metavar="C",
         help="with --serve: send the prompts C at a time, each method on a fresh server that "
         "serves them at once (specdec serve --parallel C, llama-server -np C) and, for specdec, "
-        "one that serves them in turn (--parallel 1); --prompts a multiple of C "
+        "one that serves them in turn (--parallel 1); with --endpoint: C at a time to that "
+        "running server (a load test). Reports each method's tokens/s, latency and time to "
+        "first token p50/p95, errors and acceptance; --prompts a multiple of C "
         "(study/run/together.py; int >= 2; default 1: the per-prompt protocol)",
     )
     e.add_argument(
@@ -198,22 +221,6 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help="with --concurrency: runs of every method, the order reversed on every other "
         "(int >= 1; default 1)",
     )
-    p.set_defaults(func=_cmd_bench)
-
-    s = subparsers.add_parser(
-        "sweep", help="bench at several K, each against its own baseline (paper, Table 4)"
-    )
-    _add_common(s, prompts=10, max_new=96, out="results/sweep")
-    default_ks = ",".join(map(str, DEFAULT_SWEEP_KS))
-    s.add_argument(
-        "-k",
-        "--k",
-        type=_k_list,
-        default=list(DEFAULT_SWEEP_KS),
-        metavar="K,K,...",
-        help=f"speculation lengths, each >= 1 (comma-separated ints; default {default_ks})",
-    )
-    s.set_defaults(func=_cmd_sweep)
 
 
 def _config_from(args: argparse.Namespace, k: int | str, compare: str | None) -> BenchConfig:

@@ -94,7 +94,7 @@ def _weights(target: Any) -> Any:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from specdec.backends.costs import CurveFiles
     from specdec.cli.main import version_line
-    from specdec.study.artifacts.schema import to_json, write_json
+    from specdec.study.artifacts import to_json, write_json
     from specdec.study.run.doctor import format_report, format_stored, run
 
     if args.prefix < 1:

@@ -161,8 +161,8 @@ def _token_label(tokenizer: Any, token_id: int) -> str:
 def _cmd_gate(args: argparse.Namespace) -> int:
     from specdec.backends import chat as prompting
     from specdec.backends.configs import resolve_config
+    from specdec.study.artifacts import write_json
     from specdec.study.artifacts.provenance import model_block
-    from specdec.study.artifacts.schema import write_json
     from specdec.study.run import prompts as prompt_set
 
     settings = _settings(args)
@@ -282,9 +282,9 @@ def _endpoint_gate(
 ) -> int:
     """Run both legs between eps[0] (under test) and eps[1] (reference); write the artifact."""
     from specdec.backends import load_tokenizer_of
-    from specdec.study.artifacts.schema import write_json
+    from specdec.study.artifacts import write_json
     from specdec.study.engines import endpoint
-    from specdec.study.run.bench import parse_categories, select_prompts, tag_suffix
+    from specdec.study.run.bench_settings import parse_categories, select_prompts, tag_suffix
 
     tag_suffix(tag)  # a name safe in a file name, before any work
     tok = load_tokenizer_of(tokenizer_spec)

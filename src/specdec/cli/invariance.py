@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from specdec.cli import args as cli_args
+from specdec.study.artifacts import write_json
 from specdec.study.artifacts.provenance import meta_block
-from specdec.study.artifacts.schema import write_json
 from specdec.study.run.invariance import SCHEMA, SETTINGS, format_table, run_setting
 
 DEFAULT_CONTEXTS = (40, 600, 1100)  # below and above 512 and 1,024 positions

@@ -68,7 +68,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_microbench(args: argparse.Namespace) -> int:
-    from specdec.study.artifacts.schema import write_json
+    from specdec.study.artifacts import write_json
 
     cli_args.check_threads(args.threads)  # load_pair checks it too, but after the reading below
     acceptance = None

@@ -7,8 +7,8 @@ import sys
 
 from specdec.cli import args as cli_args
 from specdec.cli.invariance import _ints
+from specdec.study.artifacts import named_artifact, write_json
 from specdec.study.artifacts.provenance import meta_block
-from specdec.study.artifacts.schema import named_artifact, write_json
 from specdec.study.run.profile import SCHEMA, format_kernel_rates, format_table, run_profile
 
 #: --type-k names -> ggml_type

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specdec.cli import args as cli_args
 from specdec.core.checks import check_int
-from specdec.study.artifacts.schema import write_json
+from specdec.study.artifacts import write_json
 from specdec.study.run import replay as rp
 
 DEFAULT_POLICIES = "oracle,oracle-plan,best-fixed,auto"
@@ -154,7 +154,7 @@ def _check(inputs: list[str], curve: rp.Curve, tokenizer: object) -> list[str]:
 
 def _record(args: argparse.Namespace) -> int:
     from specdec.backends import load_model
-    from specdec.study.run.bench import parse_categories, select_prompts
+    from specdec.study.run.bench_settings import parse_categories, select_prompts
 
     if args.target is None:
         raise ValueError("--record needs --target SPEC (the model whose outputs to record)")

@@ -2,8 +2,8 @@
 what: the machine, its load, the versions and llama.cpp kernels), `model_block()` (the MODEL
 record of a loaded model, with a hash of its files), and the process's memory high-water marks.
 
-These read the machine, the model files and the loaded backends; the schema they fill is
-schema.py's, which reads nothing but JSON.
+These read the machine, the model files and the loaded backends; the records they fill
+(base.Model, every kind's meta) read nothing but JSON.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from specdec.backends import llamacpp_build, parse_spec
 from specdec.backends.configs import model_record
-from specdec.study.artifacts.schema import Model
+from specdec.study.artifacts.base import Model
 
 
 def meta_block() -> dict[str, Any]:

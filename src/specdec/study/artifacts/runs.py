@@ -7,7 +7,7 @@ endpoint.run_record's for a server. Kinds differ in the fields they have, so a r
 a field by name (a missing count is None in the aggregates).
 
 `aggregate_runs` pools one method's RUNs into its AGG and `aggregate` a run's rows into the
-`aggregates` block: each AGG field's formula is written here, once (schema.Agg says what each
+`aggregates` block: each AGG field's formula is written here, once (bench.Agg says what each
 field means).
 """
 
@@ -18,17 +18,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from specdec.core.metrics import Round
-from specdec.study.artifacts.provenance import peak_rss_mb, peak_vram_mb
-from specdec.study.artifacts.schema import (
+from specdec.study.artifacts.base import ArtifactError
+from specdec.study.artifacts.bench import (
     MAIN_METHODS,
     PHASES,
     Agg,
     Aggregates,
-    ArtifactError,
     BenchRow,
     CategoryAgg,
     VariantAgg,
 )
+from specdec.study.artifacts.provenance import peak_rss_mb, peak_vram_mb
 
 
 def drafting_rounds(run: Mapping[str, Any]) -> int | None:
@@ -92,7 +92,7 @@ def pooled_acceptance_length(runs: Sequence[Mapping[str, Any]]) -> tuple[int | N
 
 # ------------------------------------------------------------------------------ AGG from RUNs
 def aggregate(rows: Sequence[BenchRow], methods: Sequence[str]) -> Aggregates:
-    """The `aggregates` block for these rows (schema.Aggregates defines each field)."""
+    """The `aggregates` block for these rows (bench.Aggregates defines each field)."""
     aggs = {m: aggregate_runs([r.run(m) for r in rows]) for m in methods}
     base, spec = aggs["baseline"], aggs["speculative"]
     variants = {

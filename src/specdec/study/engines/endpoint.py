@@ -15,10 +15,10 @@ Failures are values, not crashes: `stream` raises EndpointError with a `kind` (c
 http, bad_body, stream_error, cut) and a message naming the endpoint, and the bench records it
 against that prompt and goes on. Whatever the server sends: `timeout_s` bounds a request from
 its start to the end of its stream (httpx's timeouts bound each read, so a server trickling
-keep-alives would never time out; a watchdog shuts the socket at the deadline), MAX_EVENT_BYTES
-one SSE line, MAX_STREAM_BYTES a whole answer and MAX_ERROR_BYTES an error body, and every
-malformed event (not JSON, nested too deeply, fields of the wrong type) is a bad_body.
-A request is retried (`retries` times, after 0.5 s, 1 s, ...)
+keep-alives would never time out; a watchdog shuts the socket at the deadline) and
+MAX_ERROR_BYTES an error body; the stream itself is read by stream.py, the one reader of
+streamed responses (its caps on a line and a whole answer, and every malformed event a
+bad_body). A request is retried (`retries` times, after 0.5 s, 1 s, ...)
 only when nothing of the answer has arrived: a refused connection or a 5xx/429 before the stream
 started. A stream cut mid-way is never retried: it would double the prompt's time.
 """
@@ -33,30 +33,19 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from specdec.study.engines.stream import MAX_EVENT_BYTES, EndpointError, error_text, read_stream
 
 #: The environment variable an endpoint's API key is read from (`--endpoint-key-env` changes it).
 API_KEY_ENV = "SPECDEC_ENDPOINT_API_KEY"
 APIS = ("chat", "completions")
 _RETRY_STATUS = (429, 500, 502, 503, 504)
-_ERROR_CHARS = 300  # of a response body quoted in an error
-MAX_EVENT_BYTES = 1 << 20  # one SSE line: a chunk carries a few tokens' text
-MAX_STREAM_BYTES = 64 << 20  # a whole streamed answer
 MAX_ERROR_BYTES = 64 << 10  # an error body: only its message is quoted
 MAX_COUNT = 1 << 40  # token counts the server reports: larger is not a count
-
-
-class EndpointError(RuntimeError):
-    """One request failed; `kind` is connect, timeout, http, bad_body, stream_error or cut
-    (or "tool": a llama.cpp tool the bench runs per prompt, study.engines.anchors.LlamaLookup)."""
-
-    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.status = status
 
 
 def base_url(url: str) -> str:
@@ -229,10 +218,6 @@ class Client:
     def _stream_once(self, path: str, body: dict[str, Any], attempt: int) -> Reply:
         url = f"{self.endpoint.url}{path}"
         t0 = time.perf_counter()
-        text: list[str] = []
-        stamps: list[float] = []
-        finish = usage = timings = spec = None
-        done = False
         with (
             self._transport(url) as watchdog,
             self._http.stream(
@@ -241,42 +226,25 @@ class Client:
         ):
             if resp.status_code != 200:
                 raise _http_error(url, resp.status_code, _read_capped(resp, MAX_ERROR_BYTES))
-            for line in _sse_lines(resp, url):
-                if watchdog.expired:
-                    break
-                if not line.startswith("data:"):
-                    continue  # SSE comments, event names, keep-alives
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = _chunk(data, url)
-                piece, reason = _delta(chunk, url)
-                if piece:
-                    text.append(piece)
-                    stamps.append(time.perf_counter())
-                finish = reason or finish
-                usage = _dict_or(chunk.get("usage"), usage)
-                timings = _dict_or(chunk.get("timings"), timings)
-                spec = _dict_or(chunk.get("spec"), spec)
+            got = read_stream(resp.iter_raw(), url, t0=t0, until=lambda _: watchdog.expired)
         if watchdog.expired:
             raise _deadline_error(url, self.endpoint.timeout_s)
         wall = time.perf_counter() - t0
-        if not done:
+        if not got.done:
             raise EndpointError(
-                "cut", f"{url}: the stream ended after {len(text)} chunks without [DONE]"
+                "cut", f"{url}: the stream ended after {len(got.pieces)} chunks without [DONE]"
             )
         return Reply(
-            text="".join(text),
-            finish_reason=finish,
-            ttft_s=stamps[0] - t0 if stamps else None,
+            text=got.text,
+            finish_reason=got.finish_reason,
+            ttft_s=got.ttft_s,
             wall_s=wall,
-            itl_s=[b - a for a, b in itertools.pairwise(stamps)],
-            usage=usage,
-            timings=timings,
+            itl_s=got.itl_s,
+            usage=got.usage,
+            timings=got.timings,
             attempts=attempt,
             model=str(body["model"]),
-            spec=spec,
+            spec=got.spec,
         )
 
     # ------------------------------------------------------------------------ plumbing
@@ -372,7 +340,7 @@ def _deadline_error(url: str, seconds: float) -> EndpointError:
 def _http_error(url: str, status: int, body: bytes) -> EndpointError:
     """A non-200 answer, quoting its body's message."""
     return EndpointError(
-        "http", f"{url} answered {status}: {_error_text(body.decode('utf-8', 'replace'))}", status
+        "http", f"{url} answered {status}: {error_text(body.decode('utf-8', 'replace'))}", status
     )
 
 
@@ -386,90 +354,12 @@ def _read_capped(resp: Any, cap: int) -> bytes:
     return bytes(out[:cap])
 
 
-def _sse_lines(resp: Any, url: str) -> Iterator[str]:
-    """The stream's lines (CR, LF or CRLF ends), each at most MAX_EVENT_BYTES, at most
-    MAX_STREAM_BYTES in all; EndpointError bad_body past either."""
-    buf = bytearray()
-    total = 0
-    for part in resp.iter_raw():
-        total += len(part)
-        if total > MAX_STREAM_BYTES:
-            raise EndpointError("bad_body", f"{url}: the stream exceeds {MAX_STREAM_BYTES} bytes")
-        buf += part
-        while True:
-            cut = min((i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0), default=-1)
-            if cut < 0:
-                break
-            line = bytes(buf[:cut])
-            end = cut + 2 if buf[cut : cut + 2] == b"\r\n" else cut + 1
-            del buf[:end]
-            yield line.decode("utf-8", "replace")
-        if len(buf) > MAX_EVENT_BYTES:
-            raise EndpointError("bad_body", f"{url}: a stream line exceeds {MAX_EVENT_BYTES} bytes")
-    if buf:
-        yield bytes(buf).decode("utf-8", "replace")
-
-
-def _chunk(data: str, url: str) -> dict[str, Any]:
-    try:
-        chunk = json.loads(data)
-    except (ValueError, RecursionError):
-        raise EndpointError(
-            "bad_body", f"{url}: a stream event is not JSON: {data[:80]!r}"
-        ) from None
-    if not isinstance(chunk, dict):
-        raise EndpointError("bad_body", f"{url}: a stream event is not an object: {data[:80]!r}")
-    if "error" in chunk:
-        raise EndpointError("stream_error", f"{url}: error in the stream: {_error_text(data)}")
-    return chunk
-
-
-def _delta(chunk: Mapping[str, Any], url: str) -> tuple[str, str | None]:
-    """(text, finish_reason) of one chat or completions chunk; bad_body for wrong types."""
-    choices = chunk.get("choices")
-    if choices is None or choices == []:
-        return "", None  # the usage chunk
-    if not isinstance(choices, list) or not isinstance(choices[0], dict):
-        raise EndpointError("bad_body", f"{url}: a stream event's choices is not a list of objects")
-    c = choices[0]
-    if "delta" in c:
-        delta = c["delta"]
-        if delta is not None and not isinstance(delta, dict):
-            raise EndpointError("bad_body", f"{url}: a stream event's delta is not an object")
-        piece = (delta or {}).get("content")
-    else:
-        piece = c.get("text")
-    reason = c.get("finish_reason")
-    if piece is not None and not isinstance(piece, str):
-        raise EndpointError("bad_body", f"{url}: a stream event's text is not a string")
-    if reason is not None and not isinstance(reason, str):
-        raise EndpointError("bad_body", f"{url}: a stream event's finish_reason is not a string")
-    return (piece or ""), reason
-
-
-def _dict_or(value: Any, previous: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`value` when it is a non-empty object, else what was there (servers omit or null it)."""
-    return value if isinstance(value, dict) and value else previous
-
-
 def count(value: Any) -> int | None:
     """A token count a server reported, or None when it is not one (a bool, a string, a
     negative or absurd number)."""
     if type(value) is int and 0 <= value < MAX_COUNT:
         return value
     return None
-
-
-def _error_text(raw: str) -> str:
-    """The server's error message, when the body is an OpenAI error object; else its start."""
-    try:
-        err = json.loads(raw).get("error")
-        msg = err.get("message") if isinstance(err, dict) else err
-        if isinstance(msg, (str, int, float)) and msg:
-            return str(msg)[:_ERROR_CHARS]
-    except (ValueError, AttributeError, RecursionError):
-        pass
-    return raw.strip()[:_ERROR_CHARS] or "(empty body)"
 
 
 # ------------------------------------------------------------------------------ RUN records
@@ -499,14 +389,10 @@ def run_record(reply: Reply, endpoint: Endpoint, tokenizer: Any) -> dict[str, An
         "text": reply.text,
         "tokens": ids,
     }
+    drafts = draft_counts(reply)
+    if drafts is not None:
+        rec["drafted"], rec["accepted"] = drafts
     t = reply.timings or {}
-    drafted, accepted = count(t.get("draft_n")), count(t.get("draft_n_accepted"))
-    if drafted is not None and accepted is not None:
-        rec["drafted"], rec["accepted"] = drafted, accepted
-    sp = reply.spec or {}
-    drafted, accepted = count(sp.get("drafted")), count(sp.get("accepted"))
-    if drafted is not None and accepted is not None:
-        rec["drafted"], rec["accepted"] = drafted, accepted  # specdec serve
     if t:
         rec["server_timings"] = {
             k: v
@@ -514,6 +400,19 @@ def run_record(reply: Reply, endpoint: Endpoint, tokenizer: Any) -> dict[str, An
             if isinstance(k, str) and (count(v) is not None or _finite(v))
         }
     return rec
+
+
+def draft_counts(reply: Reply) -> tuple[int, int] | None:
+    """(drafted, accepted) as the server reported them: specdec serve's `spec`, else
+    llama-server's `timings`; None where it reported neither (or not as counts)."""
+    for counters, keys in ((reply.spec, ("drafted", "accepted")), (reply.timings, _LLAMA_DRAFTS)):
+        drafted, accepted = (count((counters or {}).get(k)) for k in keys)
+        if drafted is not None and accepted is not None:
+            return drafted, accepted
+    return None
+
+
+_LLAMA_DRAFTS = ("draft_n", "draft_n_accepted")  # llama-server's `timings` keys
 
 
 def _finite(v: Any) -> bool:
@@ -526,6 +425,14 @@ def tokenize(tokenizer: Any, text: str) -> list[int]:
     if tokenizer is None:
         return []
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def percentile(xs: Iterable[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]) of what a client measured; None for no data."""
+    s = sorted(xs)
+    if not s:
+        return None
+    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
 
 
 def _median(xs: Sequence[float]) -> float:

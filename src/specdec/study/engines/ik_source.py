@@ -1,6 +1,6 @@
 """ik_llama.cpp from its upstream source: where a tree came from, and its copy for the build.
 
-`anchors.build(peer="ik", src=DIR)` builds ik_llama.cpp from an upstream tree (a checkout or an
+`anchor_build.build(peer="ik", src=DIR)` builds ik_llama.cpp from an upstream tree (a checkout or an
 export of https://github.com/ikawrakow/ik_llama.cpp) instead of its Python package's sdist,
 whose 0.1.5 aborts with `-np 4` and flash attention (GGML_ASSERT(S > 0), fixed upstream).
 
@@ -15,7 +15,7 @@ whose 0.1.5 aborts with `-np 4` and flash attention (GGML_ASSERT(S > 0), fixed u
   with the file newer than its template the generating command never runs.
 - `selected(anchors)` / `select(anchors, origin)`: SELECTED in the anchors directory names the
   tree the ik peer was last built from (or found built); none (a sdist build removes it) means
-  the pinned sdist. anchors.anchor_dir("ik") is the directory of that source's key on this CPU.
+  the pinned sdist. anchor_build.anchor_dir("ik") is the directory of that source's key on this CPU.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The builds llama-server modes run on, and the modes: names, flags, bench methods.
 
-anchors.py builds each peer (stock llama.cpp, the "same kernels" twin, ik_llama.cpp) and starts
-its llama-server; this is what differs between them, as data: a mode is "<prefix><base>"
-("twin-ngram-mod", "ik-none"), its base a SERVER_MODES entry (or the peer's own flags for it),
-its bench method "<peer's stem>[-<base>]".
+anchor_build.py builds each peer (stock llama.cpp, the "same kernels" twin, ik_llama.cpp) and
+anchors.py starts its llama-server; this is what differs between them, as data: a mode is
+"<prefix><base>" ("twin-ngram-mod", "ik-none"), its base a SERVER_MODES entry (or the peer's
+own flags for it), its bench method "<peer's stem>[-<base>]".
 """
 
 from __future__ import annotations

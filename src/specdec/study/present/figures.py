@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.study.artifacts.schema import PHASES, BenchArtifact, GateArtifact, variant_method
+from specdec.study.artifacts import PHASES, BenchArtifact, GateArtifact, variant_method
 from specdec.study.present import fmt, scan
 from specdec.study.present.scan import Study
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.core.metrics import PREDICTION_SOURCE
-from specdec.study.artifacts.schema import (
+from specdec.study.artifacts import (
     PHASES,
     Agg,
     BenchArtifact,

@@ -1,7 +1,7 @@
 """Every artifact under one directory, read into the artifact model: what figures and report see.
 
-`scan(DIR)` reads every `*.json` under DIR, checks it with `schema.validate` and reads it with
-its kind's `from_json`; each read artifact keeps `src`, its path relative to DIR, so each plotted
+`scan(DIR)` reads every `*.json` under DIR into its kind's record (artifacts.read, which checks
+every field); each read artifact keeps `src`, its path relative to DIR, so each plotted
 or tabulated number can name the file it came from.
 
 Files under DIR fall into four groups (the CLI's error contract):
@@ -28,14 +28,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from specdec.study.artifacts import schema
-from specdec.study.artifacts.schema import (
+from specdec.study.artifacts import (
     ArtifactError,
     BenchArtifact,
     GateArtifact,
     MicrobenchArtifact,
-    SchemaError,
     SweepArtifact,
+    read,
 )
 from specdec.study.present.fmt import p_value
 from specdec.study.present.hosts import Hosts
@@ -73,7 +72,7 @@ DRAWN_KINDS = ("specdec.bench", "specdec.sweep", "specdec.microbench", "specdec.
 
 
 def _read(data: dict[str, Any], src: str, path: Path) -> Any:
-    art = schema.read(data, src, path)
+    art = read(data, src, path)
     if isinstance(art, BenchArtifact):
         agg = art.aggregates
         if not art.rows or agg.baseline.tok_s_mean is None or agg.speculative.tok_s_mean is None:
@@ -109,7 +108,7 @@ def scan(root: Path) -> Study:
             continue
         try:
             art = _read(data, src, path)
-        except (SchemaError, ArtifactError) as e:
+        except ArtifactError as e:
             msg = str(e)
             study.malformed.append(msg if msg.startswith(src) else f"{src}: {msg}")
             continue

@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from specdec.study.artifacts.schema import BenchArtifact
+from specdec.study.artifacts import BenchArtifact
 from specdec.study.present import fmt
 
 KINDS = ("session-t1", "session-t2+")

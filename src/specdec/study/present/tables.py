@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from specdec.study.artifacts.schema import Aggregates, BenchArtifact
+from specdec.study.artifacts import Aggregates, BenchArtifact
 from specdec.study.present import fmt
 from specdec.study.present.sessions import format_sessions
 

@@ -33,8 +33,6 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from specdec.core.cost import (
     ROW_SLACK,
@@ -46,11 +44,10 @@ from specdec.core.cost import (
 )
 from specdec.core.model import SpecModel
 from specdec.core.policy import CostModelK, CurveStore
+from specdec.study.artifacts import BreakEven, Diagnosis, DoctorArtifact, Model
 from specdec.study.artifacts.provenance import meta_block
-from specdec.study.artifacts.schema import Model
 from specdec.study.run import microbench
 
-SCHEMA = "specdec.doctor/1"
 #: The b timed: powers of two, where k=auto's doubling depth cap puts K + 1, up to the
 #: model-free drafters' default k_max (core.config.K_MAX_FREE).
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -64,32 +61,6 @@ PAYS_ABOVE = 1.05
 
 
 # ------------------------------------------------------------------------------ the diagnosis
-@dataclass(frozen=True)
-class BreakEven:
-    """What drafting K tokens per round must achieve to pay for itself (module docstring)."""
-
-    k: int
-    v: float  # v(K + 1), in target steps
-    free_cost: float  # cost(K) with c = 0: the tokens per round lookup or a prediction must emit
-    free_acceptance: float | None  # the alpha that gets there; None: not even alpha = 1
-    model_cost: float | None = None  # cost(K) with the draft model's c; None: no draft measured
-    model_acceptance: float | None = None
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """The answers, from a verify curve and a step ratio alone (so a test can plant them)."""
-
-    v: dict[int, float]  # b -> v(b) in target steps, at the measured b
-    c: float | None  # draft step / target step; None without a draft model
-    ceiling: float  # max b / v(b)
-    ceiling_b: int
-    draft_ceiling: float | None  # max (K + 1) / (v(K + 1) + K c); None without a draft
-    draft_ceiling_k: int | None
-    break_even: tuple[BreakEven, ...]
-    verdict: tuple[str, ...]
-
-
 def dense_curve(v: Mapping[int, float]) -> list[float]:
     """[v(1), ..., v(max b)]: the measured points, and between them k=auto's interpolation."""
     policy = CostModelK(k_max=max(v), verify_s=v)  # without a measurement count: trusted as is
@@ -202,28 +173,6 @@ def _verdict(
 
 
 # ------------------------------------------------------------------------------ measuring
-@dataclass(frozen=True)
-class DoctorReport:
-    """The `specdec.doctor/1` artifact: the measurement, the diagnosis, where the curve went."""
-
-    schema: str  # SCHEMA
-    meta: dict[str, Any]  # artifacts.meta_block(): machine, CPU, load average, llama.cpp kernels
-    cpu_flags: tuple[str, ...]  # this CPU's vector instruction sets (beside the kernels' own)
-    target: Model
-    draft: Model | None
-    prefix_tokens: int
-    repeats: int  # timed passes per b (medians over them)
-    batches: tuple[int, ...]
-    target_step_ms: float
-    step_spread: float  # max/min - 1 of the single step over the passes: > 10% = a busy machine
-    verify_ms: dict[int, float]  # b -> median ms of a pass over b tokens
-    draft_step_ms: float | None
-    diagnosis: Diagnosis
-    contended: bool  # step_spread above microbench.CONTENDED_SPREAD: the numbers are flattened
-    cost_store: str | None  # the file k=auto's curve was written to; None: not written
-    measure_s: float  # seconds the timed passes took
-
-
 def plan_repeats(pass_s: float, seconds: float) -> int:
     """Timed passes that fit `seconds`, given one pass's seconds (within MIN/MAX_REPEATS)."""
     fit = math.floor(seconds / pass_s) if pass_s > 0 else MAX_REPEATS
@@ -273,7 +222,7 @@ def run(
     seconds: float = SECONDS,
     curves: CurveStore | None = None,
     progress: bool = True,
-) -> DoctorReport:
+) -> DoctorArtifact:
     """Measure, diagnose, and write the curve to `curves` (the CLI's: backends.costs.CurveFiles),
     where k=auto starts from it."""
     if prefix < 1 or seconds <= 0:
@@ -298,8 +247,7 @@ def run(
                 passes.add(b, x / 1e3)
         written = curves.save(target, passes, replace=True)
         store = str(written) if written else None
-    return DoctorReport(
-        schema=SCHEMA,
+    return DoctorArtifact(
         meta=meta_block(),
         cpu_flags=vector_flags(),
         target=models["target"],
@@ -335,7 +283,7 @@ def _pct(x: float | None) -> str:
     return "never" if x is None else f"{x:.0%}"
 
 
-def format_report(rep: DoctorReport) -> str:
+def format_report(rep: DoctorArtifact) -> str:
     """The human-readable report: machine, curve, ceilings, break-even table, verdict (the
     kernels line is `specdec --version`'s, which the CLI prints above it)."""
     d, machine = rep.diagnosis, rep.meta.get("machine", {})

@@ -37,8 +37,7 @@ import numpy as np
 from specdec.core import decode
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.model import SpecModel
-from specdec.study.artifacts.provenance import meta_block
-from specdec.study.artifacts.schema import (
+from specdec.study.artifacts import (
     GateArtifact,
     GateBin,
     GreedyLeg,
@@ -46,6 +45,7 @@ from specdec.study.artifacts.schema import (
     Model,
     SampledLeg,
 )
+from specdec.study.artifacts.provenance import meta_block
 from specdec.study.run.significance import (
     KL_SMOOTHING,
     MIN_EXPECTED,

@@ -17,11 +17,9 @@ and sdmm its switch once per process:
     ggml-invariant  stock, neither: ggml's slow invariant paths (deterministic mode for a file
                     sdmm does not cover)
 
-Artifact `specdec.invariance/1`: {schema, settings, batch, contexts, probes: [PROBE]} with
-    PROBE = {model, setting, context, batch, repacked_mib, logits_max_abs_diff: [per row],
-             identical: bool (every logit of every row bit-equal), first_difference: {node,
-             layer, op, max_abs_diff, weight_type} | null, ops: [{op, layers, first_layer,
-             max_abs_diff}]}
+Artifact `specdec.invariance/1` (artifacts.InvarianceArtifact, whose field comments say what
+each holds): the settings, and a probe per model, setting and context, with its per-row logit
+differences, the first differing node, and a row per op.
 `first_difference` is the earliest node in graph order whose rows differ: the op that breaks
 invariance; later nodes differ because their inputs do.
 """
@@ -29,12 +27,14 @@ invariance; later nodes differ because their inputs do.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-SCHEMA = "specdec.invariance/1"
+from specdec.study.artifacts import InvarianceArtifact
+
+SCHEMA = InvarianceArtifact.SCHEMA
 #: setting -> (repack weights, GGML_CPU_TILED_MM, SPECDEC_MM)
 SETTINGS: dict[str, tuple[bool, str, str]] = {
     "default": (True, "1", "1"),
@@ -167,18 +167,19 @@ def run_setting(
         model.close()
 
 
-def format_table(art: dict[str, Any]) -> str:
+def format_table(art: InvarianceArtifact | Mapping[str, Any]) -> str:
     """One line per probe: identical or not, and the op that breaks invariance first."""
+    if not isinstance(art, InvarianceArtifact):
+        art = InvarianceArtifact.model_validate(art)
     lines = [f"{'model':34} {'setting':14} {'ctx':>5} {'b':>3}  max|Δlogit|  first differing op"]
-    for p in art["probes"]:
-        first = p["first_difference"]
+    for p in art.probes:
+        first = p.first_difference
         where = "-"
         if first is not None:
-            wt = f", {first['weight_type']} weight" if first.get("weight_type") else ""
-            where = f"{first['op']} (layer {first['layer']}{wt})"
-        worst = max(p["logits_max_abs_diff"])
+            wt = f", {first.weight_type} weight" if first.weight_type else ""
+            where = f"{first.op} (layer {first.layer}{wt})"
+        worst = max(p.logits_max_abs_diff)
         lines.append(
-            f"{p['model']:34} {p['setting']:14} {p['context']:>5} {p['batch']:>3}  "
-            f"{worst:11.3g}  {where}"
+            f"{p.model:34} {p.setting:14} {p.context:>5} {p.batch:>3}  {worst:11.3g}  {where}"
         )
     return "\n".join(lines)

@@ -15,12 +15,11 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from specdec.backends import chat as prompting
 from specdec.backends import load_model
 from specdec.backends.costs import CurveFiles
-from specdec.core.config import DRAFTERS, check_k
 from specdec.core.decode import generate
 from specdec.core.drafters import PredictionDrafter, PredictionIndex
 from specdec.core.metrics import Round
@@ -29,32 +28,12 @@ from specdec.core.policy import AutoPolicies
 from specdec.study.artifacts.runs import round_log
 from specdec.study.engines import anchors, endpoint
 from specdec.study.engines import hf_assisted as hf
-
-if TYPE_CHECKING:
-    from specdec.study.run.bench import BenchConfig
-
-#: The drafters a bench method may use: the core's, plus "wrong-prediction", the prediction
-#: drafter given another task's file (the leg that shows a wrong prediction costs nothing).
-WRONG_PREDICTION = "wrong-prediction"
-BENCH_DRAFTERS = (*DRAFTERS, WRONG_PREDICTION)
+from specdec.study.run.bench_settings import WRONG_PREDICTION, BenchConfig, parse_variant
 
 
 def core_drafter(drafter: str) -> str:
     """The core drafter a bench drafter runs ("wrong-prediction" is the prediction drafter)."""
     return "prediction" if drafter == WRONG_PREDICTION else drafter
-
-
-def parse_variant(text: str) -> tuple[str, int | str]:
-    """'DRAFTER:K' -> (drafter, K), e.g. 'lookup:auto' -> ('lookup', 'auto')."""
-    drafter, sep, k = text.partition(":")
-    if not sep or drafter not in BENCH_DRAFTERS:
-        raise ValueError(
-            f"variant {text!r} must be DRAFTER:K with DRAFTER one of {', '.join(BENCH_DRAFTERS)} "
-            "and K an int >= 1, 'auto' or 'schedule' (e.g. lookup:auto)"
-        )
-    kk: int | str = int(k) if k.isdigit() else k
-    check_k(kk)
-    return drafter, kk
 
 
 def variant_name(drafter: str, k: int | str) -> str:

@@ -42,17 +42,18 @@ from specdec.core.cost import (
 )
 from specdec.core.device import synchronize
 from specdec.core.model import SpecModel
-from specdec.study.artifacts.provenance import meta_block
-from specdec.study.artifacts.schema import (
+from specdec.study.artifacts import (
     Acceptance,
+    BenchArtifact,
     Check,
     MicrobenchArtifact,
     Model,
     Prediction,
     VerifyPoint,
     named_artifact,
-    validate,
+    read,
 )
+from specdec.study.artifacts.provenance import meta_block
 from specdec.study.present import fmt
 
 SCHEMA = MicrobenchArtifact.SCHEMA
@@ -67,7 +68,7 @@ def acceptance_profile(bench: Mapping[str, Any], source: str = "") -> Acceptance
     generation drafts fewer (or no) tokens when the token budget runs out, and counting it would
     bias every position down.
     """
-    if validate(dict(bench)) != "specdec.bench/1":
+    if not isinstance(read(dict(bench), source), BenchArtifact):
         raise ValueError(f"{source or 'acceptance source'}: expected a specdec.bench/1 artifact")
     accepted: list[int] = []
     drafted: list[int] = []

@@ -9,16 +9,13 @@ the nodes (graph build, input upload, the logits copy-out) is what the profiled 
 the nodes' raw times. The same pass, timed on a second copy of the model loaded without a
 callback, says how well the parts add up (`unaccounted_ms`).
 
-Artifact `specdec.profile/1`: {schema, meta, target, threads, type_k, peak_int8_gops,
-probes: [PROBE]} with
-    PROBE = {context, batch, pass_ms (no callback, median), profiled_ms, nodes, launch_us,
-             outside_ms, unaccounted_ms, groups: {GROUP: ms}, ops: [{category, ms, nodes,
-             gops}]}
-GROUP is one of GROUPS; `ops` lists every category (a matmul's weight role and type, e.g.
-"matmul ffn_down (q6_K)", else the op, e.g. "flash_attn_ext"), heaviest first. Times are the
-median per node over the repeats. `gops` (matmuls): 2 x weights x b / time, the kernel's rate
-in situ, beside `peak_int8_gops` (the int8 multiply-accumulate peak of the threads measured by
-sdmm's probe, vpdpbusd; null where the CPU lacks AVX-512 VNNI or the build lacks sdmm).
+Artifact `specdec.profile/1` (artifacts.ProfileArtifact): a probe per context and b, each with
+its `groups` {GROUP: ms} and `ops`. GROUP is one of GROUPS; `ops` lists every category (a
+matmul's weight role and type, e.g. "matmul ffn_down (q6_K)", else the op, e.g.
+"flash_attn_ext"), heaviest first. Times are the median per node over the repeats. `gops`
+(matmuls): 2 x weights x b / time, the kernel's rate in situ, beside `peak_int8_gops` (the int8
+multiply-accumulate peak of the threads measured by sdmm's probe, vpdpbusd; null where the CPU
+lacks AVX-512 VNNI or the build lacks sdmm).
 """
 
 from __future__ import annotations
@@ -29,7 +26,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-SCHEMA = "specdec.profile/1"
+from specdec.study.artifacts import ProfileArtifact, ProfileProbe
+
+SCHEMA = ProfileArtifact.SCHEMA
 #: Ops that compute nothing (ggml_op_is_empty): their time is the per-node launch cost alone.
 NOOP_OPS = frozenset({"NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})
 #: Coarse groups of `category`, in table order.
@@ -120,7 +119,7 @@ def run_profile(
     repeats: int = 3,
     n_threads: int | None = None,
     type_k: int | None = None,
-) -> list[dict[str, Any]]:
+) -> list[ProfileProbe]:
     """Profile a pass over each b in `batches` after each context length, in this process."""
     from specdec.backends import load_model
     from specdec.backends.llamacpp_ops import OpTimer
@@ -168,7 +167,7 @@ def run_profile(
                 finally:
                     timer.recording = False
                 probe = summarize(runs, profiled, statistics.median(samples), elements, b)
-                probes.append({"context": c, "batch": b, **probe})
+                probes.append(ProfileProbe(context=c, batch=b, **probe))
         return probes
     finally:
         timed.close()
@@ -184,28 +183,24 @@ def weight_elements(model: Any) -> dict[str, int]:
     return {t.name: math.prod(t.dims) for t in gguf_tensors(model.path)}
 
 
-def format_table(probes: Sequence[dict[str, Any]]) -> str:
+def format_table(probes: Sequence[ProfileProbe]) -> str:
     """ms per group for each probe, and each group's cost per row relative to b = 1."""
     head = f"{'ctx':>5} {'b':>4} {'pass ms':>8} " + " ".join(f"{g:>14}" for g in GROUPS)
     lines = [head + f" {'launch/node':>11} {'unaccounted':>11}"]
     for p in probes:
-        cells = " ".join(f"{p['groups'][g]:14.1f}" for g in GROUPS)
+        cells = " ".join(f"{p.groups[g]:14.1f}" for g in GROUPS)
         lines.append(
-            f"{p['context']:>5} {p['batch']:>4} {p['pass_ms']:8.1f} {cells} "
-            f"{p['launch_us']:9.1f}us {p['unaccounted_ms']:9.1f}ms"
+            f"{p.context:>5} {p.batch:>4} {p.pass_ms:8.1f} {cells} "
+            f"{p.launch_us:9.1f}us {p.unaccounted_ms:9.1f}ms"
         )
     return "\n".join(lines)
 
 
-def format_kernel_rates(probes: Sequence[dict[str, Any]], peak_gops: float | None) -> str:
+def format_kernel_rates(probes: Sequence[ProfileProbe], peak_gops: float | None) -> str:
     """GOPS of each matmul group per probe, against the measured int8 peak."""
     peak = f"{peak_gops:.0f} GOPS" if peak_gops else "not measured"
     lines = [f"matmul rate (2 x weights x b / time); int8 peak of these threads: {peak}"]
     for p in probes:
-        rates = [
-            f"{op['category'].removeprefix('matmul ')} {op['gops']:.0f}"
-            for op in p["ops"]
-            if op.get("gops")
-        ]
-        lines.append(f"  ctx {p['context']:>5} b {p['batch']:>4}: " + ", ".join(rates[:6]))
+        rates = [f"{op.category.removeprefix('matmul ')} {op.gops:.0f}" for op in p.ops if op.gops]
+        lines.append(f"  ctx {p.context:>5} b {p.batch:>4}: " + ", ".join(rates[:6]))
     return "\n".join(lines)

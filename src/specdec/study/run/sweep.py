@@ -11,22 +11,17 @@ from pathlib import Path
 
 from specdec.core.config import check_int
 from specdec.core.model import SpecModel
-from specdec.study.artifacts.provenance import meta_block
-from specdec.study.artifacts.schema import (
+from specdec.study.artifacts import (
     BenchArtifact,
     SweepArtifact,
     SweepPoint,
     write_json,
 )
+from specdec.study.artifacts.provenance import meta_block
 from specdec.study.present import fmt
 from specdec.study.run import methods
-from specdec.study.run.bench import (
-    BenchConfig,
-    artifact_name,
-    categories_part,
-    run_bench,
-    tag_suffix,
-)
+from specdec.study.run.bench import artifact_name, categories_part, run_bench
+from specdec.study.run.bench_settings import BenchConfig, tag_suffix
 
 
 def sweep_name(cfg: BenchConfig, tag: str | None = None) -> str:

@@ -22,11 +22,19 @@ Protocol (`run_together`):
 
 Per method and group (a row): `tokens_per_s`, the completion tokens of the group over the time
 from the first request sent to the last answer's end (the aggregate a client fleet sees);
-`slowest_s`, the longest request; each request's record, its answer's text included. Per method
-(`methods`): the geometric means of the rows' tokens_per_s and slowest_s, and `same_answers`:
-how many of its answers equal, character for character, the first method's to the same prompt
-(at T = 0 every lossless engine should give its own target-only answer; specdec's first method is
-target-only one at a time, the answers a single stream gives).
+`slowest_s`, the longest request; each request's record, its answer's text included, and the
+drafted, accepted and rounds its server reported (specdec serve's `spec`; llama-server's
+`timings` drafted and accepted; None otherwise). Per method (`methods`): the geometric means of
+the rows' tokens_per_s and slowest_s; `same_answers`: how many of its answers equal, character
+for character, the first method's to the same prompt (at T = 0 every lossless engine should
+give its own target-only answer; specdec's first method is target-only one at a time, the
+answers a single stream gives); its failed requests (`errors`); the nearest-rank p50 and p95 of
+its requests' latency (sent -> [DONE], the queue wait included) and time to first token; and
+its acceptance rate and tokens per round, pooled over the requests whose server reported them.
+
+Against one running server (`specdec bench --concurrency C --endpoint URL`, say after
+`specdec serve --parallel C`) this is the load test: the prompts C at a time, and what each
+request waited, streamed and drafted.
 """
 
 from __future__ import annotations
@@ -40,13 +48,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from specdec.study.artifacts import TogetherArtifact, write_json
 from specdec.study.artifacts.provenance import meta_block
-from specdec.study.artifacts.schema import write_json
 from specdec.study.engines import anchors, endpoint
 from specdec.study.run import methods
-from specdec.study.run.bench import BenchConfig, artifact_name, select_prompts
+from specdec.study.run.bench import artifact_name
+from specdec.study.run.bench_settings import BenchConfig, select_prompts
 
-SCHEMA = "specdec.together/1"
+SCHEMA = TogetherArtifact.SCHEMA
 
 
 class Given:
@@ -165,15 +174,18 @@ def _at_once(
         start = time.perf_counter() - t0
         try:
             r = client.stream(req)
-            tokens = endpoint.count((r.usage or {}).get("completion_tokens"))
+            drafted, accepted = endpoint.draft_counts(r) or (None, None)
             out[j] = {
                 "prompt_id": p.id,
                 "start_s": start,
                 "end_s": start + r.wall_s,
                 "wall_s": r.wall_s,
                 "ttft_s": r.ttft_s,
-                "tokens": tokens,
+                "tokens": endpoint.count((r.usage or {}).get("completion_tokens")),
                 "text": r.text,
+                "drafted": drafted,
+                "accepted": accepted,
+                "rounds": endpoint.count((r.spec or {}).get("rounds")),  # specdec serve's
             }
         except endpoint.EndpointError as e:
             out[j] = {"prompt_id": p.id, "error": f"{e.kind}: {e}"}
@@ -204,8 +216,10 @@ def _row(name: str, rep: int, g: int, replies: list[dict]) -> dict:
 
 
 def summarize(rows: Sequence[dict], names: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per method: geometric means of its rows' tokens_per_s and slowest_s, its errors, and how
-    many answers equal the first method's to the same prompt (same repeat)."""
+    """Per method: geometric means of its rows' tokens_per_s and slowest_s, its errors, how
+    many answers equal the first method's to the same prompt (same repeat), and its requests'
+    `latency` and `ttft` (latency_p50_s, ...; `percentiles`), pooled acceptance and tokens per
+    round (`drafts`)."""
     ref = {
         (r["repeat"], q["prompt_id"]): q.get("text")
         for r in rows
@@ -217,14 +231,37 @@ def summarize(rows: Sequence[dict], names: Sequence[str]) -> dict[str, dict[str,
         mine = [r for r in rows if r["method"] == name]
         answers = [(r["repeat"], q) for r in mine for q in r["requests"] if "error" not in q]
         same = sum(q["text"] == ref.get((rep, q["prompt_id"])) for rep, q in answers)
+        answered = [q for _, q in answers]
         out[name] = {
             "tokens_per_s": _geomean([r["tokens_per_s"] for r in mine]),
             "slowest_s": _geomean([r["slowest_s"] for r in mine]),
             "errors": sum(r["errors"] for r in mine),
             "answers": len(answers),
             "same_answers": same,
+            **percentiles("latency", [q["wall_s"] for q in answered]),
+            **percentiles("ttft", [q["ttft_s"] for q in answered if q.get("ttft_s") is not None]),
+            **drafts(answered),
         }
     return out
+
+
+def percentiles(what: str, seconds: Sequence[float]) -> dict[str, float | None]:
+    """`what`_p50_s and `what`_p95_s (nearest rank) of these seconds; None for none."""
+    return {f"{what}_p{q}_s": endpoint.percentile(seconds, q) for q in (50, 95)}
+
+
+def drafts(answers: Sequence[dict]) -> dict[str, float | None]:
+    """acceptance_rate (accepted / drafted, pooled over the answers whose server reported
+    both) and tokens_per_round (tokens / rounds, pooled over those that reported rounds:
+    specdec serve's `spec`); None where no answer reported them."""
+    counted = [q for q in answers if q.get("drafted") is not None]
+    drafted = sum(q["drafted"] for q in counted)
+    rounded = [q for q in answers if q.get("rounds") and q.get("tokens") is not None]
+    rounds = sum(q["rounds"] for q in rounded)
+    return {
+        "acceptance_rate": sum(q["accepted"] for q in counted) / drafted if drafted else None,
+        "tokens_per_round": sum(q["tokens"] for q in rounded) / rounds if rounds else None,
+    }
 
 
 def _geomean(xs: Sequence[float]) -> float:
@@ -233,14 +270,24 @@ def _geomean(xs: Sequence[float]) -> float:
 
 
 def format_table(record: dict[str, Any]) -> str:
-    """The per-method summary as a terminal table, with each method's ratio to the first
-    served method's aggregate."""
+    """The per-method summary as a terminal table: aggregate tokens/s, the slowest request,
+    the requests' latency and time to first token (p50/p95), acceptance, same answers, errors."""
     ms = record["methods"]
-    lines = [f"{'method':<28} {'tok/s':>8} {'slowest s':>10} {'same':>7} {'errors':>6}"]
+    lines = [
+        f"{'method':<28} {'tok/s':>8} {'slowest s':>10} {'lat p50/p95 s':>14} "
+        f"{'ttft p50/p95 s':>15} {'accept':>7} {'same':>7} {'errors':>6}"
+    ]
     for name, m in ms.items():
         same = f"{m['same_answers']}/{m['answers']}"
+        lat = f"{_num(m.get('latency_p50_s'))}/{_num(m.get('latency_p95_s'))}"
+        ttft = f"{_num(m.get('ttft_p50_s'))}/{_num(m.get('ttft_p95_s'))}"
+        accept = _num(m.get("acceptance_rate"))
         lines.append(
-            f"{name:<28} {m['tokens_per_s']:>8.2f} {m['slowest_s']:>10.1f} {same:>7} "
-            f"{m['errors']:>6}"
+            f"{name:<28} {m['tokens_per_s']:>8.2f} {m['slowest_s']:>10.1f} {lat:>14} "
+            f"{ttft:>15} {accept:>7} {same:>7} {m['errors']:>6}"
         )
     return "\n".join(lines)
+
+
+def _num(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
