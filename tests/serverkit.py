@@ -32,7 +32,9 @@ import openai
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
-from specdec.serve.app import ServeConfig, create_app, uvicorn_server
+from specdec.serve.app import create_app
+from specdec.serve.config import ServeConfig
+from specdec.serve.connections import uvicorn_server
 from specdec.serve.engine import Engine
 from specdec.study.engines.stream import read_stream
 

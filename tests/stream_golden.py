@@ -22,7 +22,7 @@ from typing import Any
 from serverkit import MOCK_SPEC, FakeTokenizer, Server, SlowMock, V
 
 from specdec.core.config import SpecConfig
-from specdec.serve.app import ServeConfig
+from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 
 

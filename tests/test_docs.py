@@ -316,7 +316,7 @@ def _server(target) -> Iterator[str]:
     one; yields its base URL."""
     from serverkit import Server
 
-    from specdec.serve.app import ServeConfig
+    from specdec.serve.config import ServeConfig
     from specdec.serve.engine import Engine
 
     cfg = ServeConfig(target=SMOL, drafter="lookup", k="auto")

@@ -115,9 +115,6 @@ from specdec.core.model import SpecModel
 from specdec.serve import answers, playground
 from specdec.serve.answers import Reply, sample_params
 from specdec.serve.config import ServeConfig
-from specdec.serve.connections import (
-    uvicorn_server,  # noqa: F401 - re-exported: tests/serverkit.py imports it from here
-)
 from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError
 from specdec.serve.jobs import Job

@@ -50,7 +50,7 @@ DEFAULT_K = "auto"
 class SpecDefaults:
     """The server's start-up speculation: what a request that does not say gets.
 
-    spec       the start-up flags (serve.app.ServeConfig.spec_config). Its drafter None with no
+    spec       the start-up flags (serve.config.ServeConfig.spec_config). Its drafter None with no
                draft model: no flag chose one, so a request's prediction is drafted from (else
                prompt lookup), and without a prediction the target decodes alone
     has_draft  a draft model is loaded: "model" and "composite" need one
