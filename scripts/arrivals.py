@@ -28,6 +28,8 @@ from pathlib import Path
 
 from loadtest_common import connect, write_record
 
+from specdec.study.engines.stream import StreamReader, read_stream
+
 
 def _post(port: int, body: dict) -> http.client.HTTPResponse:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -40,12 +42,15 @@ def _stream(port: int, model: str, max_tokens: int, times: list[float], sizes: l
             "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}  # fmt: skip
     resp = _post(port, body)
     assert resp.status == 200, resp.read()
-    for line in resp:
-        if line.startswith(b"data: {"):
-            ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
-            if ids:
-                times.append(time.perf_counter())
-                sizes.append(len(ids))
+
+    def arrived(reader: StreamReader) -> bool:
+        # after each line: a chunk that brought token ids is one arrival of that many tokens
+        if len(reader.token_ids) > sum(sizes):
+            times.append(time.perf_counter())
+            sizes.append(len(reader.token_ids) - sum(sizes))
+        return False
+
+    read_stream(resp, f"http://127.0.0.1:{port}/v1/completions", until=arrived)
 
 
 def _newcomer(port: int, model: str, ids: list[int], out: list[float]) -> None:
