@@ -202,6 +202,21 @@ def open_stream(srv: Server, body: dict) -> tuple[http.client.HTTPConnection, An
     return conn, resp
 
 
+def stream_events(srv: Server, path: str, body: dict) -> list[dict[str, Any]]:
+    """A streamed request's events, parsed by the library's stream reader, which checks the
+    stream ends with [DONE]."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), JSON)
+    resp = conn.getresponse()
+    try:
+        assert resp.status == 200, resp.read()
+        got = read_stream(resp, f"http://127.0.0.1:{srv.port}{path}", keep=True)
+    finally:
+        conn.close()
+    assert got.done, "the stream ended without [DONE]"
+    return got.chunks or []
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """The value of one series in Prometheus text (0 when absent)."""
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))

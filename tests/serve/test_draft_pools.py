@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from serverkit import MOCK_SPEC, Server, SlowMock, V, bearer, metric
+from serverkit import MOCK_SPEC, Server, SlowMock, V, bearer, metric, stream_events
 from stats_util import two_sample_chi2
 
 from specdec.cli import main as cli
@@ -201,7 +201,6 @@ def test_a_repeated_request_drafts_from_the_pool_and_accepts_more(k: int | str) 
 
 def _origins(srv: Server, prompt: list[int], key: str | None = None) -> list[dict[str, Any]]:
     """A streamed request's per-round speculation records (stream_options.include_speculation)."""
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
     body = {
         "model": srv.engine.model_id,
         "prompt": prompt,
@@ -211,10 +210,7 @@ def _origins(srv: Server, prompt: list[int], key: str | None = None) -> list[dic
         "stream_options": {"include_speculation": True},
         "speculation": LOOKUP,
     }
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    raw = conn.getresponse().read().decode()
-    conn.close()
-    events = [json.loads(x[6:]) for x in raw.split("\n") if x.startswith("data: {")]
+    events = stream_events(srv, "/v1/completions", body)
     return [e["choices"][0]["speculation"] for e in events if "speculation" in e["choices"][0]]
 
 

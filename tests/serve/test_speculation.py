@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import difflib
 import http.client
-import json
 import os
 import socket
 import subprocess
@@ -29,7 +28,7 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-from serverkit import MOCK_SPEC, Server, SlowMock, V, metric
+from serverkit import MOCK_SPEC, Server, SlowMock, V, metric, stream_events
 from stats_util import two_sample_chi2
 from stream_golden import TemplateTokenizer, capture, golden_server
 
@@ -88,16 +87,7 @@ def _post(srv: Server, path: str, body: dict[str, Any]) -> tuple[int, Any]:
 
 def _events(srv: Server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """A streamed request's events, parsed, up to [DONE]."""
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-    data = json.dumps({"model": MOCK_SPEC, **body, "stream": True})
-    conn.request("POST", path, data, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    raw = resp.read().decode()
-    conn.close()
-    assert resp.status == 200, raw
-    payloads = [line[6:] for line in raw.split("\n") if line.startswith("data: ")]
-    assert payloads[-1] == "[DONE]", raw[-500:]
-    return [json.loads(p) for p in payloads[:-1]]
+    return stream_events(srv, path, {"model": MOCK_SPEC, **body})
 
 
 def _expected(srv: Server, prompt: list[int], spec: SpecConfig, draft: bool, **kw: Any) -> Any:

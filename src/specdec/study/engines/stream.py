@@ -41,9 +41,12 @@ class StreamReader:
     `t0` is when the request was sent: `ttft_s` and the gaps count from it (now, by default).
     """
 
-    def __init__(self, url: str, t0: float | None = None) -> None:
+    def __init__(self, url: str, t0: float | None = None, *, keep: bool = False) -> None:
         self.url = url  # named in errors
         self.t0 = time.perf_counter() if t0 is None else t0
+        # every data event, parsed, in order, where the caller asked (`keep`): a test reads the
+        # per-event extensions (a chunk's `speculation`); a load run would only hold memory
+        self.chunks: list[dict[str, Any]] | None = [] if keep else None
         self.pieces: list[str] = []  # the text chunks' text, in order
         self.stamps: list[float] = []  # when each arrived
         self.finish_reason: str | None = None
@@ -91,6 +94,8 @@ class StreamReader:
             return
         chunk = parse_event(data, self.url)
         self.events += 1
+        if self.chunks is not None:
+            self.chunks.append(chunk)
         piece, reason = delta(chunk, self.url)
         if piece:
             self.pieces.append(piece)
@@ -114,9 +119,11 @@ def read_stream(
     *,
     t0: float | None = None,
     until: Callable[[StreamReader], bool] | None = None,
+    keep: bool = False,
 ) -> StreamReader:
-    """A stream read (StreamReader.read); `t0` when its request was sent (default: now)."""
-    return StreamReader(url, t0).read(parts, until)
+    """A stream read (StreamReader.read); `t0` when its request was sent (default: now);
+    `keep`: every event kept in `chunks`."""
+    return StreamReader(url, t0, keep=keep).read(parts, until)
 
 
 def sse_lines(parts: Iterable[bytes], url: str) -> Iterator[str]:
