@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from specdec.cli import args as cli_args
-from specdec.study.artifacts import write_json
+from specdec.study.artifacts import InvarianceArtifact, write_json
 from specdec.study.artifacts.provenance import meta_block
-from specdec.study.run.invariance import SCHEMA, SETTINGS, format_table, run_setting
+from specdec.study.run.invariance import SETTINGS, format_table, run_setting
 
 DEFAULT_CONTEXTS = (40, 600, 1100)  # below and above 512 and 1,024 positions
 
@@ -88,15 +88,14 @@ def _cmd_invariance(args: argparse.Namespace) -> int:
             }
             probes += _in_child(job)
             print(f"{spec} {setting}: done", file=sys.stderr)
-    art = {
-        "schema": SCHEMA,
-        "meta": meta_block(),  # the parent's: the children run the same build on the same CPU
-        "settings": {s: SETTINGS[s] for s in args.settings},
-        "batch": args.batch,
-        "contexts": args.contexts,
-        "threads": args.threads,
-        "probes": probes,
-    }
+    art = InvarianceArtifact(
+        meta=meta_block(),  # the parent's: the children run the same build on the same CPU
+        settings={s: SETTINGS[s] for s in args.settings},
+        batch=args.batch,
+        contexts=args.contexts,
+        threads=args.threads,
+        probes=probes,  # the children's JSON, validated into records here
+    )
     out = Path(args.out) / "invariance.json"
     write_json(out, art)
     print(format_table(art))

@@ -7,9 +7,9 @@ import sys
 
 from specdec.cli import args as cli_args
 from specdec.cli.invariance import _ints
-from specdec.study.artifacts import named_artifact, write_json
+from specdec.study.artifacts import ProfileArtifact, named_artifact, write_json
 from specdec.study.artifacts.provenance import meta_block
-from specdec.study.run.profile import SCHEMA, format_kernel_rates, format_table, run_profile
+from specdec.study.run.profile import format_kernel_rates, format_table, run_profile
 
 #: --type-k names -> ggml_type
 TYPE_K = {"q8_0": 8, "f16": 1}
@@ -63,19 +63,18 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         n_threads=args.threads,
         type_k=TYPE_K[args.type_k],
     )
-    art = {
-        "schema": SCHEMA,
-        "meta": meta_block(),
-        "target": args.target,
-        "threads": args.threads,
-        "type_k": args.type_k,
-        "repeats": args.repeats,
-        "peak_int8_gops": peak_int8_gops(args.threads or usable_cores()),
-        "probes": probes,
-    }
+    art = ProfileArtifact(
+        meta=meta_block(),
+        target=args.target,
+        threads=args.threads,
+        type_k=args.type_k,
+        repeats=args.repeats,
+        peak_int8_gops=peak_int8_gops(args.threads or usable_cores()),
+        probes=probes,
+    )
     out = named_artifact(args.out, "profile", args.target.split(":", 1)[1], args.tag)
     write_json(out, art)
     print(format_table(probes))
-    print(format_kernel_rates(probes, art["peak_int8_gops"]))
+    print(format_kernel_rates(probes, art.peak_int8_gops))
     print(f"wrote {out}", file=sys.stderr)
     return 0
