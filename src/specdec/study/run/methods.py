@@ -20,6 +20,7 @@ from typing import Any
 from specdec.backends import chat as prompting
 from specdec.backends import load_model
 from specdec.backends.costs import CurveFiles
+from specdec.core.config import DRAFTERS, MODEL_DRAFTERS
 from specdec.core.decode import generate
 from specdec.core.drafters import PredictionDrafter, PredictionIndex
 from specdec.core.metrics import Round
@@ -62,7 +63,7 @@ def _needs(cfg: BenchConfig) -> tuple[bool, bool]:
     peers = cfg.peers
     local = [(cfg.spec.drafter, cfg.spec.k)] if peers.endpoint is None and not peers.served else []
     local += [parse_variant(v) for v in cfg.variants]
-    draft = peers.compare == "hf-assisted" or any(d in ("model", "composite") for d, _ in local)
+    draft = peers.compare == "hf-assisted" or any(d in MODEL_DRAFTERS for d, _ in local)
     baseline_local = peers.endpoint_baseline is None and not peers.served
     target = bool(local) or baseline_local or peers.compare == "hf-assisted"
     return draft, target
@@ -132,7 +133,7 @@ def specdec_servers(cfg: BenchConfig) -> dict[str, anchors.SpecdecServer]:
     spec = cfg.spec
     drafter = "lookup" if spec.drafter == "prediction" else str(spec.drafter)
     args = ["--drafter", drafter, "-k", str(spec.k)]
-    if drafter in ("model", "composite"):
+    if drafter in MODEL_DRAFTERS:
         args = ["--draft", cfg.draft, *args]
     if spec.k_max is not None:
         args += ["--k-max", str(spec.k_max)]
@@ -188,7 +189,9 @@ def runners(
     policies = AutoPolicies(CurveFiles())
 
     def speculative(drafter: str, k: int | str) -> Runner:
-        free = drafter in ("lookup", "prediction", WRONG_PREDICTION)
+        free = drafter == WRONG_PREDICTION or (
+            drafter in DRAFTERS and drafter not in MODEL_DRAFTERS
+        )
         d = None if free else draft  # model-free drafters need no draft model
 
         def run(t: Task) -> Mapping[str, Any]:
