@@ -218,6 +218,24 @@ def test_an_artifact_that_does_not_name_its_machine_is_refused_at_write(tmp_path
     write_json(tmp_path / "other.json", {"schema": "not-specdec", "x": [1]})
 
 
+def test_an_artifact_that_does_not_read_back_is_refused_at_write(tmp_path) -> None:
+    """write_json checks a library kind against its record, whether it was built as the record
+    or as a dict, and writes nothing when a field is missing or of the wrong type."""
+    art = json.loads((FIXTURES / "microbench_qwen2.5-coder-1.5b.json").read_text())
+    machine = {**art["meta"]["machine"], "cpu_model": "Test CPU", "kernels": None, "load_avg": None}
+    art = {**art, "meta": {**art["meta"], "machine": machine}}
+    path = tmp_path / "m.json"
+    bad = json.loads(json.dumps(art))
+    bad["prediction"][0]["k"] = "four"
+    with pytest.raises(ArtifactError, match=r"m\.json: prediction\.0: field 'k' is 'four'"):
+        write_json(path, bad)
+    with pytest.raises(ArtifactError, match=r"m\.json: field 'step_sprad'"):
+        write_json(path, {**art, "step_sprad": 0.1})
+    assert not path.exists()
+    write_json(path, art)
+    assert to_json(read(json.loads(path.read_text()))) == art
+
+
 def test_the_meta_block_names_the_machine() -> None:
     from specdec.study.artifacts.provenance import meta_block
 

@@ -12,6 +12,7 @@ both read them from here, so neither imports the other's privates.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,11 +83,12 @@ def _check_build() -> None:
             raise SpecModelError(str(e)) from None
 
 
+@functools.cache
 def ggml_lib(name: str) -> Any:
     """libggml-NAME ("cpu": sdmm's and sdfa's C functions live there in specdec's build; "base":
-    ggml's tensor accessors) from the package's lib/ folder, as a ctypes library. libllama is
-    loaded first (`bindings`), so this is the copy it already runs: the loader hands back the
-    same file's handle."""
+    ggml's tensor accessors) from the package's lib/ folder, as a ctypes library, looked up once
+    per process. libllama is loaded first (`bindings`), so this is the copy it already runs: the
+    loader hands back the same file's handle."""
     bindings()
     where = package_dir()
     path = where / "lib" / f"libggml-{name}.so" if where is not None else None

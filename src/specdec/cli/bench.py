@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from specdec.cli import args as cli_args
-from specdec.core.config import SpecConfig, Warp, check_int
+from specdec.core.checks import check_int
+from specdec.core.config import SpecConfig, Warp
 from specdec.study.engines import anchors, endpoint
 from specdec.study.present.tables import format_table
 from specdec.study.run import prompts as prompt_set

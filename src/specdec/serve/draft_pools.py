@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdec.core.config import check_int
+from specdec.core.checks import check_int
 from specdec.core.pool import KEYS, DraftPool, DraftPools, PoolStats
 from specdec.serve.metrics import Metrics
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from specdec.backends import parse_spec
 from specdec.backends.configs import CONFIGS as PAIRS
-from specdec.core.config import DRAFTERS, SpecConfig, Warp, check_int, check_k, is_policy
+from specdec.core.checks import check_int
+from specdec.core.config import DRAFTERS, SpecConfig, Warp, check_k, is_policy
 from specdec.study.artifacts import MAIN_METHODS
 from specdec.study.engines import anchors, endpoint
 from specdec.study.run import prompts as prompt_set

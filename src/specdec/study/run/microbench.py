@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdec.core.config import check_int
+from specdec.core.checks import check_int
 from specdec.core.cost import (
     best_k,
     expected_tokens_per_round,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from specdec.core.config import check_int
+from specdec.core.checks import check_int
 from specdec.core.model import SpecModel
 from specdec.study.artifacts import (
     BenchArtifact,
