@@ -194,6 +194,41 @@ def test_more_rows_than_one_pass_over_the_weights(qtype: str) -> None:
     _check(lib, qtype, _random_blocks(qtype, n, k, rng), n, k, x, sizes)
 
 
+#: where each type's block keeps its fp16 multipliers (d, and dmin or m): bytes [lo, hi)
+_MULTIPLIERS = {"Q3_K": (108, 110), "Q6_K": (208, 210), "Q4_0": (0, 2), "Q5_0": (0, 2)}
+_MULTIPLIERS |= {"Q8_0": (0, 2), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q4_1": (0, 4), "Q5_1": (0, 4)}
+#: each K-quant's scale bytes, set to their largest so that no scale is 0
+_SCALES = {"Q4_K": (4, 16, 0xFF), "Q5_K": (4, 16, 0xFF), "Q6_K": (192, 208, 0x7F)}
+_SCALES |= {"Q3_K": (96, 108, 0xFF)}
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("fill", [0x00, 0x7F, 0x80, 0xFF])
+def test_largest_sums_every_path(qtype: str, fill: int) -> None:
+    """Every quant byte the same (0xFF: every quant at its largest; 0x00: at 0, which Q6_K
+    stores for -32; 0x80 and 0x7F: Q8_0's -128 and 127) against activation rows of all +127,
+    all -127 or alternating quants: the largest integer sums a block can hold, where a kernel
+    that sums in 16 bits (AVX2's, sdmm-simd.h) would wrap if its bounds were wrong. Every path
+    gives the reference's bits and the float64 product."""
+    lib = _lib()
+    rng = np.random.default_rng(fill)
+    n, k = 24, 512
+    blocks = _random_blocks(qtype, n, k, rng).reshape(n, k // BLOCK[qtype], -1)
+    lo, hi = _MULTIPLIERS[qtype]
+    quants = np.ones(blocks.shape[2], dtype=bool)
+    quants[lo:hi] = False
+    blocks[:, :, quants] = fill
+    if qtype in _SCALES:
+        s0, s1, value = _SCALES[qtype]
+        blocks[:, :, s0:s1] = value
+    sign = np.ones((6, k), dtype=np.float32)
+    sign[1] = sign[3] = -1
+    sign[4, 1::2] = sign[5, ::2] = -1  # alternating
+    x = np.float32(0.5) * sign  # each block's quants all +-127 (Q8_K: the max's sign flips)
+    x[2:4] *= np.float32(2.0**-6)
+    _check(lib, qtype, blocks.reshape(n, -1), n, k, x)
+
+
 def _path_features() -> dict[str, set[str]]:
     """sd-isa.h's feature lists (SD_FEATURES_AVX2 ...: what each path is compiled for), in
     /proc/cpuinfo's spelling, read from the header itself so that the test follows it."""

@@ -37,6 +37,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures"
 SCRIPT_KINDS = (
     "specdec.arrivals/1",
     "specdec.extraction/1",
+    "specdec.kernel_classes/1",
     "specdec.loadtest_hostile/1",
     "specdec.loadtest_parallel/1",
     "specdec.loadtest_soak/1",

@@ -32,8 +32,9 @@ def sdmm_isa() -> str | None:
 
 def peak_int8_gops(threads: int, seconds: float = 0.5) -> float | None:
     """The int8 multiply-accumulate peak of `threads` cores at once (GOPS, a multiply-add
-    counted as two), measured by sdmm's probe: independent vpdpbusd chains, as its kernels use
-    them. None where the CPU lacks AVX-512 VNNI or the build lacks sdmm."""
+    counted as two), measured by sdmm's probe of the path it runs (sdmm_isa()): independent
+    vpdpbusd chains (AVX-512 VNNI) or vpmaddubsw chains (AVX2), as its kernels use them. None
+    on the scalar reference path or where the build lacks sdmm."""
     import threading
 
     lib = ggml_lib("cpu")

@@ -53,6 +53,12 @@ static inline float sd_h2f(uint16_t h) {
 /* "sse2" (x86-64's baseline) then ",avx2" ",fma" ...: one target string from a feature list */
 #    define SD_TARGET_ITEM_(feature) "," feature
 #    define SD_TARGET_PUSH_PATH(features) SD_TARGET_PUSH("sse2" features(SD_TARGET_ITEM_))
+/* The same for a path below AVX-512 (AVX2): compiled without AVX-512 even where the build's
+ * -march has it, so that its code is the code an AVX2 CPU runs (with -march=native on an
+ * AVX-512 CPU the compiler would give it EVEX encodings and 32 registers, and a forced AVX2 run
+ * there would measure another kernel than the one AVX2 users get). */
+#    define SD_TARGET_PUSH_PATH_BELOW_AVX512(features) \
+        SD_TARGET_PUSH("sse2" features(SD_TARGET_ITEM_) ",no-avx512f")
 /* the kernels' helpers: inlined, so a tile's loops unroll over its constant size */
 #    define SD_INLINE static inline __attribute__((always_inline))
 #endif

@@ -10,7 +10,11 @@
  *     kernels' products never saturate maddubs's int16 (sdmm-avx2.c);
  *   vi_dpwssd (s16 x s16, 2 products summed into a 32-bit lane): madd + add;
  *   vmask: a comparison's lanes as a mask register (AVX-512) or as all-ones floats (AVX2), used
- *     only through vf_blend and vf_maskz. */
+ *     only through vf_blend and vf_maskz.
+ * SD_DOT16 (AVX2): a kernel may sum maddubs's 16-bit pairs in 16 bits and widen them once, with
+ * a madd that multiplies by the scale too (vi_maddubs, vi_add16, vi_madd16), instead of a
+ * vi_dpbusd per 4 columns: half the multiplies, and the same integer wherever the whole 16-bit
+ * sum fits (sdmm-simd.h says where it does). */
 #pragma once
 
 #include "sd-common.h"
@@ -22,6 +26,7 @@
 typedef __m512 vfloat;
 typedef __m512i vint;
 typedef __mmask16 vmask;
+#    define SD_DOT16 0
 
 #    define vf_zero() _mm512_setzero_ps()
 #    define vf_set1(x) _mm512_set1_ps(x)
@@ -74,6 +79,7 @@ SD_INLINE void vf_store_lanes(float * p, vfloat v, int n) { /* the first n lanes
 typedef __m256 vfloat;
 typedef __m256i vint;
 typedef __m256 vmask;
+#    define SD_DOT16 1
 
 #    define vf_zero() _mm256_setzero_ps()
 #    define vf_set1(x) _mm256_set1_ps(x)
@@ -112,6 +118,9 @@ typedef __m256 vmask;
 #    define vi_dpbusd(acc, u8, s8) \
         _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)))
 #    define vi_dpwssd(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#    define vi_maddubs(u8, s8) _mm256_maddubs_epi16(u8, s8) /* u8 x s8 pairs, saturated to s16 */
+#    define vi_add16(a, b) _mm256_add_epi16(a, b)           /* wraps */
+#    define vi_madd16(a, b) _mm256_madd_epi16(a, b)         /* s16 x s16 pairs summed in s32 */
 #    define vi_u8_to_32(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (p)))
 #    define vi_i8_to_32(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (p)))
 #    define vi_u8_to_16(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *) (p)))

@@ -4,7 +4,7 @@
 #include "sdfa.h"
 
 #if SD_X86
-SD_TARGET_PUSH_PATH(SD_FEATURES_AVX2)
+SD_TARGET_PUSH_PATH_BELOW_AVX512(SD_FEATURES_AVX2)
 
 #    define SD_VL 8
 #    include "sdfa-simd.h"

@@ -3,14 +3,15 @@
  * memory once for up to SDMM_CHUNK activation rows: each super-block, while it is in cache, goes
  * to every tile of up to SDMM_TILE rows, and a sub-block's weights are unpacked once per tile.
  * The per-lane arithmetic is sdmm.h's; sdmm.c's reference kernels spell it out. Include it with
- * SD_VL and SDMM_TILE (4 or 16) defined, inside the file's SD_TARGET_PUSH, then define the file's
+ * SD_VL and SDMM_TILE (4, 8 or 16) defined, inside the file's SD_TARGET_PUSH, then define the file's
  * kernels with SDMM_KERNEL. */
 #pragma once
 
 #include "sd-simd.h"
 #include "sdmm.h"
 
-_Static_assert(SDMM_TILE == 4 || SDMM_TILE == 16, "sdmm_kernel_simd's switch has cases up to 16");
+_Static_assert(SDMM_TILE == 4 || SDMM_TILE == 8 || SDMM_TILE == 16,
+               "sdmm_kernel_simd's switch has cases up to 16");
 
 /* Activation rows whose float accumulators one pass over a group keeps (on the stack: a tile's
  * integer sums are what stays in registers); past it the group's weights are read again. */
@@ -34,6 +35,14 @@ SD_INLINE void fifth_bits(const uint8_t * qh, vint * hb) {
         hb[c] = vi_and(s[c], m10);
     }
 }
+
+#if SD_DOT16
+/* A sub-block scale per lane (32 bits, sign-extended) as the int16 pair (sc, sc): one madd of a
+ * lane's two 16-bit sums by it is sc times their sum, the integer vpmulld gives. */
+SD_INLINE vint scale_pair(vint sc) {
+    return vi_or(vi_and(sc, vi_set1_32(0xFFFF)), vi_slli32(sc, 16));
+}
+#endif
 
 /* One Q4_K super-block of rows h of a group times the tile's NT activation rows (row t's block
  * at a[t]): row t's outputs facc[t * SDMM_R ..] += its two float terms, in sdmm.h's order. A
@@ -62,6 +71,27 @@ SD_INLINE void q4k_block(const sdmm_q4k_r16 * blk, const uint8_t (*qh)[64], cons
             }
         }
         const vint sc = vi_u8_to_32(blk->sc[j] + SD_VL * h);
+#if SD_DOT16
+        /* a lane's 16-bit halves each sum 16 products (Q4_K: 16 * 15 * 127 < 2^15) or, for
+         * Q5_K's 0..31, two sums of 8 (8 * 31 * 127 < 2^15): each sum fits, so it is exact */
+        const vint sc2 = scale_pair(sc);
+        for (int t = 0; t < NT; t++) {
+            const int8_t * q = a[t].qs + 32 * j;
+            vint x[4];
+            for (int c = 0; c < 4; c++) {
+                x[c] = vi_add16(vi_maddubs(lo[c], vi_bcast32(q + 4 * c)),
+                                vi_maddubs(hi[c], vi_bcast32(q + 16 + 4 * c)));
+            }
+            const vint p0 = vi_add16(x[0], x[1]), p1 = vi_add16(x[2], x[3]);
+            vint acc;
+            if (qh != NULL) {
+                acc = vi_add32(vi_madd16(p0, sc2), vi_madd16(p1, sc2));
+            } else {
+                acc = vi_madd16(vi_add16(p0, p1), sc2);
+            }
+            sumi[t] = vi_add32(sumi[t], acc);
+        }
+#else
         for (int t = 0; t < NT; t++) {
             const int8_t * q = a[t].qs + 32 * j;
             vint acc = vi_dpbusd(vi_zero(), lo[0], vi_bcast32(q));
@@ -72,6 +102,7 @@ SD_INLINE void q4k_block(const sdmm_q4k_r16 * blk, const uint8_t (*qh)[64], cons
             }
             sumi[t] = vi_add32(sumi[t], vi_mullo32(acc, sc));
         }
+#endif
     }
     vint m[4];
     for (int i = 0; i < 4; i++) {
@@ -110,6 +141,21 @@ SD_INLINE void q6k_block(const sdmm_q6k_r16 * blk, const sdmm_act * a, const int
         const vint w2 = vi_or(vi_and(vi_srli16(L0, 4), m4), vi_and(H, m30));
         const vint w3 = vi_or(vi_and(vi_srli16(L1, 4), m4), vi_and(vi_srli16(H, 2), m30));
         const vint sc = vi_i8_to_32(blk->sc[j] + SD_VL * h);
+#if SD_DOT16
+        /* a lane's 16-bit halves each sum 8 products and their share of the -32 offset (o16):
+         * sum (q - 32) * a over 8 values, |.| <= 8 * 32 * 127 < 2^15, so exact */
+        const vint sc2 = scale_pair(sc);
+        for (int t = 0; t < NT; t++) {
+            const sdmm_act * A = a + t;
+            const int8_t * q = A->qs + 16 * j;
+            const vint p01 = vi_add16(vi_maddubs(w0, vi_bcast32(q)),
+                                      vi_maddubs(w1, vi_bcast32(q + 4)));
+            const vint p23 = vi_add16(vi_maddubs(w2, vi_bcast32(q + 8)),
+                                      vi_maddubs(w3, vi_bcast32(q + 12)));
+            const vint p = vi_add16(vi_add16(vi_bcast32(&A->o16[j]), p01), p23);
+            sumi[t] = vi_add32(sumi[t], vi_madd16(p, sc2));
+        }
+#else
         for (int t = 0; t < NT; t++) {
             const sdmm_act * A = a + t;
             const int8_t * q = A->qs + 16 * j;
@@ -120,6 +166,7 @@ SD_INLINE void q6k_block(const sdmm_q6k_r16 * blk, const sdmm_act * a, const int
             acc = vi_dpbusd(acc, w3, vi_bcast32(q + 12));
             sumi[t] = vi_add32(sumi[t], vi_mullo32(acc, sc));
         }
+#endif
     }
     const vfloat d = vf_from_f16(blk->d + SD_VL * h);
     for (int t = 0; t < NT; t++) {
@@ -169,9 +216,25 @@ SD_INLINE void q32_block(const sdmm_half * d16, const sdmm_half * m16, const uin
     vint sumi[SDMM_TILE];
     for (int t = 0; t < NT; t++) {
         vint acc = vi_set1_32(-offset * a[t].sum);
+#if SD_DOT16
+        /* a lane's 16-bit halves each sum 16 products (16 * 15 * 127 < 2^15) or, with fifth
+         * bits, two sums of 8 (8 * 31 * 127 < 2^15); widened by a madd with ones, exactly */
+        const vint ones = vi_set1_32(0x00010001); /* int16 pairs (1, 1) */
+        vint p[2];
+        for (int c = 0; c < 8; c++) {
+            const vint x = vi_maddubs(w[c], vi_bcast32(a[t].qs + 4 * c));
+            const int k = qh != NULL && c >= 4; /* which sum */
+            p[k] = c == 4 * k ? x : vi_add16(p[k], x);
+        }
+        acc = vi_add32(acc, vi_madd16(p[0], ones));
+        if (qh != NULL) {
+            acc = vi_add32(acc, vi_madd16(p[1], ones));
+        }
+#else
         for (int c = 0; c < 8; c++) {
             acc = vi_dpbusd(acc, w[c], vi_bcast32(a[t].qs + 4 * c));
         }
+#endif
         sumi[t] = acc;
     }
     block32_float(d16 + SD_VL * h, m16 != NULL ? m16 + SD_VL * h : NULL, a, NT, sumi, facc);
@@ -279,9 +342,11 @@ SD_INLINE void sdmm_rows(int type, size_t group_bytes, size_t act_bytes, const v
 #define SDMM_CASE_(n) case n: sdmm_tile(type, blk, at, n, h, ft); break;
                     SDMM_CASE_(1) SDMM_CASE_(2) SDMM_CASE_(3)
 #if SDMM_TILE > 4
-                    SDMM_CASE_(4) SDMM_CASE_(5) SDMM_CASE_(6) SDMM_CASE_(7) SDMM_CASE_(8)
-                    SDMM_CASE_(9) SDMM_CASE_(10) SDMM_CASE_(11) SDMM_CASE_(12) SDMM_CASE_(13)
-                    SDMM_CASE_(14) SDMM_CASE_(15)
+                    SDMM_CASE_(4) SDMM_CASE_(5) SDMM_CASE_(6) SDMM_CASE_(7)
+#endif
+#if SDMM_TILE > 8
+                    SDMM_CASE_(8) SDMM_CASE_(9) SDMM_CASE_(10) SDMM_CASE_(11) SDMM_CASE_(12)
+                    SDMM_CASE_(13) SDMM_CASE_(14) SDMM_CASE_(15)
 #endif
 #undef SDMM_CASE_
                     default: sdmm_tile(type, blk, at, SDMM_TILE, h, ft); break;

@@ -25,7 +25,7 @@ _Static_assert(sizeof(sdmm_q4_1_r16) == 320, "sdmm_q4_1_r16 layout");
 _Static_assert(sizeof(sdmm_q5_0_r16) == 352, "sdmm_q5_0_r16 layout");
 _Static_assert(sizeof(sdmm_q5_1_r16) == 384, "sdmm_q5_1_r16 layout");
 _Static_assert(sizeof(sdmm_q8_0_r16) == 544, "sdmm_q8_0_r16 layout");
-_Static_assert(sizeof(sdmm_act) == 384, "sdmm_act layout");
+_Static_assert(sizeof(sdmm_act) == 448, "sdmm_act layout");
 _Static_assert(sizeof(sdmm_act32) == 64, "sdmm_act32 layout");
 
 /* ------------------------------------------------------------------------------------------ */
@@ -326,6 +326,11 @@ static void quantize_row_q8_K(const float * x, int64_t k, sdmm_act * out, size_t
             }
             a->nb16[j] = -32 * sum;
             a->b32[j / 2] = (int16_t) (a->b32[j / 2] + sum);
+            int lo = 0; /* quants 16j + i with i % 4 < 2: the low 16-bit half of a lane */
+            for (int i = 0; i < 16; i += 4) {
+                lo += a->qs[16 * j + i] + a->qs[16 * j + i + 1];
+            }
+            a->o16[j] = (uint16_t) (-32 * lo) | (uint32_t) (uint16_t) (-32 * (sum - lo)) << 16;
         }
         a->d = 1 / iscale;
     }
@@ -583,8 +588,13 @@ sdmm_kernel_fn sdmm_kernel(int type, int isa) {
 
 double sdmm_peak_macs(long iters) {
 #if SD_X86
-    if (sdmm_isa_supported(SD_ISA_AVX512)) {
-        return sdmm_avx512_peak_macs(iters);
+    switch (sdmm_isa_selected()) {
+        case SD_ISA_AVX512:
+            return sdmm_avx512_peak_macs(iters);
+        case SD_ISA_AVX2:
+            return sdmm_avx2_peak_macs(iters);
+        default:
+            break;
     }
 #endif
     (void) iters;

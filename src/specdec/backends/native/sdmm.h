@@ -194,12 +194,15 @@ typedef struct {
     uint8_t qs[8][64]; /* load c: byte 4r+t = q(4c+t) + 128 */
 } sdmm_q8_0_r16;
 
-/* One super-block of one activation row: Q8_K quants and the sums the kernels need. 384 bytes. */
+/* One super-block of one activation row: Q8_K quants and the sums the kernels need. 448 bytes. */
 typedef struct {
     int8_t qs[SDMM_QK];
     int32_t nb16[16]; /* -32 * (sum of quants 16j..16j+15): Q6_K's offset, folded into the sum */
     int16_t b32[8];   /* sum of quants 32j..32j+31: Q4_K's mins */
     float d;          /* Q8_K scale */
+    /* nb16[j] split as AVX2's Q6_K kernel sums in 16 bits (sdmm-simd.h): the low int16 -32 *
+     * (sum of quants 16j + 0, 1, 4, 5, 8, 9, 12, 13), the high one the rest's (|.| < 2^15) */
+    uint32_t o16[16];
     uint8_t pad_[44];
 } sdmm_act;
 
@@ -253,10 +256,12 @@ SDMM_KERNELS_DECL_(ref) SDMM_KERNELS_DECL_(avx2) SDMM_KERNELS_DECL_(avx512)
 #undef SDMM_KERNELS_DECL_
 #undef SDMM_KERNEL_DECL_
 
-/* MACs per second of 16 independent vpdpbusd chains on the calling thread (the int8 peak the
- * kernels are measured against); 0 where the CPU has no AVX-512 VNNI. */
+/* The int8 peak the kernels are measured against, in MACs per second on the calling thread, of
+ * the path they run (sdmm_isa_selected): 16 independent vpdpbusd chains (AVX-512 VNNI) or
+ * vpmaddubsw chains (AVX2); 0 for the scalar reference. */
 double sdmm_peak_macs(long iters);
 double sdmm_avx512_peak_macs(long iters);
+double sdmm_avx2_peak_macs(long iters);
 
 /* One-call matmul for tests and benchmarks (single-threaded): y[i*n + j] = W[j] . x[i] for
  * packed weights W (n x k) and float activations x (b x k); returns 0, or -1 if the type or the
