@@ -42,6 +42,11 @@ def _lib() -> ctypes.CDLL:
     lib = ggml_lib("cpu")
     if not hasattr(lib, "sdmm_matmul"):
         pytest.fail("this llama-cpp-python has no sdmm: it is not specdec's build (make venv)")
+    return _bind(lib)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """sdmm's C API (and sdfa's, where the library has it) typed for ctypes."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.sdmm_packed_size.restype = ctypes.c_size_t
     lib.sdmm_packed_size.argtypes = [ctypes.c_int, i64, i64]
@@ -51,6 +56,8 @@ def _lib() -> ctypes.CDLL:
     lib.sdmm_matmul.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.sdmm_isa_supported.restype = ctypes.c_int
     lib.sdmm_isa_supported.argtypes = [ctypes.c_int]
+    if not hasattr(lib, "sdfa_attend"):
+        return lib
     lib.sdfa_attend.restype = ctypes.c_int
     lib.sdfa_attend.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
     lib.sdfa_attend.argtypes += [ptr, ctypes.c_size_t, ptr, ctypes.c_size_t, ptr, ptr]
@@ -229,6 +236,43 @@ def test_largest_sums_every_path(qtype: str, fill: int) -> None:
     _check(lib, qtype, blocks.reshape(n, -1), n, k, x)
 
 
+@pytest.fixture(scope="module")
+def evex_twin(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """sdmm built as a library of its own with SD_AVXVNNI_EVEX (sd-isa.h): the AVX-VNNI path's
+    code, vpdpbusd in its AVX-512 encoding (the same operation), so that a CPU with AVX-512
+    VNNI and without AVX-VNNI (AMD's Zen 4, Intel's Xeons before Sapphire Rapids) runs it. A
+    CPU with AVX-VNNI runs the installed build's own AVX-VNNI path in the tests above."""
+    from specdec.backends.llamacpp_build import NATIVE
+
+    out = tmp_path_factory.mktemp("evex") / "libsdmm-evex.so"
+    srcs = [str(NATIVE / f"{name}.c") for name in ("sdmm", "sdmm-avx2", "sdmm-avxvnni")]
+    srcs.append(str(NATIVE / "sdmm-avx512.c"))
+    cmd = ["cc", "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-DSD_AVXVNNI_EVEX"]
+    res = subprocess.run([*cmd, "-o", str(out), *srcs, "-lm"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return _bind(ctypes.CDLL(str(out)))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_avx_vnni_path_gives_every_other_paths_bits(qtype: str, evex_twin) -> None:
+    """The AVX-VNNI kernels (sdmm-avxvnni.c: AVX2's 8 lanes with vpdpbusd, as no other path
+    has them) in their EVEX twin: random and largest-sum weights, every batch size, the bits
+    of the reference, AVX2 and AVX-512 paths built beside them."""
+    avxvnni = SDMM_ISAS.index("avxvnni")
+    if not evex_twin.sdmm_isa_supported(avxvnni):
+        pytest.skip("the twin needs AVX-512 VNNI and VL; this CPU can run neither AVX-VNNI form")
+    assert avxvnni in _isas(evex_twin)
+    rng = np.random.default_rng(2)
+    n, k = 37, 512
+    _check(evex_twin, qtype, _random_blocks(qtype, n, k, rng), n, k, _exact(qtype, 64, k, rng))
+    blocks = _random_blocks(qtype, 16, k, rng).reshape(16, k // BLOCK[qtype], -1)
+    lo, hi = _MULTIPLIERS[qtype]
+    blocks[:, :, [i for i in range(blocks.shape[2]) if not lo <= i < hi]] = 0xFF
+    x = np.full((3, k), 0.5, dtype=np.float32)
+    x[1] = -x[1]
+    _check(evex_twin, qtype, blocks.reshape(16, -1), 16, k, x)
+
+
 def _path_features() -> dict[str, set[str]]:
     """sd-isa.h's feature lists (SD_FEATURES_AVX2 ...: what each path is compiled for), in
     /proc/cpuinfo's spelling, read from the header itself so that the test follows it."""
@@ -236,13 +280,15 @@ def _path_features() -> dict[str, set[str]]:
 
     text = (NATIVE / "sd-isa.h").read_text()
     lists: dict[str, set[str]] = {}
-    for m in re.finditer(r"#define (SD_FEATURES_\w+)\(X\)((?:.*\\\n)*.*)", text):
+    # a list defined twice (AVX-VNNI's: its tests-only EVEX twin, then the build's) ends with
+    # the build's, which comes last
+    for m in re.finditer(r"#\s*define (SD_FEATURES_\w+)\(X\)((?:.*\\\n)*.*)", text):
         body = m.group(2)
         feats = set(re.findall(r'X\("(\w+)"\)', body))
         for inner in re.findall(r"(SD_FEATURES_\w+)\(X\)", body):
             feats |= lists[inner]
         lists[m.group(1)] = feats
-    cpuinfo = {"avx512vnni": "avx512_vnni"}  # GCC's name -> the kernel's
+    cpuinfo = {"avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni"}  # GCC's name -> the kernel's
     return {k: {cpuinfo.get(f, f) for f in v} for k, v in lists.items()}
 
 
@@ -259,8 +305,8 @@ def test_each_path_runs_exactly_where_the_cpu_has_what_it_was_compiled_for() -> 
     flags, lists = set(llamacpp_build.cpu_flags()), _path_features()
     assert lists["SD_FEATURES_AVX512_VNNI"] - lists["SD_FEATURES_AVX512"] == {"avx512_vnni"}
     assert {"avx512dq", "f16c", "fma"} <= lists["SD_FEATURES_AVX512"]
-    sdmm = {0: None, 1: "SD_FEATURES_AVX2", 2: "SD_FEATURES_AVX512_VNNI"}
-    sdfa = {0: None, 1: "SD_FEATURES_AVX2", 2: "SD_FEATURES_AVX512"}
+    sdmm = {0: None, 1: "SD_FEATURES_AVX2", 2: "SD_FEATURES_AVXVNNI", 3: "SD_FEATURES_AVX512_VNNI"}
+    sdfa = {0: None, 1: "SD_FEATURES_AVX2", 2: "SD_FEATURES_AVXVNNI", 3: "SD_FEATURES_AVX512"}
     for supported, paths in ((lib.sdmm_isa_supported, sdmm), (lib.sdfa_isa_supported, sdfa)):
         for isa, name in paths.items():
             want = name is None or lists[name] <= flags

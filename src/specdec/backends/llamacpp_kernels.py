@@ -15,13 +15,13 @@ from specdec.backends.llamacpp_lib import bindings, ggml_lib, package_dir
 from specdec.core.model import SpecModelError
 
 #: sdmm's switches, read by the C library once per process: SDMM_ENV=0 leaves sdmm out (stock
-#: llama.cpp's kernels); SDMM_ISA_ENV forces an instruction path (ref, avx2, avx512) for tests.
+#: llama.cpp's kernels); SDMM_ISA_ENV forces an instruction path (SDMM_ISAS) for tests.
 SDMM_ENV, SDMM_ISA_ENV = "SPECDEC_MM", "SPECDEC_MM_ISA"
-SDMM_ISAS = ("ref", "avx2", "avx512")
+SDMM_ISAS = ("ref", "avx2", "avxvnni", "avx512")
 
 
 def sdmm_isa() -> str | None:
-    """The instruction path sdmm's kernels run in this process ("avx512", "avx2", "ref"), or
+    """The instruction path sdmm's kernels run in this process (one of SDMM_ISAS), or
     None: sdmm is off ($SPECDEC_MM=0) or not in this llama-cpp-python (not specdec's build)."""
     lib = ggml_lib("cpu")
     if not hasattr(lib, "sdmm_buffer_isa"):
@@ -33,8 +33,8 @@ def sdmm_isa() -> str | None:
 def peak_int8_gops(threads: int, seconds: float = 0.5) -> float | None:
     """The int8 multiply-accumulate peak of `threads` cores at once (GOPS, a multiply-add
     counted as two), measured by sdmm's probe of the path it runs (sdmm_isa()): independent
-    vpdpbusd chains (AVX-512 VNNI) or vpmaddubsw chains (AVX2), as its kernels use them. None
-    on the scalar reference path or where the build lacks sdmm."""
+    vpdpbusd chains (AVX-512 VNNI, AVX-VNNI) or vpmaddubsw chains (AVX2), as its kernels use
+    them. None on the scalar reference path or where the build lacks sdmm."""
     import threading
 
     lib = ggml_lib("cpu")

@@ -8,8 +8,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* the paths, in order of preference; Python's backends/llamacpp.py SDMM_ISAS names them */
-enum sd_isa { SD_ISA_REF = 0, SD_ISA_AVX2 = 1, SD_ISA_AVX512 = 2, SD_ISA_COUNT = 3 };
+/* the paths, in order of preference; Python's backends/llamacpp_kernels.py SDMM_ISAS names them.
+ * AVX-VNNI is AVX2 with vpdpbusd on ymm (Intel's client cores from Alder Lake on): sdmm's kernels
+ * use it, sdfa runs its AVX2 kernel there. */
+enum sd_isa {
+    SD_ISA_REF = 0,
+    SD_ISA_AVX2 = 1,
+    SD_ISA_AVXVNNI = 2,
+    SD_ISA_AVX512 = 3,
+    SD_ISA_COUNT = 4
+};
 
 /* SD_X86: the compiler can target x86-64's SIMD instruction sets function by function, so the
  * AVX2 and AVX-512 files build (and the dispatch offers them) whatever -march says. */
@@ -23,6 +31,14 @@ enum sd_isa { SD_ISA_REF = 0, SD_ISA_AVX2 = 1, SD_ISA_AVX512 = 2, SD_ISA_COUNT =
  * __builtin_cpu_supports take the same names). sdmm's AVX-512 path multiplies with VNNI's
  * vpdpbusd; sdfa's does not, so it runs on AVX-512 CPUs without VNNI. */
 #define SD_FEATURES_AVX2(X) X("avx2") X("fma") X("f16c")
+#ifdef SD_AVXVNNI_EVEX
+/* for tests only: the AVX-VNNI path's code with vpdpbusd's EVEX encoding (AVX-512 VNNI and VL,
+ * the same operation), so that a CPU with AVX-512 VNNI and without AVX-VNNI runs it
+ * (tests/backends/test_sdmm.py builds the kernels so) */
+#    define SD_FEATURES_AVXVNNI(X) SD_FEATURES_AVX2(X) X("avx512vl") X("avx512vnni")
+#else
+#    define SD_FEATURES_AVXVNNI(X) SD_FEATURES_AVX2(X) X("avxvnni")
+#endif
 #define SD_FEATURES_AVX512(X) \
     SD_FEATURES_AVX2(X) X("avx512f") X("avx512bw") X("avx512vl") X("avx512dq")
 #define SD_FEATURES_AVX512_VNNI(X) SD_FEATURES_AVX512(X) X("avx512vnni")
@@ -36,13 +52,13 @@ enum sd_isa { SD_ISA_REF = 0, SD_ISA_AVX2 = 1, SD_ISA_AVX512 = 2, SD_ISA_COUNT =
 #endif
 
 static inline const char * sd_isa_name(int isa) {
-    static const char * const names[SD_ISA_COUNT] = {"ref", "avx2", "avx512"};
+    static const char * const names[SD_ISA_COUNT] = {"ref", "avx2", "avxvnni", "avx512"};
     return isa >= 0 && isa < SD_ISA_COUNT ? names[isa] : "none";
 }
 
 /* The path a kernel runs, given which paths it can run here: the one $SPECDEC_MM_ISA names
- * (ref|avx2|avx512; it forces sdmm and sdfa alike, for tests) if set, -1 if that one cannot run
- * here; else the best one. */
+ * (ref|avx2|avxvnni|avx512; it forces sdmm and sdfa alike, for tests) if set, -1 if that one
+ * cannot run here; else the best one. */
 static inline int sd_isa_select(int (*supported)(int isa)) {
     const char * env = getenv("SPECDEC_MM_ISA");
     if (env != NULL && *env != '\0') {
@@ -76,6 +92,8 @@ static inline int sd_isa_runs(int isa, int avx512) {
             return 1;
         case SD_ISA_AVX2:
             return SD_CPU_HAS(SD_FEATURES_AVX2);
+        case SD_ISA_AVXVNNI:
+            return SD_CPU_HAS(SD_FEATURES_AVXVNNI);
         case SD_ISA_AVX512:
             return avx512;
         default:

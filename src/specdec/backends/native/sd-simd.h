@@ -7,7 +7,8 @@
  * Each name does one operation on every lane, the same on both widths, so a lane's bits do not
  * depend on the width. Where AVX2 lacks AVX-512's instruction, its stand-in gives the same bits:
  *   vi_dpbusd (u8 x s8, 4 products summed into a 32-bit lane): maddubs + madd(1); exact, as the
- *     kernels' products never saturate maddubs's int16 (sdmm-avx2.c);
+ *     kernels' products never saturate maddubs's int16 (sdmm-avx2.c); with SD_AVXVNNI defined
+ *     (sdmm-avxvnni.c), AVX-VNNI's vpdpbusd on ymm;
  *   vi_dpwssd (s16 x s16, 2 products summed into a 32-bit lane): madd + add;
  *   vmask: a comparison's lanes as a mask register (AVX-512) or as all-ones floats (AVX2), used
  *     only through vf_blend and vf_maskz.
@@ -79,7 +80,11 @@ SD_INLINE void vf_store_lanes(float * p, vfloat v, int n) { /* the first n lanes
 typedef __m256 vfloat;
 typedef __m256i vint;
 typedef __m256 vmask;
-#    define SD_DOT16 1
+#    ifdef SD_AVXVNNI /* sdmm-avxvnni.c: AVX2 with vpdpbusd on ymm */
+#        define SD_DOT16 0
+#    else
+#        define SD_DOT16 1
+#    endif
 
 #    define vf_zero() _mm256_setzero_ps()
 #    define vf_set1(x) _mm256_set1_ps(x)
@@ -115,8 +120,15 @@ typedef __m256 vmask;
 #    define vi_slli32(a, n) _mm256_slli_epi32(a, n)
 #    define vi_add32(a, b) _mm256_add_epi32(a, b)
 #    define vi_mullo32(a, b) _mm256_mullo_epi32(a, b)
-#    define vi_dpbusd(acc, u8, s8) \
-        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)))
+#    if defined(SD_AVXVNNI) && defined(SD_AVXVNNI_EVEX)
+#        define vi_dpbusd(acc, u8, s8) _mm256_dpbusd_epi32(acc, u8, s8) /* tests: sd-isa.h */
+#    elif defined(SD_AVXVNNI)
+#        define vi_dpbusd(acc, u8, s8) _mm256_dpbusd_avx_epi32(acc, u8, s8)
+#    else
+#        define vi_dpbusd(acc, u8, s8) \
+            _mm256_add_epi32(acc, \
+                             _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)))
+#    endif
 #    define vi_dpwssd(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
 #    define vi_maddubs(u8, s8) _mm256_maddubs_epi16(u8, s8) /* u8 x s8 pairs, saturated to s16 */
 #    define vi_add16(a, b) _mm256_add_epi16(a, b)           /* wraps */

@@ -98,7 +98,7 @@ int sdfa_isa_selected(void) {
 }
 
 int sdfa_tile_width(int isa) {
-    return isa == SD_ISA_AVX512 ? 16 : isa == SD_ISA_AVX2 ? 8 : 1;
+    return isa == SD_ISA_AVX512 ? 16 : isa == SD_ISA_AVX2 || isa == SD_ISA_AVXVNNI ? 8 : 1;
 }
 
 sdfa_kernel_fn sdfa_kernel(int isa) {
@@ -110,6 +110,7 @@ sdfa_kernel_fn sdfa_kernel(int isa) {
             return sdfa_kernel_ref;
 #if SD_X86
         case SD_ISA_AVX2:
+        case SD_ISA_AVXVNNI: /* nothing in sdfa uses VNNI: its AVX2 kernel */
             return sdfa_kernel_avx2;
         case SD_ISA_AVX512:
             return sdfa_kernel_avx512;

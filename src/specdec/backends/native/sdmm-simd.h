@@ -248,7 +248,7 @@ SD_INLINE void q8_0_block(const sdmm_q8_0_r16 * blk, const sdmm_act32 * a, const
         w[c] = vi_load(blk->qs[c] + 4 * SD_VL * h); /* q + 128 */
     }
     vint sumi[SDMM_TILE];
-#if SD_VL == 16
+#if !SD_DOT16
     /* vpdpbusd on q + 128 and the activation; the offset comes out exactly: -128 * sum */
     for (int t = 0; t < NT; t++) {
         vint acc = vi_set1_32(-128 * a[t].sum);

@@ -441,7 +441,8 @@ static float ref_q8_0(const void * blk, int r, const void * A, float acc) {
 /* a group layout's kernels, by path (NULL where the path is not compiled in) */
 #if SD_X86
 #    define SDMM_KERNELS_(g)                                                                      \
-        {sdmm_kernel_##g##_ref, sdmm_kernel_##g##_avx2, sdmm_kernel_##g##_avx512}
+        {sdmm_kernel_##g##_ref, sdmm_kernel_##g##_avx2, sdmm_kernel_##g##_avxvnni,             \
+         sdmm_kernel_##g##_avx512}
 #else
 #    define SDMM_KERNELS_(g) {sdmm_kernel_##g##_ref}
 #endif
@@ -591,6 +592,8 @@ double sdmm_peak_macs(long iters) {
     switch (sdmm_isa_selected()) {
         case SD_ISA_AVX512:
             return sdmm_avx512_peak_macs(iters);
+        case SD_ISA_AVXVNNI:
+            return sdmm_avxvnni_peak_macs(iters);
         case SD_ISA_AVX2:
             return sdmm_avx2_peak_macs(iters);
         default:

@@ -252,15 +252,17 @@ sdmm_kernel_fn sdmm_kernel(int type, int isa);
     SDMM_KERNEL_DECL_(sdmm_kernel_q6k_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q4_0_##isa)        \
     SDMM_KERNEL_DECL_(sdmm_kernel_q4_1_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q5_0_##isa)       \
     SDMM_KERNEL_DECL_(sdmm_kernel_q5_1_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q8_0_##isa)
-SDMM_KERNELS_DECL_(ref) SDMM_KERNELS_DECL_(avx2) SDMM_KERNELS_DECL_(avx512)
+SDMM_KERNELS_DECL_(ref) SDMM_KERNELS_DECL_(avx2) SDMM_KERNELS_DECL_(avxvnni)
+SDMM_KERNELS_DECL_(avx512)
 #undef SDMM_KERNELS_DECL_
 #undef SDMM_KERNEL_DECL_
 
 /* The int8 peak the kernels are measured against, in MACs per second on the calling thread, of
- * the path they run (sdmm_isa_selected): 16 independent vpdpbusd chains (AVX-512 VNNI) or
- * vpmaddubsw chains (AVX2); 0 for the scalar reference. */
+ * the path they run (sdmm_isa_selected): independent vpdpbusd chains (AVX-512 VNNI, AVX-VNNI)
+ * or vpmaddubsw chains (AVX2); 0 for the scalar reference. */
 double sdmm_peak_macs(long iters);
 double sdmm_avx512_peak_macs(long iters);
+double sdmm_avxvnni_peak_macs(long iters);
 double sdmm_avx2_peak_macs(long iters);
 
 /* One-call matmul for tests and benchmarks (single-threaded): y[i*n + j] = W[j] . x[i] for
