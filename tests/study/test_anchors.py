@@ -68,6 +68,34 @@ def test_the_twin_is_the_same_tools_with_specdecs_kernels(tmp_path, monkeypatch)
         srv.command()
 
 
+def test_the_avx2_class_is_stock_and_the_twin_built_for_avx2(tmp_path, monkeypatch) -> None:
+    """stock-avx2 and twin-avx2: the same sources as stock and the twin (fixes; every patch and
+    sdmm), built with ggml's AVX2 kernels and no AVX-512 whatever the host, each in a directory
+    of its own; the twin's processes run sdmm's AVX2 path. Their modes are avx2-<mode> and
+    twin-avx2-<mode>, the longest prefix naming the build."""
+    for peer, base in (("stock-avx2", "stock"), ("twin-avx2", "twin")):
+        p = anchors.PEERS[peer]
+        assert "-DGGML_NATIVE=OFF" in p.cmake and "-DGGML_AVX512=OFF" in p.cmake
+        assert "-DGGML_AVX2=ON" in p.cmake
+        assert anchor_build._sources(peer) == anchor_build._sources(base)
+        assert anchor_build.build_key(peer) != anchor_build.build_key(base)
+        assert anchor_build.anchor_dir(peer) != anchor_build.anchor_dir(base)
+    assert dict(anchors.PEERS["twin-avx2"].env) == {"SPECDEC_MM_ISA": "avx2"}
+    assert not anchors.PEERS["stock-avx2"].env
+    assert anchors.split_peer("twin-avx2-ngram-mod") == ("ngram-mod", "twin-avx2")
+    assert anchors.split_peer("avx2-none") == ("none", "stock-avx2")
+    assert anchors.split_peer("twin-none") == ("none", "twin")
+    assert anchors.method_name("avx2-ngram-mod") == "llama-server-avx2-ngram-mod"
+    assert anchors.method_name("twin-avx2-none") == "llama-server-twin-avx2"
+    assert anchors.plain_mode("twin-avx2-ngram-mod") == "twin-avx2-none"
+    anchors.check_modes(["avx2-none", "twin-avx2-ngram-mod"], "llamacpp:a", "llamacpp:b")
+    srv = anchors.server_for("twin-avx2-none", Path("t.gguf"), None)
+    assert srv.peer == "twin-avx2"
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    with pytest.raises(anchors.AnchorError, match="specdec anchors build --peer twin-avx2"):
+        srv.command()
+
+
 def test_ik_llama_cpp_is_a_named_peer_with_its_users_best_settings(tmp_path, monkeypatch) -> None:
     """ik_llama.cpp: its own pinned sdist, key and directory, no patches of ours; its modes
     named ik-<mode> (draft and suffix only on an upstream build: the sdist's --spec-type has

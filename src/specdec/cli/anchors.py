@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from specdec.cli.args import error
+from specdec.study.engines.peers import PEERS
 
 
 def add(subparsers: argparse._SubParsersAction) -> None:
@@ -47,12 +48,13 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--force", action="store_true", help="rebuild even if built (flag; default off)")
     b.add_argument(
         "--peer",
-        choices=("stock", "twin", "ik"),
+        choices=tuple(PEERS),
         default=None,
         help="which build: stock llama.cpp; the 'same kernels' twin (every specdec patch and "
-        "sdmm, modes twin-<mode>); or ik_llama.cpp from the ik-llama-cpp-python sdist (modes "
-        "ik-<mode>, run with --run-time-repack; --src: from its upstream source) (default "
-        "stock)",
+        "sdmm, modes twin-<mode>); ik_llama.cpp from the ik-llama-cpp-python sdist (modes "
+        "ik-<mode>, run with --run-time-repack; --src: from its upstream source); or stock and "
+        "the twin as a CPU without AVX-512 runs them (stock-avx2, twin-avx2: modes avx2-<mode>, "
+        "twin-avx2-<mode>) (default stock)",
     )
     b.add_argument(
         "--twin", action="store_true", help="the same as --peer twin (flag; default off)"
@@ -60,7 +62,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     pp = sub.add_parser("path", help="print the built llama-server and how it was built")
     pp.add_argument(
         "--peer",
-        choices=("stock", "twin", "ik"),
+        choices=tuple(PEERS),
         default="stock",
         help="which build (ik: the one the ik modes run on) (default stock)",
     )

