@@ -6,8 +6,6 @@
 #include "sd-common.h"
 #include "sdmm.h"
 
-#include <time.h>
-
 #if SD_X86
 SD_TARGET_PUSH_PATH_BELOW_AVX512(SD_FEATURES_AVX2)
 
@@ -27,36 +25,7 @@ SDMM_KERNEL(sdmm_kernel_q5_0_avx2, SDMM_TYPE_Q5_0)
 SDMM_KERNEL(sdmm_kernel_q5_1_avx2, SDMM_TYPE_Q5_1)
 SDMM_KERNEL(sdmm_kernel_q8_0_avx2, SDMM_TYPE_Q8_0)
 
-/* The int8 peak of this path on this core: 12 independent chains through vpmaddubsw (each
- * result the next one's unsigned input, so nothing is hoisted; 12 cover its latency times its
- * throughput, 5 x 2 on Intel's cores, 3 x 2 on AMD's, in 13 of the 16 registers), 32 u8 x s8
- * multiply-accumulates each. Its kernels widen and sum on other ports, so this is their
- * ceiling. Returns MACs per second over `iters` x 24 x 32 of them. */
-double sdmm_avx2_peak_macs(long iters) {
-#    define SD_CHAINS_(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#    define SD_INIT_(i) __m256i acc##i = _mm256_set1_epi8((char) (i + 1));
-#    define SD_STEP_(i) acc##i = _mm256_maddubs_epi16(acc##i, y);
-#    define SD_SINK_(i) sink = _mm256_xor_si256(sink, acc##i);
-    SD_CHAINS_(SD_INIT_)
-    __m256i y = _mm256_set1_epi8(3);
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (long it = 0; it < iters; it++) {
-        SD_CHAINS_(SD_STEP_)
-        SD_CHAINS_(SD_STEP_)
-        __asm__ volatile("" : "+x"(y)); /* one new input per pass */
-    }
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    __m256i sink = _mm256_setzero_si256();
-    SD_CHAINS_(SD_SINK_)
-    __asm__ volatile("" : : "x"(sink));
-#    undef SD_CHAINS_
-#    undef SD_INIT_
-#    undef SD_STEP_
-#    undef SD_SINK_
-    const double s = (double) (t1.tv_sec - t0.tv_sec) + 1e-9 * (double) (t1.tv_nsec - t0.tv_nsec);
-    return (double) iters * 24.0 * 32.0 / s;
-}
+SDMM_PEAK(sdmm_avx2_peak_macs, maddubs)
 
 SD_TARGET_POP
 #endif /* x86-64 */

@@ -10,6 +10,8 @@
 #include "sd-simd.h"
 #include "sdmm.h"
 
+#include <time.h>
+
 _Static_assert(SDMM_TILE == 4 || SDMM_TILE == 8 || SDMM_TILE == 16,
                "sdmm_kernel_simd's switch has cases up to 16");
 
@@ -385,3 +387,39 @@ SD_INLINE void sdmm_kernel_simd(int type, const void * w, int nsb, int ngroups, 
               float * y, size_t ldy) {                                                           \
         sdmm_kernel_simd(type, w, nsb, ngroups, n_valid, a, b, y, ldy);                          \
     }
+
+/* SDMM_PEAK(name, step): defines `double name(long iters)`, the int8 peak of this path on the
+ * calling core, the ceiling its kernels are measured against: 12 independent chains, each link
+ * `step(acc, x, y)`, one instruction of 4 * SD_VL multiply-accumulates whose result feeds the
+ * next (y renewed every pass, so nothing is hoisted; 12 cover latency times throughput on
+ * the CPUs measured, 5 x 2 on Intel's cores). Returns MACs per second over `iters` x 24 links. */
+#define SDMM_PEAK_INIT_(i) vint acc##i = vi_set1_8((char) (i + 1));
+#define SDMM_PEAK_SINK_(i) sink = vi_add32(sink, acc##i);
+#define SDMM_PEAK_CHAINS_(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define SDMM_PEAK(name, step)                                                                    \
+    double name(long iters) {                                                                    \
+        SDMM_PEAK_CHAINS_(SDMM_PEAK_INIT_)                                                       \
+        const vint x = vi_set1_8(3); /* vpmaddubsw's links use y alone */                       \
+        vint y = vi_set1_8(5);                                                                   \
+        (void) x;                                                                                \
+        struct timespec t0, t1;                                                                  \
+        clock_gettime(CLOCK_MONOTONIC, &t0);                                                     \
+        for (long it = 0; it < iters; it++) {                                                    \
+            SDMM_PEAK_CHAINS_(SDMM_PEAK_STEP_##step)                                             \
+            SDMM_PEAK_CHAINS_(SDMM_PEAK_STEP_##step)                                             \
+            __asm__ volatile("" : "+x"(y)); /* a new input every pass */                        \
+        }                                                                                        \
+        clock_gettime(CLOCK_MONOTONIC, &t1);                                                     \
+        vint sink = vi_zero();                                                                   \
+        SDMM_PEAK_CHAINS_(SDMM_PEAK_SINK_)                                                       \
+        __asm__ volatile("" : : "x"(sink));                                                      \
+        const double s = (double) (t1.tv_sec - t0.tv_sec) +                                      \
+                         1e-9 * (double) (t1.tv_nsec - t0.tv_nsec);                              \
+        return (double) iters * 24.0 * 4.0 * SD_VL / s;                                          \
+    }
+/* the links: vpdpbusd (AVX-512 VNNI, AVX-VNNI); vpmaddubsw, its product pairs the next link's
+ * unsigned input (AVX2) */
+#define SDMM_PEAK_STEP_dpbusd(i) acc##i = vi_dpbusd(acc##i, x, y);
+#if SD_DOT16
+#    define SDMM_PEAK_STEP_maddubs(i) acc##i = vi_maddubs(acc##i, y);
+#endif
