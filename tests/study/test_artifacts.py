@@ -38,6 +38,7 @@ SCRIPT_KINDS = (
     "specdec.arrivals/1",
     "specdec.extraction/1",
     "specdec.kernel_classes/1",
+    "specdec.llama_bench/1",
     "specdec.loadtest_hostile/1",
     "specdec.loadtest_parallel/1",
     "specdec.loadtest_soak/1",

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""llama.cpp's own benchmark on the builds `specdec anchors build` made, alternated round by round:
+by default stock llama.cpp and the "same kernels" twin built for the AVX2 class (peers stock-avx2
+and twin-avx2; the twin's processes run sdmm's AVX2 path, study/engines/peers.py), so that the
+prompt (pp512), a 16-token pass (pp16) and the single step (tg32) of stock's kernels and of
+specdec's are measured in stock's own harness, with its defaults.
+
+    .venv/bin/python scripts/llama_bench_classes.py --target qwen2.5-coder-1.5b \
+        --out results/cpu/kernel-classes/llama-bench-avx2.json
+
+Run it on an idle machine, one benchmark at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from specdec.backends.registry import resolve
+from specdec.study.artifacts import write_json
+from specdec.study.artifacts.provenance import meta_block
+from specdec.study.engines import anchor_build
+from specdec.study.engines.peers import PEERS
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_classes import host_class
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b", help="a registry model name")
+    ap.add_argument("--peers", default="stock-avx2,twin-avx2", help="builds, comma-separated")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+
+    model = resolve(args.target, progress=False)
+    peers = args.peers.split(",")
+    tests = ["-p", "512,16", "-n", "32", "-r", "3", "-o", "json"]
+    rows: dict[str, list] = {p: [] for p in peers}
+    for r in range(args.rounds):
+        for peer in peers if r % 2 == 0 else peers[::-1]:
+            exe = anchor_build.binary("llama-bench", peer)
+            env = {**os.environ, **dict(PEERS[peer].env)}
+            cmd = [str(exe), "-m", str(model), "-t", str(args.threads), *tests]
+            res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+            if res.returncode != 0:
+                raise SystemExit(f"{peer}: llama-bench failed:\n{res.stderr[-2000:]}")
+            rows[peer].append(json.loads(res.stdout))
+            line = ", ".join(f"{_name(x)} {x['avg_ts']:.1f} tok/s" for x in rows[peer][-1])
+            print(f"round {r} {peer:12s} {line}", flush=True)
+    record = {
+        "schema": "specdec.llama_bench/1",
+        "meta": meta_block(),
+        "host_class": host_class(),
+        "target": args.target,
+        "command": ["llama-bench", "-m", model.name, "-t", str(args.threads), *tests],
+        "peers": {p: {"env": dict(PEERS[p].env), "build": anchor_build.manifest(p)} for p in peers},
+        "rounds": rows,
+    }
+    write_json(args.out, record)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _name(x: dict) -> str:
+    return f"pp{x['n_prompt']}" if x["n_prompt"] else f"tg{x['n_gen']}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
