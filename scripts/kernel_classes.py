@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from specdec.backends import llamacpp_build
+from specdec.backends.llamacpp_lib import package_with_cpu_backend
 from specdec.study.artifacts import write_json
 from specdec.study.artifacts.provenance import meta_block
 
@@ -66,23 +67,9 @@ print(json.dumps({"prefill_s": prefill, "step_s": step, "pass16_s": pass16,
 _TIMES = ("prefill_s", "step_s", "pass16_s")
 
 
-def _portable_package(work: Path) -> Path:
-    """A copy of the installed llama_cpp package whose ggml-cpu is the portable (AVX2) build."""
-    from specdec.backends import llamacpp_build
-    from specdec.backends.llamacpp_lib import package_dir
-
-    lib = llamacpp_build.build_cpu_backend("portable")
-    dest = work / "portable"
-    shutil.copytree(package_dir(), dest / "llama_cpp")
-    for name in (dest / "llama_cpp" / "lib").glob("libggml-cpu.so*"):
-        shutil.copy2(lib, name)
-    return dest
-
-
 def host_class() -> str:
     """The class of this CPU as sdmm sees it: its best int8 instructions."""
-    lines = Path("/proc/cpuinfo").read_text().splitlines()
-    flags = set(next((ln for ln in lines if ln.startswith("flags")), "").split())
+    flags = set(llamacpp_build.cpu_flags())
     for flag, name in (("avx512_vnni", "AVX-512 VNNI"), ("avx_vnni", "AVX-VNNI"), ("avx2", "AVX2")):
         if flag in flags:
             return name
@@ -118,8 +105,8 @@ def main() -> int:
             ("native stock", None, {"SPECDEC_MM": "0"}),
             ("native specdec", None, {}),
         ]
-        if "avx512f" in Path("/proc/cpuinfo").read_text():
-            portable = _portable_package(Path(tmp))
+        if "avx512f" in llamacpp_build.cpu_flags():
+            portable = package_with_cpu_backend("portable", Path(tmp) / "portable")
             configs += [
                 ("avx2 stock", portable, {"SPECDEC_MM": "0"}),
                 ("avx2 specdec", portable, {"SPECDEC_MM_ISA": "avx2"}),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 
 from specdec.backends import llamacpp_build
 from specdec.backends.llamacpp_kernels import kernels
-from specdec.backends.llamacpp_lib import package_dir
+from specdec.backends.llamacpp_lib import package_with_cpu_backend
 
 #: llama.cpp's feature name -> the /proc/cpuinfo flag: with -march=native, each one the CPU has
 #: is compiled in, and none it lacks.
@@ -202,10 +201,8 @@ def test_the_portable_code_path_runs_and_agrees(smol_path: Path, tmp_path: Path)
     the 19th token was a 0.017 tie and parted), the same top-3 of the last position, logits
     within 1.5 (other kernels quantize activations and sum in another order: 0.79 measured
     between AVX2 and AMX)."""
-    lib = llamacpp_build.build_cpu_backend("portable", log=lambda s: None)
-    shutil.copytree(package_dir(), tmp_path / "llama_cpp")
-    for name in (tmp_path / "llama_cpp" / "lib").glob("libggml-cpu.so*"):
-        shutil.copy2(lib, name)
+    package_with_cpu_backend("portable", tmp_path, log=lambda s: None)
+    lib = llamacpp_build.build_cpu_backend("portable", log=lambda s: None)  # built: its path
     low, best = _greedy(str(tmp_path)), _greedy(None)
     portable = hashlib.sha256(lib.read_bytes()).hexdigest()
     assert low["lib"] == portable != best["lib"]  # each process ran the build it was given

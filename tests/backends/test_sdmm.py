@@ -217,9 +217,14 @@ def test_largest_sums_every_path(qtype: str, fill: int) -> None:
     all -127 or alternating quants: the largest integer sums a block can hold, where a kernel
     that sums in 16 bits (AVX2's, sdmm-simd.h) would wrap if its bounds were wrong. Every path
     gives the reference's bits and the float64 product."""
-    lib = _lib()
     rng = np.random.default_rng(fill)
     n, k = 24, 512
+    _check(_lib(), qtype, _filled_blocks(qtype, n, k, fill, rng), n, k, _largest_rows(k))
+
+
+def _filled_blocks(qtype: str, n: int, k: int, fill: int, rng: np.random.Generator) -> np.ndarray:
+    """n rows of k values in ggml's blocks: every byte but the fp16 multipliers `fill`, the
+    K-quants' scales at their largest."""
     blocks = _random_blocks(qtype, n, k, rng).reshape(n, k // BLOCK[qtype], -1)
     lo, hi = _MULTIPLIERS[qtype]
     quants = np.ones(blocks.shape[2], dtype=bool)
@@ -228,12 +233,18 @@ def test_largest_sums_every_path(qtype: str, fill: int) -> None:
     if qtype in _SCALES:
         s0, s1, value = _SCALES[qtype]
         blocks[:, :, s0:s1] = value
+    return blocks.reshape(n, -1)
+
+
+def _largest_rows(k: int) -> np.ndarray:
+    """Activation rows whose every block quantizes to all +127, all -127 or alternating signs
+    (Q8_K: the max's sign flips), at two scales."""
     sign = np.ones((6, k), dtype=np.float32)
     sign[1] = sign[3] = -1
     sign[4, 1::2] = sign[5, ::2] = -1  # alternating
-    x = np.float32(0.5) * sign  # each block's quants all +-127 (Q8_K: the max's sign flips)
+    x = np.float32(0.5) * sign
     x[2:4] *= np.float32(2.0**-6)
-    _check(lib, qtype, blocks.reshape(n, -1), n, k, x)
+    return x
 
 
 @pytest.fixture(scope="module")
@@ -265,12 +276,8 @@ def test_the_avx_vnni_path_gives_every_other_paths_bits(qtype: str, evex_twin) -
     rng = np.random.default_rng(2)
     n, k = 37, 512
     _check(evex_twin, qtype, _random_blocks(qtype, n, k, rng), n, k, _exact(qtype, 64, k, rng))
-    blocks = _random_blocks(qtype, 16, k, rng).reshape(16, k // BLOCK[qtype], -1)
-    lo, hi = _MULTIPLIERS[qtype]
-    blocks[:, :, [i for i in range(blocks.shape[2]) if not lo <= i < hi]] = 0xFF
-    x = np.full((3, k), 0.5, dtype=np.float32)
-    x[1] = -x[1]
-    _check(evex_twin, qtype, blocks.reshape(16, -1), 16, k, x)
+    for fill in (0x00, 0xFF):
+        _check(evex_twin, qtype, _filled_blocks(qtype, 16, k, fill, rng), 16, k, _largest_rows(k))
 
 
 def _path_features() -> dict[str, set[str]]:

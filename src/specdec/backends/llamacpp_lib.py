@@ -6,6 +6,8 @@ both read them from here, so neither imports the other's privates.
     bindings()        llama_cpp.llama_cpp, the backend initialized (once)
     ggml_lib(name)    libggml-NAME beside libllama, as a ctypes library
     package_dir()     where the llama_cpp package is, found without importing it
+    package_with_cpu_backend(flavor, dest)
+                      a copy of it that runs another flavor of ggml-cpu (tests, benchmarks)
     load_log()        collects llama.cpp's info lines while a model loads
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,6 +72,22 @@ def package_dir() -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+def package_with_cpu_backend(flavor: str, dest: Path, log=print) -> Path:
+    """A copy of the installed llama_cpp package under `dest` whose libggml-cpu is `flavor`'s
+    (llamacpp_build.build_cpu_backend): with `dest` first on PYTHONPATH, a process runs that
+    flavor's kernels. Returns `dest`."""
+    from specdec.backends import llamacpp_build
+
+    src = package_dir()
+    if src is None:
+        raise llamacpp_build.BuildError("llama_cpp is not installed here (make venv)")
+    lib = llamacpp_build.build_cpu_backend(flavor, log=log)
+    shutil.copytree(src, dest / "llama_cpp")
+    for name in (dest / "llama_cpp" / "lib").glob("libggml-cpu.so*"):
+        shutil.copy2(lib, name)
+    return dest
 
 
 def _check_build() -> None:

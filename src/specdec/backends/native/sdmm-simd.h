@@ -3,8 +3,8 @@
  * memory once for up to SDMM_CHUNK activation rows: each super-block, while it is in cache, goes
  * to every tile of up to SDMM_TILE rows, and a sub-block's weights are unpacked once per tile.
  * The per-lane arithmetic is sdmm.h's; sdmm.c's reference kernels spell it out. Include it with
- * SD_VL and SDMM_TILE (4, 8 or 16) defined, inside the file's SD_TARGET_PUSH, then define the file's
- * kernels with SDMM_KERNEL. */
+ * SD_VL and SDMM_TILE (4, 8 or 16) defined, inside the file's SD_TARGET_PUSH, then define the
+ * file's kernels with SDMM_KERNEL (and its peak probe with SDMM_PEAK). */
 #pragma once
 
 #include "sd-simd.h"

@@ -324,7 +324,8 @@ def build(
         progress(f"configuring {tree.name} with CMake's defaults (log: {log})")
         build_dir = work / "build"
         configure = ["cmake", "-S", str(tree), "-B", str(build_dir), *CMAKE_FLAGS]
-        _run_logged([*configure, *_peer(peer).cmake], log, None)
+        configure += _peer(peer).cmake
+        _run_logged(configure, log, None)
         progress(f"building {', '.join(targets)} with {jobs} jobs ({_minutes(peer)} on 2 cores)")
         last = [-10]
 

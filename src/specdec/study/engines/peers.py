@@ -85,6 +85,12 @@ class Peer:
 
 
 _OURS = (PACKAGE, VERSION, llamacpp_build.SDIST_SHA256)
+#: The AVX2 class (stock-avx2, twin-avx2): what a CPU without AVX-512 runs, built on any host as
+#: llama.cpp's users build it there, ggml's kernels for AVX2, FMA, F16C and BMI2 (CMake's
+#: GGML_NATIVE off, each named), and the twin's sdmm and sdfa on their AVX2 paths. On an AVX-512
+#: host it measures that class beside the native one (docs/kernels.md).
+_AVX2 = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON")
+_AVX2 += ("-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF")
 #: The builds (`specdec anchors build --peer NAME`): stock llama.cpp, the "same kernels" twin,
 #: and ik_llama.cpp (its Python package's sdist, or its upstream source with --src). ik's
 #: --spec-type has the n-gram drafters under our names (ngram-mod, ngram-map-k, ngram-simple,
@@ -100,12 +106,6 @@ _OURS = (PACKAGE, VERSION, llamacpp_build.SDIST_SHA256)
 #: (weights repacked at load into its interleaved CPU layouts, its own option for CPUs, off by
 #: default: a peer is run at its best, not at its defaults); it spells "no web UI" otherwise,
 #: reads no key from the environment and serves /v1/models to anyone.
-#: The AVX2 class (stock-avx2, twin-avx2): what a CPU without AVX-512 runs, built on any host as
-#: llama.cpp's users build it there, ggml's kernels for AVX2, FMA, F16C and BMI2 (CMake's
-#: GGML_NATIVE off, each named), and the twin's sdmm and sdfa on their AVX2 paths. On an AVX-512
-#: host it measures that class beside the native one (docs/kernels.md).
-_AVX2 = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON")
-_AVX2 += ("-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF")
 PEERS: dict[str, Peer] = {
     "stock": Peer("", "llama-server", *_OURS, f"llama.cpp-{VERSION}"),
     "twin": Peer("twin-", "llama-server-twin", *_OURS, f"llama.cpp-{VERSION}-twin", patched=True),
