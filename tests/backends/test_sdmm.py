@@ -3,13 +3,15 @@ sdfa.h), called in the built libggml-cpu through their C API: exact by construct
 here to be.
 
 Every instruction path this build and CPU can run (the scalar reference, AVX2, AVX-512 VNNI),
-each weight type (Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), random and real weights,
+each weight type (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
+F16, BF16), random and real weights,
 odd shapes, every batch size b = 1..64:
   * batch invariance: row i of a b-row product has the bits of row i computed alone;
   * one answer per build: every path gives the reference path's bits;
   * the right answer: within float32 rounding of a float64 product of gguf-py's dequantized
     weights (the field's own reference) and activations that the type's activation blocks (Q8_K
-    per 256 values, 32-value blocks for the others) represent exactly.
+    per 256 values, 32-value blocks for the others, fp16 or bf16 for the float types) represent
+    exactly.
 """
 
 from __future__ import annotations
@@ -30,9 +32,13 @@ from specdec.backends.llamacpp_kernels import SDMM_ISAS
 from specdec.backends.llamacpp_lib import ggml_lib
 
 #: ggml type ids
-TYPES = {"Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-TYPES |= {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
-BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}  # values per activation block
+TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_XS": 23}
+TYPES |= {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "IQ4_NL": 20}
+TYPES |= {"F16": 1, "BF16": 30}
+#: the float types: no integer sums, each output one fma chain over k
+FLOAT_TYPES = ("F16", "BF16")
+QUANT_TYPES = [t for t in TYPES if t not in FLOAT_TYPES]
+BLOCK = {t: 256 if t.endswith("_K") or t == "IQ4_XS" else 32 for t in TYPES}  # per act. block
 #: the types the Qwen 0.5B's own weights hold (the others are checked on random blocks and,
 #: requantized, on a whole model: tests/backends/test_weights.py)
 REAL_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]
@@ -86,12 +92,21 @@ def _matmul(lib, qtype: str, isa: int, packed: np.ndarray, n: int, k: int, x: np
 
 
 def _random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """n rows of k values in ggml's blocks: random quants and scales, sane fp16 multipliers."""
+    """n rows of k values in ggml's blocks: random quants and scales, sane fp16 multipliers; the
+    float types' values normal, of either sign."""
+    if qtype in FLOAT_TYPES:
+        w = rng.normal(0, 0.05, size=(n, k)).astype(np.float32)
+        if qtype == "F16":
+            return w.astype(np.float16).view(np.uint8)
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # bf16: truncated
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     data = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
     halves = lambda lo, hi: rng.uniform(lo, hi, size=(n, k // block)).astype(np.float16)  # noqa: E731
     if qtype in ("Q3_K", "Q6_K"):  # d ends the block
         data[:, :, -2:] = halves(1e-4, 2e-3).view(np.uint8).reshape(n, k // block, 2)
+    elif qtype == "Q2_K":  # d, dmin end it
+        data[:, :, -4:-2] = halves(1e-3, 2e-2).view(np.uint8).reshape(n, k // block, 2)
+        data[:, :, -2:] = halves(1e-4, 5e-3).view(np.uint8).reshape(n, k // block, 2)
     else:  # d (and Q4_K's dmin) lead it
         data[:, :, 0:2] = halves(1e-3, 2e-2).view(np.uint8).reshape(n, k // block, 2)
     if qtype in ("Q4_K", "Q5_K"):  # dmin
@@ -119,7 +134,10 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _check(lib, qtype: str, blocks: np.ndarray, n: int, k: int, x: np.ndarray, sizes=None) -> None:
     """Every batch size in `sizes` (default 1..rows: the first b rows) gives the bits of all the
-    rows at once, on every path, and a row alone its own; every path the reference's."""
+    rows at once, on every path, and a row alone its own; every path the reference's; within
+    float32 rounding of the float64 product (the quantized types: a few roundings per block;
+    the float types: one per value, k of them in a row, so up to k units of float32's last
+    place of the sum of |terms|)."""
     packed = _pack(lib, qtype, blocks, n, k)
     w = dequantize(blocks, GGMLQuantizationType[qtype]).astype(np.float64)  # [n, k]
     full = {}
@@ -136,7 +154,8 @@ def _check(lib, qtype: str, blocks: np.ndarray, n: int, k: int, x: np.ndarray, s
         assert _same_bits(y, full[0]), f"{qtype}: {SDMM_ISAS[isa]} differs from ref"
     terms = np.abs(x.astype(np.float64)) @ np.abs(w).T  # float32 rounding scales with these
     err = np.abs(full[0] - x.astype(np.float64) @ w.T) / np.maximum(terms, 1e-30)
-    assert err.max() < 1e-6, f"{qtype}: {err.max():.3g} of sum |terms| from the float64 product"
+    tol = k * 2.0**-24 if qtype in FLOAT_TYPES else 1e-6
+    assert err.max() < tol, f"{qtype}: {err.max():.3g} of sum |terms| from the float64 product"
 
 
 #: (type, n, k): each type at three shapes; k not a multiple of 256 (the Qwen 0.5B's 896, one
@@ -168,7 +187,7 @@ def _q8_0_dequantized(x: np.ndarray) -> np.ndarray:
     return (q * d.astype(np.float64)).reshape(x.shape)
 
 
-@pytest.mark.parametrize("qtype", [t for t in TYPES if BLOCK[t] == 32])
+@pytest.mark.parametrize("qtype", [t for t in QUANT_TYPES if BLOCK[t] == 32])
 def test_32_value_activation_blocks_round_as_ggml(qtype: str) -> None:
     """Activations no 32-value block holds exactly (the tests above use ones it does): the
     product is that of the weights and of the activations quantized as ggml quantizes them,
@@ -189,6 +208,39 @@ def test_32_value_activation_blocks_round_as_ggml(qtype: str) -> None:
         assert err.max() < 1e-6, f"{qtype} {SDMM_ISAS[isa]}: {err.max():.3g}"
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """x float32 rounded to bf16, to nearest even (ggml's ggml_compute_fp32_to_bf16), as
+    float64."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return r.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("qtype", FLOAT_TYPES)
+def test_float_weights_round_the_activations_as_ggml(qtype: str) -> None:
+    """Activations neither fp16 nor bf16 holds exactly: the product is that of the weights and
+    of the activations rounded to the weight's type to nearest even, as ggml converts them for
+    its F16 and BF16 dot products (truncating would be off by up to an ulp of the type), a
+    value past fp16's range included (inf, as ggml's)."""
+    lib = _lib()
+    rng = np.random.default_rng(16)
+    n, k = 21, 96
+    blocks = _random_blocks(qtype, n, k, rng)
+    x = rng.normal(0, 1, (9, k)).astype(np.float32)
+    w = dequantize(blocks, GGMLQuantizationType[qtype]).astype(np.float64)
+    xr = x.astype(np.float16).astype(np.float64) if qtype == "F16" else _bf16(x)
+    ref, terms = xr @ w.T, np.abs(xr) @ np.abs(w).T
+    packed = _pack(lib, qtype, blocks, n, k)
+    for isa in _isas(lib):
+        y = _matmul(lib, qtype, isa, packed, n, k, x)
+        err = np.abs(y - ref) / np.maximum(terms, 1e-30)
+        assert err.max() < k * 2.0**-24, f"{qtype} {SDMM_ISAS[isa]}: {err.max():.3g}"
+    if qtype == "F16":
+        x[0, 5] = 1e5  # past 65504: inf in fp16, so row 0 is inf or nan
+        y = _matmul(lib, qtype, _isas(lib)[-1], packed, n, k, x)
+        assert not np.isfinite(y[0]).any() and np.isfinite(y[1:]).all()
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_more_rows_than_one_pass_over_the_weights(qtype: str) -> None:
     """Past 64 rows the kernels read a group's weights again for the next 64 (a prefill's
@@ -204,12 +256,13 @@ def test_more_rows_than_one_pass_over_the_weights(qtype: str) -> None:
 #: where each type's block keeps its fp16 multipliers (d, and dmin or m): bytes [lo, hi)
 _MULTIPLIERS = {"Q3_K": (108, 110), "Q6_K": (208, 210), "Q4_0": (0, 2), "Q5_0": (0, 2)}
 _MULTIPLIERS |= {"Q8_0": (0, 2), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q4_1": (0, 4), "Q5_1": (0, 4)}
-#: each K-quant's scale bytes, set to their largest so that no scale is 0
+_MULTIPLIERS |= {"Q2_K": (80, 84), "IQ4_XS": (0, 2), "IQ4_NL": (0, 2)}
+#: each K-quant's scale bytes, set to their largest so that no scale is 0 (IQ4_XS: ls 63, 31)
 _SCALES = {"Q4_K": (4, 16, 0xFF), "Q5_K": (4, 16, 0xFF), "Q6_K": (192, 208, 0x7F)}
-_SCALES |= {"Q3_K": (96, 108, 0xFF)}
+_SCALES |= {"Q3_K": (96, 108, 0xFF), "Q2_K": (0, 16, 0xFF), "IQ4_XS": (2, 8, 0xFF)}
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
 @pytest.mark.parametrize("fill", [0x00, 0x7F, 0x80, 0xFF])
 def test_largest_sums_every_path(qtype: str, fill: int) -> None:
     """Every quant byte the same (0xFF: every quant at its largest; 0x00: at 0, which Q6_K
@@ -276,7 +329,7 @@ def test_the_avx_vnni_path_gives_every_other_paths_bits(qtype: str, evex_twin) -
     rng = np.random.default_rng(2)
     n, k = 37, 512
     _check(evex_twin, qtype, _random_blocks(qtype, n, k, rng), n, k, _exact(qtype, 64, k, rng))
-    for fill in (0x00, 0xFF):
+    for fill in (0x00, 0xFF) if qtype not in FLOAT_TYPES else ():
         _check(evex_twin, qtype, _filled_blocks(qtype, 16, k, fill, rng), 16, k, _largest_rows(k))
 
 
@@ -414,10 +467,11 @@ def test_a_path_this_cpu_cannot_run_is_a_clear_error(monkeypatch) -> None:
 
 
 def test_packed_sizes() -> None:
-    """16-row groups, one 2,368-byte (Q4_K), 2,880-byte (Q5_K) or 3,360-byte (Q6_K, Q3_K) record
-    per 256 columns, one 288-byte (Q4_0), 320-byte (Q4_1), 352-byte (Q5_0), 384-byte (Q5_1) or
-    544-byte (Q8_0) record per 32: ggml's bytes, but the K-quants' unpacked scales; a partial
-    last group is padded."""
+    """16-row groups, one 1,600-byte (Q2_K), 2,368-byte (Q4_K), 2,880-byte (Q5_K), 3,360-byte
+    (Q6_K, Q3_K) or 2,208-byte (IQ4_XS) record per 256 columns, one 288-byte (Q4_0, IQ4_NL),
+    320-byte (Q4_1), 352-byte (Q5_0), 384-byte (Q5_1), 544-byte (Q8_0) or 1,024-byte (F16, BF16)
+    record per 32: ggml's bytes, but the K-quants' unpacked scales; a partial last group is
+    padded."""
     lib = _lib()
     assert lib.sdmm_packed_size(12, 32, 512) == 2 * 2 * 2368
     assert lib.sdmm_packed_size(13, 32, 512) == 2 * 2 * 2880
@@ -428,7 +482,12 @@ def test_packed_sizes() -> None:
     assert lib.sdmm_packed_size(2, 17, 896) == 2 * 28 * 288  # Q4_0
     assert lib.sdmm_packed_size(3, 17, 896) == 2 * 28 * 320  # Q4_1
     assert lib.sdmm_packed_size(11, 33, 256) == 3 * 3360  # Q3_K: in Q6_K's group
-    assert lib.sdmm_packed_size(10, 16, 256) == 0  # Q2_K: not sdmm's
+    assert lib.sdmm_packed_size(10, 16, 512) == 2 * 1600  # Q2_K: scales and mins unpacked
+    assert lib.sdmm_packed_size(23, 16, 512) == 2 * 2208  # IQ4_XS: scales unpacked
+    assert lib.sdmm_packed_size(20, 17, 896) == 2 * 28 * 288  # IQ4_NL: Q4_0's group
+    assert lib.sdmm_packed_size(1, 17, 64) == 2 * 2 * 1024  # F16: its bytes
+    assert lib.sdmm_packed_size(30, 16, 64) == 2 * 1024  # BF16
+    assert lib.sdmm_packed_size(16, 16, 256) == 0  # IQ2_XXS: not sdmm's
 
 
 # ------------------------------------------------------------------------------------- sdfa

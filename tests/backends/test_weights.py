@@ -3,9 +3,9 @@ types, the kernel that multiplies each, whether the default mode is batch-invari
 `specdec models inspect`, a warning at load, and the server's /v1/models entry.
 
 The files are made here: the registry's smollm2 requantized with llama.cpp's own quantizer
-(llama-cpp-python's `llama_model_quantize`) in a temporary directory, to IQ4_NL (a type no
-invariant kernel takes), to Q4_0, Q5_K_M and Q3_K_S (sdmm's since issue 44); no weights are
-committed.
+(llama-cpp-python's `llama_model_quantize`) in a temporary directory, to IQ3_S (a type no
+invariant kernel takes), to Q4_0, Q5_K_M and Q3_K_S (sdmm's since issue 44), to Q2_K, IQ4_XS,
+F16 and BF16 (since issue 52); no weights are committed.
 """
 
 from __future__ import annotations
@@ -33,25 +33,29 @@ def test_the_verdict_follows_the_kernels_of_the_types() -> None:
     assert not invariant_by_construction(frozenset({"Q4_K", "Q6_K"}), None)  # sdmm off
     assert invariant_by_construction(frozenset({"Q4_1", "Q8_0"}), None)  # ggml's per-row types
     assert invariant_by_construction(frozenset({"Q5_K", "Q6_K"}), "avx2")
-    assert not invariant_by_construction(frozenset({"IQ4_XS", "Q6_K"}), "avx2")
+    assert invariant_by_construction(frozenset({"IQ4_XS", "Q2_K", "BF16"}), "avx2")
+    assert not invariant_by_construction(frozenset({"IQ4_XS", "Q6_K"}), None)
+    assert not invariant_by_construction(frozenset({"IQ3_S", "Q6_K"}), "avx2")
     assert not invariant_by_construction(frozenset({"Q4_K/3d"}), "avx512")  # experts
     assert kernel_of("Q4_K", "avx2").startswith("sdmm (avx2)")
     assert "not batch-invariant" in kernel_of("Q8_0/3d", "avx512")
-    report = WeightReport("f.gguf", "qwen2", "x", {"Q2_K": 700, "Q6_K": 300}, "avx512")
-    assert not report.invariant and report.breaking == ["Q2_K"]
+    report = WeightReport("f.gguf", "qwen2", "x", {"IQ2_XS": 700, "Q6_K": 300}, "avx512")
+    assert not report.invariant and report.breaking == ["IQ2_XS"]
     rec = report.record()
     assert [w["share"] for w in rec["weights"]] == [0.7, 0.3]
-    assert rec["breaking_types"] == ["Q2_K"] and rec["batch_invariant"] is False
-    assert any("NOT batch-invariant (Q2_K)" in line for line in report.lines())
+    assert rec["breaking_types"] == ["IQ2_XS"] and rec["batch_invariant"] is False
+    assert any("NOT batch-invariant (IQ2_XS)" in line for line in report.lines())
     assert ROW_INVARIANT_TYPES <= SDMM_TYPES  # sdmm takes the per-row types too, for speed
 
 
-def _requantize(src: Path, ftype: int, out: Path) -> Path:
-    """`src` requantized by llama.cpp's own quantizer to `ftype` (llama_ftype; ~1 s here)."""
+def _requantize(src: Path, ftype: int, out: Path, pure: bool = False) -> Path:
+    """`src` requantized by llama.cpp's own quantizer to `ftype` (llama_ftype; ~1 s here);
+    `pure`: every tensor of that type where its rows allow, without the ftype's mix."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
+    params.pure = pure
     params.allow_requantize = True
     params.nthread = 2
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
@@ -60,12 +64,13 @@ def _requantize(src: Path, ftype: int, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def iq4_nl(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """smollm2 requantized to IQ4_NL (a type neither sdmm nor ggml's per-row kernels take)."""
+def iq3_s(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """smollm2 requantized to IQ3_S (a type neither sdmm nor ggml's per-row kernels take) where
+    a row is whole super-blocks (ffn_down), IQ4_NL (llama.cpp's fallback, sdmm's) elsewhere."""
     import llama_cpp
 
-    out = tmp_path_factory.mktemp("requant") / "smollm2-iq4_nl.gguf"
-    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_NL, out)
+    out = tmp_path_factory.mktemp("requant") / "smollm2-iq3_s.gguf"
+    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_IQ3_S, out)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +93,44 @@ def q5_k_m(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def q2_k(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """smollm2 requantized to Q2_K, pure: Q2_K where a row is whole super-blocks (ffn_down: the
+    Q2_K mix would give it Q3_K, and smollm2 would hold no Q2_K at all), Q4_0 (llama.cpp's
+    fallback) where it is not."""
+    import llama_cpp
+
+    out = tmp_path_factory.mktemp("requant") / "smollm2-q2_k.gguf"
+    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K, out, pure=True)
+
+
+@pytest.fixture(scope="module")
+def iq4_xs(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """smollm2 requantized to IQ4_XS (IQ4_NL where a row is not whole super-blocks)."""
+    import llama_cpp
+
+    out = tmp_path_factory.mktemp("requant") / "smollm2-iq4_xs.gguf"
+    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_XS, out)
+
+
+@pytest.fixture(scope="module")
+def f16(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """smollm2's weights in F16 (from its Q8_0: each value exact in fp16's 11 bits)."""
+    import llama_cpp
+
+    out = tmp_path_factory.mktemp("requant") / "smollm2-f16.gguf"
+    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_F16, out)
+
+
+@pytest.fixture(scope="module")
+def bf16(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """smollm2's weights in BF16."""
+    import llama_cpp
+
+    out = tmp_path_factory.mktemp("requant") / "smollm2-bf16.gguf"
+    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_BF16, out)
+
+
+@pytest.fixture(scope="module")
 def q3_k_s(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """smollm2 requantized to Q3_K_S: Q3_K (packed as Q6_K) where a row is whole super-blocks
     (ffn_down; Q3_K_M gives those Q4_K/Q5_K here, so no Q3_K at all), Q4_0 (llama.cpp's fallback
@@ -100,20 +143,20 @@ def q3_k_s(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.model
 def test_inspect_names_an_uncovered_type_and_says_the_guarantee_does_not_hold(
-    iq4_nl: Path, q4_0: Path, smol_path: Path, capsys: pytest.CaptureFixture
+    iq3_s: Path, q4_0: Path, smol_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     from specdec.cli.main import main
 
     assert inspect_weights(smol_path, "avx512").invariant  # Q4_1 and Q8_0: covered
     assert inspect_weights(q4_0, "avx512").invariant  # Q4_0 and Q8_0: sdmm's
-    report = inspect_weights(iq4_nl, "avx512")
-    assert report.architecture == "llama" and "IQ4_NL" in report.breaking
+    report = inspect_weights(iq3_s, "avx512")
+    assert report.architecture == "llama" and report.breaking == ["IQ3_S"]
     assert abs(sum(w["share"] for w in report.record()["weights"]) - 1) < 1e-9
-    assert main(["models", "inspect", str(iq4_nl)]) == 0
+    assert main(["models", "inspect", str(iq3_s)]) == 0
     text = capsys.readouterr().out
-    assert "IQ4_NL" in text and "NOT batch-invariant (IQ4_NL" in text and "deterministic" in text
-    assert main(["models", "inspect", str(iq4_nl), "--json"]) == 0
-    assert "IQ4_NL" in json.loads(capsys.readouterr().out)["breaking_types"]
+    assert "IQ3_S" in text and "NOT batch-invariant (IQ3_S" in text and "deterministic" in text
+    assert main(["models", "inspect", str(iq3_s), "--json"]) == 0
+    assert "IQ3_S" in json.loads(capsys.readouterr().out)["breaking_types"]
     assert main(["models", "inspect", str(q4_0), "--json", "--measure"]) == 0
     m = json.loads(capsys.readouterr().out)["measured"]
     assert m["cached"] == 256 and 0 < m["step_ms"] and 0 < m["pass16_ms"] and m["v16"] > 0
@@ -121,40 +164,41 @@ def test_inspect_names_an_uncovered_type_and_says_the_guarantee_does_not_hold(
 
 @pytest.mark.model
 def test_a_default_load_of_an_uncovered_file_warns_once_naming_the_types(
-    iq4_nl: Path, caplog: pytest.LogCaptureFixture
+    iq3_s: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from specdec.backends import load_model
     from specdec.serve.app import _weights_card
 
     with caplog.at_level(logging.WARNING, logger="specdec.backends.llamacpp"):
-        model = load_model(f"llamacpp:{iq4_nl}", n_threads=2)
+        model = load_model(f"llamacpp:{iq3_s}", n_threads=2)
     try:
-        warned = [r.getMessage() for r in caplog.records if "IQ4_NL" in r.getMessage()]
+        warned = [r.getMessage() for r in caplog.records if "IQ3_S" in r.getMessage()]
         assert len(warned) == 1 and "deterministic=True" in warned[0]
         assert model.batch_invariant is False
         card = _weights_card(model)
         assert card is not None and card["batch_invariant"] is False
-        assert "IQ4_NL" in card["types"] and card["types"]["Q8_0"].startswith("sdmm")
+        assert "IQ3_S" in card["types"] and card["types"]["IQ4_NL"].startswith("sdmm")
     finally:
         model.close()
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("ftype", ["q4_0", "q5_k_m", "q3_k_s"])
+@pytest.mark.parametrize("ftype", ["q4_0", "q5_k_m", "q3_k_s", "q2_k", "iq4_xs", "f16", "bf16"])
 def test_a_requantized_file_on_sdmm_rows_bit_identical_and_greedy_speculation_exact(
     ftype: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Q4_0, Q5_K_M (Q5_K, Q5_1, Q6_K) and Q3_K_S (Q3_K packed as Q6_K, Q4_0)
-    run sdmm's kernels: the default load is batch-invariant and says nothing; row i of a b-row
-    pass has the bits of token i's single step, b = 2..64; greedy speculation equals target-only
-    token for token."""
+    """Q4_0, Q5_K_M (Q5_K, Q5_1, Q6_K), Q3_K_S (Q3_K packed as Q6_K, Q4_0), Q2_K, IQ4_XS (with
+    IQ4_NL), F16 and BF16 run sdmm's kernels: the default load is batch-invariant and says
+    nothing; row i of a b-row pass has the bits of token i's single step, b = 2..64; greedy
+    speculation equals target-only token for token."""
     from specdec.backends import load_model
     from specdec.backends.llamacpp_kernels import sdmm_isa
     from specdec.core.decode import generate
 
     path: Path = request.getfixturevalue(ftype)
     report = inspect_weights(path, sdmm_isa())
-    assert {"q4_0": "Q4_0", "q5_k_m": "Q5_K", "q3_k_s": "Q3_K"}[ftype] in report.type_bytes
+    main_type = {"q5_k_m": "Q5_K", "q3_k_s": "Q3_K"}.get(ftype, ftype.upper())
+    assert main_type in report.type_bytes
     with caplog.at_level(logging.WARNING, logger="specdec.backends.llamacpp"):
         m = load_model(f"llamacpp:{path}", n_threads=2, n_ctx=512)
     try:

@@ -69,11 +69,12 @@ def test_the_twin_is_the_same_tools_with_specdecs_kernels(tmp_path, monkeypatch)
 
 
 def test_the_avx2_class_is_stock_and_the_twin_built_for_avx2(tmp_path, monkeypatch) -> None:
-    """stock-avx2 and twin-avx2: the same sources as stock and the twin (fixes; every patch and
-    sdmm), built with ggml's AVX2 kernels and no AVX-512 whatever the host, each in a directory
-    of its own; the twin's processes run sdmm's AVX2 path. Their modes are avx2-<mode> and
-    twin-avx2-<mode>, the longest prefix naming the build."""
-    for peer, base in (("stock-avx2", "stock"), ("twin-avx2", "twin")):
+    """stock-avx2, twin-avx2 and ik-avx2: the same sources as stock, the twin and ik (fixes;
+    every patch and sdmm; ik_llama.cpp's sdist or selected upstream tree), built with ggml's
+    AVX2 kernels and no AVX-512 whatever the host, each in a directory of its own; the twin's
+    processes run sdmm's AVX2 path. Their modes are avx2-<mode>, twin-avx2-<mode> and
+    ik-avx2-<mode>, the longest prefix naming the build."""
+    for peer, base in (("stock-avx2", "stock"), ("twin-avx2", "twin"), ("ik-avx2", "ik")):
         p = anchors.PEERS[peer]
         assert "-DGGML_NATIVE=OFF" in p.cmake and "-DGGML_AVX512=OFF" in p.cmake
         assert "-DGGML_AVX2=ON" in p.cmake
@@ -85,6 +86,10 @@ def test_the_avx2_class_is_stock_and_the_twin_built_for_avx2(tmp_path, monkeypat
     assert anchors.split_peer("twin-avx2-ngram-mod") == ("ngram-mod", "twin-avx2")
     assert anchors.split_peer("avx2-none") == ("none", "stock-avx2")
     assert anchors.split_peer("twin-none") == ("none", "twin")
+    assert anchors.split_peer("ik-avx2-suffix") == ("suffix", "ik-avx2")
+    assert anchors.PEERS["ik-avx2"].ik and "-DGGML_AVXVNNI=OFF" in anchors.PEERS["ik-avx2"].cmake
+    assert anchors.method_name("ik-avx2-ngram-mod") == "ik-llama-server-avx2-ngram-mod"
+    assert anchors.plain_mode("ik-avx2-suffix") == "ik-avx2-none"
     assert anchors.method_name("avx2-ngram-mod") == "llama-server-avx2-ngram-mod"
     assert anchors.method_name("twin-avx2-none") == "llama-server-twin-avx2"
     assert anchors.plain_mode("twin-avx2-ngram-mod") == "twin-avx2-none"

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 #: Weight types sdmm multiplies (native/sdmm.h): every batch shape gives a row the same bits.
-SDMM_TYPES = frozenset({"Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
+SDMM_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0"})
+SDMM_TYPES |= frozenset({"Q5_1", "Q8_0", "IQ4_NL", "F16", "BF16"})
 #: Weight types whose ggml CPU kernels give a row the same bits in any batch (one scale per
 #: 32-value block, one dot product per row): measured by `specdec invariance` on smollm2 (Q4_1,
 #: Q8_0) and the Qwen 0.5B (Q5_0, Q8_0), checked in tests/backends/test_deterministic.py.

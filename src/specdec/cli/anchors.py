@@ -78,8 +78,10 @@ def _cmd_anchors(args: argparse.Namespace) -> int:
             if args.twin and args.peer not in (None, "twin"):
                 return error(f"--twin and --peer {args.peer} name two builds; pass one")
             peer = "twin" if args.twin else args.peer or "stock"
-            if args.src is not None and peer != "ik":
-                return error("--src builds ik_llama.cpp from its source: pass --peer ik with it")
+            if args.src is not None and not PEERS[peer].ik:
+                return error(
+                    "--src builds ik_llama.cpp from its source: pass --peer ik or ik-avx2 with it"
+                )
             if args.commit is not None and args.src is None:
                 return error("--commit names the commit of a --src tree: pass --src DIR with it")
             bin_dir = anchor_build.build(

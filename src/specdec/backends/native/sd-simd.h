@@ -50,6 +50,10 @@ typedef __mmask16 vmask;
 #    define vf_as_bits(v) _mm512_castsi512_ps(v)
 /* SD_VL f16 at p */
 #    define vf_from_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (p)))
+/* SD_VL bf16 at p (exact: a bf16 is a float's high half) */
+#    define vf_from_bf16(p) \
+        _mm512_castsi512_ps(_mm512_slli_epi32( \
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *) (p))), 16))
 /* SD_VL int8 at p */
 #    define vf_from_i8(p) \
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (p))))
@@ -60,6 +64,10 @@ typedef __mmask16 vmask;
 #    define vi_load(p) _mm512_loadu_si512(p) /* 4 * SD_VL bytes */
 #    define vi_and(a, b) _mm512_and_si512(a, b)
 #    define vi_or(a, b) _mm512_or_si512(a, b)
+#    define vi_xor(a, b) _mm512_xor_si512(a, b)
+/* the 16 bytes at p in every 128-bit lane; byte i of each lane of t at the index byte i (0..15) */
+#    define vi_bcast128(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) (p)))
+#    define vi_lut16(t, i) _mm512_shuffle_epi8(t, i)
 #    define vi_srli16(a, n) _mm512_srli_epi16(a, n)
 #    define vi_slli16(a, n) _mm512_slli_epi16(a, n)
 #    define vi_slli32(a, n) _mm512_slli_epi32(a, n)
@@ -106,6 +114,9 @@ typedef __m256 vmask;
 #    define vf_to_i32(a) _mm256_cvtps_epi32(a)
 #    define vf_as_bits(v) _mm256_castsi256_ps(v)
 #    define vf_from_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p)))
+#    define vf_from_bf16(p) \
+        _mm256_castsi256_ps(_mm256_slli_epi32( \
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) (p))), 16))
 #    define vf_from_i8(p) \
         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (p))))
 
@@ -115,6 +126,11 @@ typedef __m256 vmask;
 #    define vi_load(p) _mm256_loadu_si256((const __m256i *) (p))
 #    define vi_and(a, b) _mm256_and_si256(a, b)
 #    define vi_or(a, b) _mm256_or_si256(a, b)
+#    define vi_xor(a, b) _mm256_xor_si256(a, b)
+#    define vi_bcast128(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) (p)))
+#    define vi_lut16(t, i) _mm256_shuffle_epi8(t, i)
+#    define vi_abs8(a) _mm256_abs_epi8(a)       /* |a| per byte: 128 for -128 */
+#    define vi_sign8(a, s) _mm256_sign_epi8(a, s) /* a with s's sign per byte, 0 where s is 0 */
 #    define vi_srli16(a, n) _mm256_srli_epi16(a, n)
 #    define vi_slli16(a, n) _mm256_slli_epi16(a, n)
 #    define vi_slli32(a, n) _mm256_slli_epi32(a, n)

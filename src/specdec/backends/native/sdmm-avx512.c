@@ -18,6 +18,11 @@ SDMM_KERNEL(sdmm_kernel_q4_1_avx512, SDMM_TYPE_Q4_1)
 SDMM_KERNEL(sdmm_kernel_q5_0_avx512, SDMM_TYPE_Q5_0)
 SDMM_KERNEL(sdmm_kernel_q5_1_avx512, SDMM_TYPE_Q5_1)
 SDMM_KERNEL(sdmm_kernel_q8_0_avx512, SDMM_TYPE_Q8_0)
+SDMM_KERNEL(sdmm_kernel_q2k_avx512, SDMM_TYPE_Q2_K)
+SDMM_KERNEL(sdmm_kernel_iq4xs_avx512, SDMM_TYPE_IQ4_XS)
+SDMM_KERNEL(sdmm_kernel_iq4nl_avx512, SDMM_TYPE_IQ4_NL)
+SDMM_KERNEL(sdmm_kernel_f16_avx512, SDMM_TYPE_F16)
+SDMM_KERNEL(sdmm_kernel_bf16_avx512, SDMM_TYPE_BF16)
 
 SDMM_PEAK(sdmm_avx512_peak_macs, dpbusd)
 

@@ -25,6 +25,11 @@ SDMM_KERNEL(sdmm_kernel_q4_1_avxvnni, SDMM_TYPE_Q4_1)
 SDMM_KERNEL(sdmm_kernel_q5_0_avxvnni, SDMM_TYPE_Q5_0)
 SDMM_KERNEL(sdmm_kernel_q5_1_avxvnni, SDMM_TYPE_Q5_1)
 SDMM_KERNEL(sdmm_kernel_q8_0_avxvnni, SDMM_TYPE_Q8_0)
+SDMM_KERNEL(sdmm_kernel_q2k_avxvnni, SDMM_TYPE_Q2_K)
+SDMM_KERNEL(sdmm_kernel_iq4xs_avxvnni, SDMM_TYPE_IQ4_XS)
+SDMM_KERNEL(sdmm_kernel_iq4nl_avxvnni, SDMM_TYPE_IQ4_NL)
+SDMM_KERNEL(sdmm_kernel_f16_avxvnni, SDMM_TYPE_F16)
+SDMM_KERNEL(sdmm_kernel_bf16_avxvnni, SDMM_TYPE_BF16)
 
 SDMM_PEAK(sdmm_avxvnni_peak_macs, dpbusd)
 

@@ -30,6 +30,11 @@ static_assert(SDMM_TYPE_Q4_1 == GGML_TYPE_Q4_1, "sdmm.h's Q4_1 id is ggml's");
 static_assert(SDMM_TYPE_Q5_0 == GGML_TYPE_Q5_0, "sdmm.h's Q5_0 id is ggml's");
 static_assert(SDMM_TYPE_Q5_1 == GGML_TYPE_Q5_1, "sdmm.h's Q5_1 id is ggml's");
 static_assert(SDMM_TYPE_Q8_0 == GGML_TYPE_Q8_0, "sdmm.h's Q8_0 id is ggml's");
+static_assert(SDMM_TYPE_Q2_K == GGML_TYPE_Q2_K, "sdmm.h's Q2_K id is ggml's");
+static_assert(SDMM_TYPE_IQ4_XS == GGML_TYPE_IQ4_XS, "sdmm.h's IQ4_XS id is ggml's");
+static_assert(SDMM_TYPE_IQ4_NL == GGML_TYPE_IQ4_NL, "sdmm.h's IQ4_NL id is ggml's");
+static_assert(SDMM_TYPE_F16 == GGML_TYPE_F16, "sdmm.h's F16 id is ggml's");
+static_assert(SDMM_TYPE_BF16 == GGML_TYPE_BF16, "sdmm.h's BF16 id is ggml's");
 
 namespace sdmm_ggml {
 

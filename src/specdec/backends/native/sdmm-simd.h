@@ -38,6 +38,21 @@ SD_INLINE void fifth_bits(const uint8_t * qh, vint * hb) {
     }
 }
 
+/* The IQ4 values (IQ4_XS, IQ4_NL) in every 128-bit lane, for vi_lut16: signed for AVX2's
+ * maddubs, which multiplies |w| by the activation given w's sign (vi_sign8; 2 * 127 * 127 <
+ * 2^15, so exact); offset by 128 for vpdpbusd's unsigned operand, the 128 taken out of the sum
+ * exactly (-128 * the activations' sum) */
+static const int8_t SDMM_IQ4_VALUES[16] = SDMM_KVALUES_IQ4NL;
+#if SD_DOT16
+#    define SDMM_IQ4_OFFSET 0
+#else
+#    define SDMM_IQ4_OFFSET 128
+#endif
+SD_INLINE vint iq4_table(void) {
+    const vint t = vi_bcast128(SDMM_IQ4_VALUES);
+    return SDMM_IQ4_OFFSET ? vi_xor(t, vi_set1_8((char) 0x80)) : t;
+}
+
 #if SD_DOT16
 /* A sub-block scale per lane (32 bits, sign-extended) as the int16 pair (sc, sc): one madd of a
  * lane's two 16-bit sums by it is sc times their sum, the integer vpmulld gives. */
@@ -45,6 +60,34 @@ SD_INLINE vint scale_pair(vint sc) {
     return vi_or(vi_and(sc, vi_set1_32(0xFFFF)), vi_slli32(sc, 16));
 }
 #endif
+
+/* The float terms of a super-block with mins (Q4_K, Q5_K: npairs 4, 32-value sub-blocks; Q2_K:
+ * 8, 16-value ones, b16 set): row t's outputs facc[t * SDMM_R ..] += sumi[t] * (d * da), then
+ * -= summ * (dmin * da), summ the mins m (int16 pairs per lane) times the activation's sums of
+ * the sub-blocks (b32 or b16). */
+SD_INLINE void mins_float(const sdmm_half * d16, const sdmm_half * dmin16,
+                          const uint8_t (*mins)[SDMM_R][2], const int npairs, const int b16,
+                          const sdmm_act * a, const int NT, int h, const vint * sumi,
+                          float * facc) {
+    vint m[8];
+    for (int i = 0; i < npairs; i++) {
+        m[i] = vi_u8_to_16(mins[i][SD_VL * h]);
+    }
+    const vfloat d = vf_from_f16(d16 + SD_VL * h);
+    const vfloat dmin = vf_from_f16(dmin16 + SD_VL * h);
+    for (int t = 0; t < NT; t++) {
+        const sdmm_act * A = a + t;
+        const int16_t * bs = b16 ? A->b16 : A->b32;
+        vint summ = vi_zero();
+        for (int i = 0; i < npairs; i++) {
+            summ = vi_dpwssd(summ, m[i], vi_bcast32(&bs[2 * i]));
+        }
+        const vfloat da = vf_set1(A->d);
+        vfloat f = vf_load(facc + t * SDMM_R);
+        f = vf_fmadd(vf_from_i32(sumi[t]), vf_mul(d, da), f);
+        vf_store(facc + t * SDMM_R, vf_fnmadd(vf_from_i32(summ), vf_mul(dmin, da), f));
+    }
+}
 
 /* One Q4_K super-block of rows h of a group times the tile's NT activation rows (row t's block
  * at a[t]): row t's outputs facc[t * SDMM_R ..] += its two float terms, in sdmm.h's order. A
@@ -106,22 +149,100 @@ SD_INLINE void q4k_block(const sdmm_q4k_r16 * blk, const uint8_t (*qh)[64], cons
         }
 #endif
     }
-    vint m[4];
-    for (int i = 0; i < 4; i++) {
-        m[i] = vi_u8_to_16(blk->m[i][SD_VL * h]);
+    mins_float(blk->d, blk->dmin, blk->m, 4, 0, a, NT, h, sumi, facc);
+}
+
+/* The same for a Q2_K super-block: 16 sub-blocks of 16 two-bit quants. */
+SD_INLINE void q2k_block(const sdmm_q2k_r16 * blk, const sdmm_act * a, const int NT, int h,
+                         float * facc) {
+    const vint m3 = vi_set1_8(3);
+    vint sumi[SDMM_TILE];
+    for (int t = 0; t < NT; t++) {
+        sumi[t] = vi_zero();
+    }
+    for (int j = 0; j < 16; j++) {
+        const vint Q = vi_load(blk->qs[j] + 4 * SD_VL * h);
+        /* quants of values 16j+0..3, +4..7, +8..11, +12..15 of each row (a 16-bit shift moves
+         * no bit the mask keeps across bytes) */
+        const vint w[4] = {vi_and(Q, m3), vi_and(vi_srli16(Q, 2), m3),
+                           vi_and(vi_srli16(Q, 4), m3), vi_and(vi_srli16(Q, 6), m3)};
+        const vint sc = vi_u8_to_32(blk->sc[j] + SD_VL * h);
+#if SD_DOT16
+        /* a lane's 16-bit halves each sum 8 products, 8 * 3 * 127 < 2^15: exact */
+        const vint sc2 = scale_pair(sc);
+        for (int t = 0; t < NT; t++) {
+            const int8_t * q = a[t].qs + 16 * j;
+            const vint p = vi_add16(vi_add16(vi_maddubs(w[0], vi_bcast32(q)),
+                                             vi_maddubs(w[1], vi_bcast32(q + 4))),
+                                    vi_add16(vi_maddubs(w[2], vi_bcast32(q + 8)),
+                                             vi_maddubs(w[3], vi_bcast32(q + 12))));
+            sumi[t] = vi_add32(sumi[t], vi_madd16(p, sc2));
+        }
+#else
+        for (int t = 0; t < NT; t++) {
+            const int8_t * q = a[t].qs + 16 * j;
+            vint acc = vi_dpbusd(vi_zero(), w[0], vi_bcast32(q));
+            for (int c = 1; c < 4; c++) {
+                acc = vi_dpbusd(acc, w[c], vi_bcast32(q + 4 * c));
+            }
+            sumi[t] = vi_add32(sumi[t], vi_mullo32(acc, sc));
+        }
+#endif
+    }
+    mins_float(blk->d, blk->dmin, blk->m, 8, 1, a, NT, h, sumi, facc);
+}
+
+/* The same for an IQ4_XS super-block: 8 sub-blocks of 32 values looked up from 4-bit indices
+ * (Q4_K's layout), a signed scale each, one float term. */
+SD_INLINE void iq4xs_block(const sdmm_iq4xs_r16 * blk, const sdmm_act * a, const int NT, int h,
+                           float * facc) {
+    const vint m4 = vi_set1_8(0x0F), table = iq4_table();
+    vint sumi[SDMM_TILE];
+    for (int t = 0; t < NT; t++) {
+        sumi[t] = vi_zero();
+    }
+    for (int j = 0; j < 8; j++) {
+        vint w[8]; /* values 32j+4c.. (c = 0..3), then 32j+16+4c.. */
+        for (int c = 0; c < 4; c++) {
+            const vint L = vi_load(blk->qs[j][c] + 4 * SD_VL * h);
+            w[c] = vi_lut16(table, vi_and(L, m4));
+            w[4 + c] = vi_lut16(table, vi_and(vi_srli16(L, 4), m4));
+        }
+        const vint sc = vi_i8_to_32(blk->sc[j] + SD_VL * h);
+#if SD_DOT16
+        /* each 4 products widened at once by a madd with the scale pair (sc, sc) */
+        const vint sc2 = scale_pair(sc);
+        vint aw[8];
+        for (int c = 0; c < 8; c++) {
+            aw[c] = vi_abs8(w[c]);
+        }
+        for (int t = 0; t < NT; t++) {
+            const int8_t * q = a[t].qs + 32 * j;
+            vint acc = sumi[t];
+            for (int c = 0; c < 8; c++) {
+                const int col = c < 4 ? 4 * c : 16 + 4 * (c - 4);
+                const vint x = vi_maddubs(aw[c], vi_sign8(vi_bcast32(q + col), w[c]));
+                acc = vi_add32(acc, vi_madd16(x, sc2));
+            }
+            sumi[t] = acc;
+        }
+#else
+        for (int t = 0; t < NT; t++) {
+            const int8_t * q = a[t].qs + 32 * j;
+            vint acc = vi_set1_32(-SDMM_IQ4_OFFSET * a[t].b32[j]);
+            for (int c = 0; c < 4; c++) {
+                acc = vi_dpbusd(acc, w[c], vi_bcast32(q + 4 * c));
+                acc = vi_dpbusd(acc, w[4 + c], vi_bcast32(q + 16 + 4 * c));
+            }
+            sumi[t] = vi_add32(sumi[t], vi_mullo32(acc, sc));
+        }
+#endif
     }
     const vfloat d = vf_from_f16(blk->d + SD_VL * h);
-    const vfloat dmin = vf_from_f16(blk->dmin + SD_VL * h);
     for (int t = 0; t < NT; t++) {
-        const sdmm_act * A = a + t;
-        vint summ = vi_zero();
-        for (int i = 0; i < 4; i++) {
-            summ = vi_dpwssd(summ, m[i], vi_bcast32(&A->b32[2 * i]));
-        }
-        const vfloat da = vf_set1(A->d);
-        vfloat f = vf_load(facc + t * SDMM_R);
-        f = vf_fmadd(vf_from_i32(sumi[t]), vf_mul(d, da), f);
-        vf_store(facc + t * SDMM_R, vf_fnmadd(vf_from_i32(summ), vf_mul(dmin, da), f));
+        const vfloat da = vf_set1(a[t].d);
+        vf_store(facc + t * SDMM_R,
+                 vf_fmadd(vf_from_i32(sumi[t]), vf_mul(d, da), vf_load(facc + t * SDMM_R)));
     }
 }
 
@@ -193,13 +314,14 @@ SD_INLINE void block32_float(const sdmm_half * d16, const sdmm_half * m16, const
     }
 }
 
-/* A 4- or 5-bit 32-value block of rows h of a group (Q4_0, Q4_1, Q5_0, Q5_1) times the tile's
- * NT activation rows: scales d16, mins m16 (NULL: none), fifth bits qh (NULL: none) and low
- * nibbles qs of the group. The quants are unsigned: vpdpbusd multiplies them so, and an offset
- * (Q4_0's 8, Q5_0's 16) comes out of the sum exactly (-offset * sum). */
+/* A 4- or 5-bit 32-value block of rows h of a group (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) times the
+ * tile's NT activation rows: scales d16, mins m16 (NULL: none), fifth bits qh (NULL: none) and
+ * low nibbles qs of the group. The quants are unsigned: vpdpbusd multiplies them so, and an
+ * offset (Q4_0's 8, Q5_0's 16) comes out of the sum exactly (-offset * sum). IQ4_NL (iq4 set)
+ * looks its values up from the quants (iq4_table, with its own offset). */
 SD_INLINE void q32_block(const sdmm_half * d16, const sdmm_half * m16, const uint8_t * qh,
-                         const uint8_t (*qs)[64], const int offset, const sdmm_act32 * a,
-                         const int NT, int h, float * facc) {
+                         const uint8_t (*qs)[64], int offset, const int iq4,
+                         const sdmm_act32 * a, const int NT, int h, float * facc) {
     const vint m4 = vi_set1_8(0x0F);
     vint hb[8];
     if (qh != NULL) {
@@ -216,6 +338,30 @@ SD_INLINE void q32_block(const sdmm_half * d16, const sdmm_half * m16, const uin
         }
     }
     vint sumi[SDMM_TILE];
+    if (iq4) {
+        const vint table = iq4_table();
+        for (int c = 0; c < 8; c++) {
+            w[c] = vi_lut16(table, w[c]);
+        }
+        offset = SDMM_IQ4_OFFSET;
+    }
+#if SD_DOT16
+    if (iq4) { /* signed values: |w| times the activation given w's sign, as in Q8_0's */
+        vint aw[8];
+        for (int c = 0; c < 8; c++) {
+            aw[c] = vi_abs8(w[c]);
+        }
+        for (int t = 0; t < NT; t++) {
+            vint acc = vi_zero();
+            for (int c = 0; c < 8; c++) {
+                acc = vi_dpbusd(acc, aw[c], vi_sign8(vi_bcast32(a[t].qs + 4 * c), w[c]));
+            }
+            sumi[t] = acc;
+        }
+        block32_float(d16 + SD_VL * h, NULL, a, NT, sumi, facc);
+        return;
+    }
+#endif
     for (int t = 0; t < NT; t++) {
         vint acc = vi_set1_32(-offset * a[t].sum);
 #if SD_DOT16
@@ -264,18 +410,38 @@ SD_INLINE void q8_0_block(const sdmm_q8_0_r16 * blk, const sdmm_act32 * a, const
      * q's sign, as ggml does (2 * 128 * 127 < 2^15); the same exact sums */
     vint aw[8];
     for (int c = 0; c < 8; c++) {
-        w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8((char) 0x80)); /* q */
-        aw[c] = _mm256_abs_epi8(w[c]);                                 /* |q|, 128 for -128 */
+        w[c] = vi_xor(w[c], vi_set1_8((char) 0x80)); /* q */
+        aw[c] = vi_abs8(w[c]);                        /* |q|, 128 for -128 */
     }
     for (int t = 0; t < NT; t++) {
         vint acc = vi_zero();
         for (int c = 0; c < 8; c++) {
-            acc = vi_dpbusd(acc, aw[c], _mm256_sign_epi8(vi_bcast32(a[t].qs + 4 * c), w[c]));
+            acc = vi_dpbusd(acc, aw[c], vi_sign8(vi_bcast32(a[t].qs + 4 * c), w[c]));
         }
         sumi[t] = acc;
     }
 #endif
     block32_float(blk->d + SD_VL * h, NULL, a, NT, sumi, facc);
+}
+
+/* A float block (F16, BF16: bf16 set) of rows h of a group times the tile's NT activation rows:
+ * each lane one fma per value, in order, into row t's outputs facc[t * SDMM_R ..]. */
+SD_INLINE void f16_block(const sdmm_f16_r16 * blk, const int bf16, const sdmm_actf * a,
+                         const int NT, int h, float * facc) {
+    vfloat acc[SDMM_TILE];
+    for (int t = 0; t < NT; t++) {
+        acc[t] = vf_load(facc + t * SDMM_R);
+    }
+    for (int c = 0; c < 32; c++) {
+        const uint16_t * p = blk->w[c] + SD_VL * h;
+        const vfloat w = bf16 ? vf_from_bf16(p) : vf_from_f16(p);
+        for (int t = 0; t < NT; t++) {
+            acc[t] = vf_fmadd(w, vf_set1(a[t].x[c]), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        vf_store(facc + t * SDMM_R, acc[t]);
+    }
 }
 
 /* One block of rows h of a group times a tile of NT activation rows (at, of the type's kind). */
@@ -294,26 +460,42 @@ SD_INLINE void sdmm_tile(int type, const void * blk, const void * at, const int 
             break;
         case SDMM_TYPE_Q4_0: {
             const sdmm_q4_0_r16 * g = (const sdmm_q4_0_r16 *) blk;
-            q32_block(g->d, NULL, NULL, g->qs, 8, (const sdmm_act32 *) at, NT, h, facc);
+            q32_block(g->d, NULL, NULL, g->qs, 8, 0, (const sdmm_act32 *) at, NT, h, facc);
             break;
         }
         case SDMM_TYPE_Q4_1: {
             const sdmm_q4_1_r16 * g = (const sdmm_q4_1_r16 *) blk;
-            q32_block(g->d, g->m, NULL, g->qs, 0, (const sdmm_act32 *) at, NT, h, facc);
+            q32_block(g->d, g->m, NULL, g->qs, 0, 0, (const sdmm_act32 *) at, NT, h, facc);
             break;
         }
         case SDMM_TYPE_Q5_0: {
             const sdmm_q5_0_r16 * g = (const sdmm_q5_0_r16 *) blk;
-            q32_block(g->d, NULL, g->qh, g->qs, 16, (const sdmm_act32 *) at, NT, h, facc);
+            q32_block(g->d, NULL, g->qh, g->qs, 16, 0, (const sdmm_act32 *) at, NT, h, facc);
             break;
         }
         case SDMM_TYPE_Q5_1: {
             const sdmm_q5_1_r16 * g = (const sdmm_q5_1_r16 *) blk;
-            q32_block(g->q.d, g->m, g->q.qh, g->q.qs, 0, (const sdmm_act32 *) at, NT, h, facc);
+            q32_block(g->q.d, g->m, g->q.qh, g->q.qs, 0, 0, (const sdmm_act32 *) at, NT, h, facc);
             break;
         }
         case SDMM_TYPE_Q8_0:
             q8_0_block((const sdmm_q8_0_r16 *) blk, (const sdmm_act32 *) at, NT, h, facc);
+            break;
+        case SDMM_TYPE_Q2_K:
+            q2k_block((const sdmm_q2k_r16 *) blk, (const sdmm_act *) at, NT, h, facc);
+            break;
+        case SDMM_TYPE_IQ4_XS:
+            iq4xs_block((const sdmm_iq4xs_r16 *) blk, (const sdmm_act *) at, NT, h, facc);
+            break;
+        case SDMM_TYPE_IQ4_NL: {
+            const sdmm_iq4nl_r16 * g = (const sdmm_iq4nl_r16 *) blk;
+            q32_block(g->d, NULL, NULL, g->qs, 0, 1, (const sdmm_act32 *) at, NT, h, facc);
+            break;
+        }
+        case SDMM_TYPE_F16:
+        case SDMM_TYPE_BF16:
+            f16_block((const sdmm_f16_r16 *) blk, type == SDMM_TYPE_BF16, (const sdmm_actf *) at,
+                      NT, h, facc);
             break;
         default: /* SDMM_KERNEL is instantiated for the group layouts above only */
             break;

@@ -8,6 +8,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+_Static_assert(sizeof(sdmm_block_q2_K) == 84, "ggml's block_q2_K is 84 bytes");
+_Static_assert(sizeof(sdmm_block_iq4_xs) == 136, "ggml's block_iq4_xs is 136 bytes");
+_Static_assert(sizeof(sdmm_block_iq4_nl) == 18, "ggml's block_iq4_nl is 18 bytes");
+_Static_assert(sizeof(sdmm_q2k_r16) == 1600, "sdmm_q2k_r16 layout");
+_Static_assert(sizeof(sdmm_iq4xs_r16) == 2208, "sdmm_iq4xs_r16 layout");
+_Static_assert(sizeof(sdmm_f16_r16) == 1024, "sdmm_f16_r16 layout");
+_Static_assert(sizeof(sdmm_actf) == 128, "sdmm_actf layout");
 _Static_assert(sizeof(sdmm_block_q3_K) == 110, "ggml's block_q3_K is 110 bytes");
 _Static_assert(sizeof(sdmm_block_q4_K) == 144, "ggml's block_q4_K is 144 bytes");
 _Static_assert(sizeof(sdmm_block_q5_K) == 176, "ggml's block_q5_K is 176 bytes");
@@ -54,6 +61,12 @@ static void q4k_scale_min(const uint8_t * q, int j, uint8_t * sc, uint8_t * m) {
     }
 }
 
+/* 0..3: value v's quant of a Q2_K block (dequantize_row_q2_K: byte 32n + l, bits 2i) */
+static int q2k_src(const sdmm_block_q2_K * b, int v) {
+    const int n = v / 128, i = (v % 128) / 32, l = v % 32;
+    return (b->qs[32 * n + l] >> (2 * i)) & 3;
+}
+
 /* 0..7: value v's quant + 4 (dequantize_row_q3_K: the low 2 bits, minus 4 where the hmask bit is
  * clear) */
 static int q3k_src(const sdmm_block_q3_K * b, int v) {
@@ -84,6 +97,13 @@ static int nibble_src(const uint8_t * qs, int v) {
     return v < 16 ? qs[v] & 0xF : qs[v - 16] >> 4;
 }
 
+/* sub-block j's ls (0..63) of an IQ4_XS block (dequantize_row_iq4_xs) */
+static int iq4xs_ls(const sdmm_block_iq4_xs * b, int j) {
+    return ((b->scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | ((b->scales_h >> (2 * j)) & 3) << 4;
+}
+
+static const int8_t KVALUES_IQ4NL[16] = SDMM_KVALUES_IQ4NL;
+
 /* 0..31: a 32-value block's low nibbles and fifth bits (Q5_0's, Q5_1's; before Q5_0's -16) */
 static int q5_src(const uint8_t * qs, const uint8_t * qh4, int v) {
     uint32_t qh;
@@ -94,9 +114,14 @@ static int q5_src(const uint8_t * qs, const uint8_t * qh4, int v) {
 /* ------------------------------------------------------------------------------------------ */
 /* quants of the repacked groups, by row r and value index                                    */
 
-static int q4k_packed(const sdmm_q4k_r16 * g, int r, int j, int v) { /* v in sub-block j */
-    const uint8_t byte = g->qs[j][(v % 16) / 4][4 * r + v % 4];
+/* value v of sub-block j of row r in Q4_K's quant layout (Q4_K's, Q5_K's low bits, IQ4_XS's) */
+static int nibble_packed(const uint8_t (*qs)[4][64], int r, int j, int v) {
+    const uint8_t byte = qs[j][(v % 16) / 4][4 * r + v % 4];
     return v < 16 ? byte & 0xF : byte >> 4;
+}
+
+static int q4k_packed(const sdmm_q4k_r16 * g, int r, int j, int v) { /* v in sub-block j */
+    return nibble_packed(g->qs, r, j, v);
 }
 
 static int q6k_packed(const sdmm_q6k_r16 * g, int r, int j, int v) { /* v in sub-block j */
@@ -114,6 +139,10 @@ static int q32_packed(const uint8_t (*qs)[64], const uint8_t * qh, int r, int v)
     const uint8_t byte = qs[c][4 * r + t];
     const int lo4 = v < 16 ? byte & 0xF : byte >> 4;
     return lo4 | (qh != NULL ? ((qh[4 * r + t] >> hi_bit) & 1) << 4 : 0);
+}
+
+static int q2k_packed(const sdmm_q2k_r16 * g, int r, int j, int v) { /* v in sub-block j */
+    return (g->qs[j][4 * r + v % 4] >> (2 * (v / 4))) & 3;
 }
 
 static int q8_0_packed(const sdmm_q8_0_r16 * g, int r, int v) { /* the signed value */
@@ -193,6 +222,50 @@ static void pack_row_q6k(void * group, int r, const void * src) {
         q[v] = q6k_src(b, v);
     }
     pack_row_256x6(out, r, b->d, b->scales, q);
+}
+
+static void pack_row_q2k(void * group, int r, const void * src) {
+    sdmm_q2k_r16 * out = group;
+    const sdmm_block_q2_K * b = src;
+    out->d[r] = b->d;
+    out->dmin[r] = b->dmin;
+    for (int j = 0; j < 16; j++) {
+        out->sc[j][r] = b->scales[j] & 0xF;
+        out->m[j / 2][r][j % 2] = b->scales[j] >> 4;
+        for (int t = 0; t < 4; t++) {
+            uint8_t byte = 0;
+            for (int c = 0; c < 4; c++) {
+                byte |= (uint8_t) (q2k_src(b, 16 * j + 4 * c + t) << (2 * c));
+            }
+            out->qs[j][4 * r + t] = byte;
+        }
+    }
+}
+
+/* IQ4_XS: Q4_K's quant layout for its indices, ls - 32 as the scale */
+static void pack_row_iq4xs(void * group, int r, const void * src) {
+    sdmm_iq4xs_r16 * out = group;
+    const sdmm_block_iq4_xs * b = src;
+    out->d[r] = b->d;
+    for (int j = 0; j < 8; j++) {
+        out->sc[j][r] = (int8_t) (iq4xs_ls(b, j) - 32);
+        for (int c = 0; c < 4; c++) {
+            for (int t = 0; t < 4; t++) {
+                const int lo = nibble_src(b->qs + 16 * j, 4 * c + t);
+                const int hi = nibble_src(b->qs + 16 * j, 16 + 4 * c + t);
+                out->qs[j][c][4 * r + t] = (uint8_t) (lo | hi << 4);
+            }
+        }
+    }
+}
+
+/* F16, BF16: a 32-value block's 16-bit patterns, as stored */
+static void pack_row_f16(void * group, int r, const void * src) {
+    sdmm_f16_r16 * out = group;
+    const uint16_t * w = src;
+    for (int c = 0; c < 32; c++) {
+        out->w[c][r] = w[c];
+    }
 }
 
 /* Q3_K's quant q (value d*sc*(q - 4)) as q + 28 in Q6_K's group: d*sc*(q + 28 - 32) */
@@ -325,6 +398,7 @@ static void quantize_row_q8_K(const float * x, int64_t k, sdmm_act * out, size_t
                 sum += a->qs[16 * j + i];
             }
             a->nb16[j] = -32 * sum;
+            a->b16[j] = (int16_t) sum;
             a->b32[j / 2] = (int16_t) (a->b32[j / 2] + sum);
             int lo = 0; /* quants 16j + i with i % 4 < 2: the low 16-bit half of a lane */
             for (int i = 0; i < 16; i += 4) {
@@ -336,8 +410,65 @@ static void quantize_row_q8_K(const float * x, int64_t k, sdmm_act * out, size_t
     }
 }
 
+static uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static float f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* fp32 -> fp16, rounding to nearest even (ggml's ggml_compute_fp32_to_fp16 without F16C; F16C's
+ * conversion gives the same bits for every number) */
+static uint16_t sd_f2h(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) {
+        bias = 0x71000000u;
+    }
+    base = f32_from_bits((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = f32_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t) ((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+/* fp32 -> bf16, rounding to nearest even, a nan kept quiet (ggml's ggml_compute_fp32_to_bf16) */
+static uint16_t sd_f2bf(float f) {
+    const uint32_t u = f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (uint16_t) ((u >> 16) | 64);
+    }
+    return (uint16_t) ((u + (0x7fffu + ((u >> 16) & 1))) >> 16);
+}
+
+static float sd_bf2f(uint16_t h) {
+    return f32_from_bits((uint32_t) h << 16);
+}
+
+/* the float types' activations: each value rounded to the weight's type, as ggml converts them
+ * (its vec_dot_type for F16 is F16, for BF16 BF16), held as floats */
+static void round_row(int type, const float * x, int64_t k, sdmm_actf * out, size_t stride) {
+    for (int64_t s = 0; s < k / 32; s++, x += 32) {
+        sdmm_actf * a = out + (size_t) s * stride;
+        for (int j = 0; j < 32; j++) {
+            a->x[j] = type == SDMM_TYPE_BF16 ? sd_bf2f(sd_f2bf(x[j])) : sd_h2f(sd_f2h(x[j]));
+        }
+    }
+}
+
+static int float_type(int type) {
+    return type == SDMM_TYPE_F16 || type == SDMM_TYPE_BF16;
+}
+
 void sdmm_quantize_row(int type, const float * x, int64_t k, void * out, size_t stride) {
-    if (sdmm_block_cols(type) == SDMM_QK) {
+    if (float_type(type)) {
+        round_row(type, x, k, (sdmm_actf *) out, stride);
+    } else if (sdmm_block_cols(type) == SDMM_QK) {
         quantize_row_q8_K(x, k, (sdmm_act *) out, stride);
     } else {
         quantize_row_q8_0(x, k, (sdmm_act32 *) out, stride);
@@ -368,6 +499,34 @@ static float q4k_ref_block(const sdmm_q4k_r16 * blk, const uint8_t (*qh)[64], in
     return fmaf(-(float) summ, f2, acc);
 }
 
+/* the same for Q2_K: 16 sub-blocks of 16 values, a scale and a min each */
+static float q2k_ref_block(const sdmm_q2k_r16 * blk, int r, const sdmm_act * A, float acc) {
+    int32_t sumi = 0, summ = 0;
+    for (int j = 0; j < 16; j++) {
+        int32_t dot = 0;
+        for (int v = 0; v < 16; v++) {
+            dot += q2k_packed(blk, r, j, v) * A->qs[16 * j + v];
+        }
+        sumi += dot * blk->sc[j][r];
+        summ += blk->m[j / 2][r][j % 2] * A->b16[j];
+    }
+    acc = fmaf((float) sumi, sd_h2f(blk->d[r]) * A->d, acc);
+    return fmaf(-(float) summ, sd_h2f(blk->dmin[r]) * A->d, acc);
+}
+
+/* the same for IQ4_XS: acc plus its float term */
+static float iq4xs_ref_block(const sdmm_iq4xs_r16 * blk, int r, const sdmm_act * A, float acc) {
+    int32_t sumi = 0;
+    for (int j = 0; j < 8; j++) {
+        int32_t dot = 0;
+        for (int v = 0; v < 32; v++) {
+            dot += KVALUES_IQ4NL[nibble_packed(blk->qs, r, j, v)] * A->qs[32 * j + v];
+        }
+        sumi += dot * blk->sc[j][r];
+    }
+    return fmaf((float) sumi, sd_h2f(blk->d[r]) * A->d, acc);
+}
+
 /* the same for Q6_K: acc plus its float term */
 static float q6k_ref_block(const sdmm_q6k_r16 * blk, int r, const sdmm_act * A, float acc) {
     int32_t sumi = 0;
@@ -382,17 +541,29 @@ static float q6k_ref_block(const sdmm_q6k_r16 * blk, int r, const sdmm_act * A, 
     return fmaf((float) sumi, f1, acc);
 }
 
-/* Q4_0, Q4_1, Q5_0, Q5_1: the integer dot product of a 32-value block (its quants less
- * `offset`), then its float terms, the mins' (m16 not NULL) last */
+/* Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL: the integer dot product of a 32-value block (its quants less
+ * `offset`, or IQ4_NL's values of them: kv not NULL), then its float terms, the mins' (m16 not
+ * NULL) last */
 static float q32_ref_block(const sdmm_half * d16, const sdmm_half * m16, const uint8_t * qh,
-                           const uint8_t (*qs)[64], int offset, int r, const sdmm_act32 * A,
-                           float acc) {
+                           const uint8_t (*qs)[64], int offset, const int8_t * kv, int r,
+                           const sdmm_act32 * A, float acc) {
     int32_t sumi = 0;
     for (int v = 0; v < 32; v++) {
-        sumi += (q32_packed(qs, qh, r, v) - offset) * A->qs[v];
+        const int q = q32_packed(qs, qh, r, v);
+        sumi += (kv != NULL ? kv[q] : q - offset) * A->qs[v];
     }
     acc = fmaf((float) sumi, sd_h2f(d16[r]) * A->d, acc);
     return m16 != NULL ? fmaf((float) A->sum, sd_h2f(m16[r]) * A->d, acc) : acc;
+}
+
+/* F16, BF16: one fma per value, in order */
+static float f16_ref_block(const sdmm_f16_r16 * blk, int bf16, int r, const sdmm_actf * A,
+                           float acc) {
+    for (int c = 0; c < 32; c++) {
+        const float w = bf16 ? sd_bf2f(blk->w[c][r]) : sd_h2f(blk->w[c][r]);
+        acc = fmaf(w, A->x[c], acc);
+    }
+    return acc;
 }
 
 /* Q8_0: the integer dot product of a 32-value block, then its float term */
@@ -417,22 +588,38 @@ static float ref_q6k(const void * blk, int r, const void * A, float acc) {
 }
 static float ref_q4_0(const void * blk, int r, const void * A, float acc) {
     const sdmm_q4_0_r16 * g = blk;
-    return q32_ref_block(g->d, NULL, NULL, g->qs, 8, r, A, acc);
+    return q32_ref_block(g->d, NULL, NULL, g->qs, 8, NULL, r, A, acc);
 }
 static float ref_q4_1(const void * blk, int r, const void * A, float acc) {
     const sdmm_q4_1_r16 * g = blk;
-    return q32_ref_block(g->d, g->m, NULL, g->qs, 0, r, A, acc);
+    return q32_ref_block(g->d, g->m, NULL, g->qs, 0, NULL, r, A, acc);
 }
 static float ref_q5_0(const void * blk, int r, const void * A, float acc) {
     const sdmm_q5_0_r16 * g = blk;
-    return q32_ref_block(g->d, NULL, g->qh, g->qs, 16, r, A, acc);
+    return q32_ref_block(g->d, NULL, g->qh, g->qs, 16, NULL, r, A, acc);
 }
 static float ref_q5_1(const void * blk, int r, const void * A, float acc) {
     const sdmm_q5_1_r16 * g = blk;
-    return q32_ref_block(g->q.d, g->m, g->q.qh, g->q.qs, 0, r, A, acc);
+    return q32_ref_block(g->q.d, g->m, g->q.qh, g->q.qs, 0, NULL, r, A, acc);
 }
 static float ref_q8_0(const void * blk, int r, const void * A, float acc) {
     return q8_0_ref_block(blk, r, A, acc);
+}
+static float ref_q2k(const void * blk, int r, const void * A, float acc) {
+    return q2k_ref_block(blk, r, A, acc);
+}
+static float ref_iq4xs(const void * blk, int r, const void * A, float acc) {
+    return iq4xs_ref_block(blk, r, A, acc);
+}
+static float ref_iq4nl(const void * blk, int r, const void * A, float acc) {
+    const sdmm_iq4nl_r16 * g = blk;
+    return q32_ref_block(g->d, NULL, NULL, g->qs, 0, KVALUES_IQ4NL, r, A, acc);
+}
+static float ref_f16(const void * blk, int r, const void * A, float acc) {
+    return f16_ref_block(blk, 0, r, A, acc);
+}
+static float ref_bf16(const void * blk, int r, const void * A, float acc) {
+    return f16_ref_block(blk, 1, r, A, acc);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -450,7 +637,7 @@ static float ref_q8_0(const void * blk, int r, const void * A, float acc) {
 /* The types sdmm multiplies: the one place that says, per type, how many values a block holds,
  * ggml's block and sdmm's 16-row group of it, how a row is packed into the group and which
  * kernels multiply it. Q3_K is packed into Q6_K's group (each quant the same value) and runs its
- * kernels. */
+ * kernels; IQ4_NL's block is Q4_0's layout, packed alike. */
 static const struct {
     int type, cols;
     size_t src_bytes, group_bytes;
@@ -476,6 +663,16 @@ static const struct {
      SDMM_KERNELS_(q5_1)},
     {SDMM_TYPE_Q8_0, 32, sizeof(sdmm_block_q8_0), sizeof(sdmm_q8_0_r16), pack_row_q8_0, ref_q8_0,
      SDMM_KERNELS_(q8_0)},
+    {SDMM_TYPE_Q2_K, SDMM_QK, sizeof(sdmm_block_q2_K), sizeof(sdmm_q2k_r16), pack_row_q2k,
+     ref_q2k, SDMM_KERNELS_(q2k)},
+    {SDMM_TYPE_IQ4_XS, SDMM_QK, sizeof(sdmm_block_iq4_xs), sizeof(sdmm_iq4xs_r16),
+     pack_row_iq4xs, ref_iq4xs, SDMM_KERNELS_(iq4xs)},
+    {SDMM_TYPE_IQ4_NL, 32, sizeof(sdmm_block_iq4_nl), sizeof(sdmm_iq4nl_r16), pack_row_q4_0,
+     ref_iq4nl, SDMM_KERNELS_(iq4nl)},
+    {SDMM_TYPE_F16, 32, 32 * sizeof(uint16_t), sizeof(sdmm_f16_r16), pack_row_f16, ref_f16,
+     SDMM_KERNELS_(f16)},
+    {SDMM_TYPE_BF16, 32, 32 * sizeof(uint16_t), sizeof(sdmm_f16_r16), pack_row_f16, ref_bf16,
+     SDMM_KERNELS_(bf16)},
 };
 #undef SDMM_KERNELS_
 #define SDMM_NTYPES ((int) (sizeof(TYPES) / sizeof(TYPES[0])))
@@ -504,6 +701,9 @@ size_t sdmm_group_bytes(int type) {
 }
 
 size_t sdmm_act_bytes(int type) {
+    if (float_type(type)) {
+        return sizeof(sdmm_actf);
+    }
     return sdmm_block_cols(type) == SDMM_QK ? sizeof(sdmm_act) : sizeof(sdmm_act32);
 }
 
@@ -565,6 +765,11 @@ SDMM_REF_(sdmm_kernel_q4_1_ref, SDMM_TYPE_Q4_1)
 SDMM_REF_(sdmm_kernel_q5_0_ref, SDMM_TYPE_Q5_0)
 SDMM_REF_(sdmm_kernel_q5_1_ref, SDMM_TYPE_Q5_1)
 SDMM_REF_(sdmm_kernel_q8_0_ref, SDMM_TYPE_Q8_0)
+SDMM_REF_(sdmm_kernel_q2k_ref, SDMM_TYPE_Q2_K)
+SDMM_REF_(sdmm_kernel_iq4xs_ref, SDMM_TYPE_IQ4_XS)
+SDMM_REF_(sdmm_kernel_iq4nl_ref, SDMM_TYPE_IQ4_NL)
+SDMM_REF_(sdmm_kernel_f16_ref, SDMM_TYPE_F16)
+SDMM_REF_(sdmm_kernel_bf16_ref, SDMM_TYPE_BF16)
 #undef SDMM_REF_
 
 /* ------------------------------------------------------------------------------------------ */

@@ -1,5 +1,5 @@
-/* sdmm: specdec's matrix multiply for quantized weights (Q3_K, Q4_K, Q5_K, Q6_K; Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0) times
+/* sdmm: specdec's matrix multiply for quantized weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS;
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and float weights (F16, BF16) times
  * activations of any number of rows, written for the 1..64-row batches a speculative verify runs
  * (and the single steps of a draft model), and batch-invariant by construction.
  *
@@ -20,7 +20,10 @@
  *     (`d*da` rounded once to float; suma: the activation block's sum of quants); Q3_K is packed
  *     into Q6_K's group (each quant the same value) and runs its kernel. A lane's arithmetic never
  *     depends on its neighbours, and a
- *     row's K loop is never split across threads.
+ *     row's K loop is never split across threads;
+ *   - float weights (F16, BF16) have no integer part: the activations are rounded to the
+ *     weight's type, as ggml rounds them, and each lane runs one fma chain over k in order,
+ *     acc = fma(w, x, acc), in 32-value blocks.
  * The scalar reference (SD_ISA_REF) spells out the same operations with fmaf, so every path
  * gives the same bits (tests/test_kernels.py checks it).
  *
@@ -30,9 +33,10 @@
  * is read from memory once for up to 64 activation rows and unpacked once per tile of them.
  *
  * Activations are quantized per row as ggml quantizes them for the type: to Q8_K for the
- * K-quants (quantize_row_q8_K_ref, reproduced exactly; sdmm_act), to 32-value blocks with a float
- * scale for the others (quantize_row_q8_0_ref's rule, the scale kept in float; sdmm_act32),
- * with the sums the kernels need precomputed.
+ * K-quants and IQ4_XS (quantize_row_q8_K_ref, reproduced exactly; sdmm_act), to 32-value blocks
+ * with a float scale for the other quantized types (quantize_row_q8_0_ref's rule, the scale kept
+ * in float; sdmm_act32), with the sums the kernels need precomputed; rounded to fp16 or bf16 for
+ * the float types (sdmm_actf).
  *
  * Glossary: n = weight rows (outputs per activation row), k = columns (the reduction length, a
  * multiple of the type's block: sdmm_block_cols), b = activation rows (tokens), nsb = k /
@@ -60,15 +64,20 @@ extern "C" {
 
 /* ggml type ids of the weight types sdmm multiplies (ggml.h's enum ggml_type; sdmm-buft.cpp
  * checks them against it at compile time) */
+#define SDMM_TYPE_F16 1
 #define SDMM_TYPE_Q4_0 2
 #define SDMM_TYPE_Q4_1 3
 #define SDMM_TYPE_Q5_0 6
 #define SDMM_TYPE_Q5_1 7
 #define SDMM_TYPE_Q8_0 8
+#define SDMM_TYPE_Q2_K 10
 #define SDMM_TYPE_Q3_K 11
 #define SDMM_TYPE_Q4_K 12
 #define SDMM_TYPE_Q5_K 13
 #define SDMM_TYPE_Q6_K 14
+#define SDMM_TYPE_IQ4_NL 20
+#define SDMM_TYPE_IQ4_XS 23
+#define SDMM_TYPE_BF16 30
 
 typedef uint16_t sdmm_half; /* IEEE binary16 bits */
 
@@ -78,6 +87,12 @@ typedef struct {
     uint8_t scales[12]; /* 8 six-bit scales and 8 six-bit mins, packed */
     uint8_t qs[128];    /* 4-bit quants */
 } sdmm_block_q4_K;
+
+typedef struct {
+    uint8_t scales[16]; /* sub-block j (16 values): scale (low 4 bits), min (high 4 bits) */
+    uint8_t qs[64];     /* 2 bits: value 128n + 32i + l at bits 2i of byte 32n + l */
+    sdmm_half d, dmin;
+} sdmm_block_q2_K;
 
 typedef struct {
     uint8_t hmask[32];  /* bit 4i + j of byte l: the third bit of value 128i + 32j + l (+ 16) */
@@ -124,6 +139,22 @@ typedef struct {
     int8_t qs[32];
 } sdmm_block_q8_0;
 
+/* IQ4_XS: value d*(ls - 32)*kvalues[q] for 4-bit indices q, a 6-bit ls per 32 values (the low 4
+ * bits in scales_l, nibble j % 2 of byte j / 2; the high 2 in scales_h, bits 2j) */
+typedef struct {
+    sdmm_half d;
+    uint16_t scales_h;
+    uint8_t scales_l[4];
+    uint8_t qs[128]; /* sub-block j (32 values): 16 bytes, values l (low nibble), l + 16 (high) */
+} sdmm_block_iq4_xs;
+/* IQ4_NL: value d*kvalues[q], a 32-value block */
+typedef struct {
+    sdmm_half d;
+    uint8_t qs[16]; /* values v (low nibble) and v + 16 (high) */
+} sdmm_block_iq4_nl;
+/* The IQ4 types' 16 values (ggml-common.h's kvalues_iq4nl) */
+#define SDMM_KVALUES_IQ4NL {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
+
 /* Q4_K, 16 rows, one super-block: 2,368 bytes (16 ggml blocks: 2,304). Quants are unsigned
  * 0..15; value = d*sc*q - dmin*m. */
 typedef struct {
@@ -156,6 +187,30 @@ typedef struct {
     uint8_t qh[16][64];
 } sdmm_q6k_r16;
 
+/* Q2_K, 16 rows, one super-block: 1,600 bytes (16 ggml blocks: 1,344). Quants 0..3; value =
+ * d*sc*q - dmin*m, a scale and a min per 16 values. */
+typedef struct {
+    sdmm_half d[SDMM_R], dmin[SDMM_R];
+    uint8_t sc[16][SDMM_R];   /* sub-block j (16 values) scale of row r, 0..15 */
+    uint8_t m[8][SDMM_R][2];  /* mins of sub-blocks 2i and 2i+1 of row r (an int16 pair per lane) */
+    /* sub-block j: byte 4r+t = q(16j+t) | q(16j+4+t) << 2 | q(16j+8+t) << 4 | q(16j+12+t) << 6 */
+    uint8_t qs[16][64];
+} sdmm_q2k_r16;
+
+/* IQ4_XS, 16 rows, one super-block: 2,208 bytes (16 ggml blocks: 2,176). 4-bit indices into
+ * the IQ4 values (SDMM_KVALUES_IQ4NL), looked up in registers; value = d*sc*kvalues[q]. */
+typedef struct {
+    sdmm_half d[SDMM_R];
+    int8_t sc[8][SDMM_R]; /* sub-block j (32 values) scale of row r, ls - 32: -32..31 */
+    uint8_t qs[8][4][64]; /* as Q4_K's: byte 4r+t = q(32j+4c+t) | q(32j+16+4c+t) << 4 */
+} sdmm_iq4xs_r16;
+
+/* F16 and BF16, 16 rows, one block of 32 values: 1,024 bytes (16 rows of 32 values: 1,024).
+ * w[c][r]: value c of row r, its 16-bit pattern as stored. */
+typedef struct {
+    uint16_t w[32][SDMM_R];
+} sdmm_f16_r16;
+
 /* Q4_0, 16 rows, one block of 32 values: 288 bytes (16 ggml blocks: 288). Quants are unsigned
  * 0..15; value = d*(q - 8). */
 typedef struct {
@@ -187,6 +242,10 @@ typedef struct {
     sdmm_half m[SDMM_R];
 } sdmm_q5_1_r16;
 
+/* IQ4_NL, 16 rows, one block of 32 values: 288 bytes (16 ggml blocks: 288). Q4_0's group, its
+ * 4-bit quants indices into the IQ4 values; value = d*kvalues[q]. */
+typedef sdmm_q4_0_r16 sdmm_iq4nl_r16;
+
 /* Q8_0, 16 rows, one block of 32 values: 544 bytes (16 ggml blocks: 544). Quants are stored
  * offset to unsigned, q + 128 (vpdpbusd's unsigned operand); value = d*q. */
 typedef struct {
@@ -198,12 +257,13 @@ typedef struct {
 typedef struct {
     int8_t qs[SDMM_QK];
     int32_t nb16[16]; /* -32 * (sum of quants 16j..16j+15): Q6_K's offset, folded into the sum */
-    int16_t b32[8];   /* sum of quants 32j..32j+31: Q4_K's mins */
+    int16_t b32[8];   /* sum of quants 32j..32j+31: Q4_K's mins, IQ4_XS's offset */
     float d;          /* Q8_K scale */
     /* nb16[j] split as AVX2's Q6_K kernel sums in 16 bits (sdmm-simd.h): the low int16 -32 *
      * (sum of quants 16j + 0, 1, 4, 5, 8, 9, 12, 13), the high one the rest's (|.| < 2^15) */
     uint32_t o16[16];
-    uint8_t pad_[44];
+    int16_t b16[16]; /* sum of quants 16j..16j+15: Q2_K's mins */
+    uint8_t pad_[12];
 } sdmm_act;
 
 /* One 32-value block of one activation row, for the 32-value types: quants, their sum (the
@@ -216,6 +276,12 @@ typedef struct {
     uint8_t pad_[24];
 } sdmm_act32;
 
+/* One 32-value block of one activation row for the float weight types: the values rounded to
+ * the weight's type (F16 or BF16, as ggml rounds them), held as floats. 128 bytes. */
+typedef struct {
+    float x[32];
+} sdmm_actf;
+
 /* kernel: y[i*ldy + 16*g + r] = dot(weight row 16*g + r, activation row i) for groups g <
  * ngroups, activation rows i < b (a is an array of the type's activation blocks, sdmm_act or
  * sdmm_act32, and a[s*b + i] is row i's block s: a block's rows side by side, so a tile reaches
@@ -226,9 +292,9 @@ typedef void (*sdmm_kernel_fn)(const void * w, int nsb, int ngroups, int n_valid
 
 /* --- repacking (at model load) and activation quantization (per matmul) --- */
 int sdmm_supported_type(int type);
-int sdmm_block_cols(int type);     /* values per block: 256 (K-quants), 32 (the others) */
+int sdmm_block_cols(int type);     /* values per block: 256 (K-quants, IQ4_XS), 32 (the others) */
 size_t sdmm_group_bytes(int type); /* one group of 16 rows, one block */
-size_t sdmm_act_bytes(int type);   /* one activation block: sizeof sdmm_act or sdmm_act32 */
+size_t sdmm_act_bytes(int type);   /* one activation block: sdmm_act, sdmm_act32 or sdmm_actf */
 size_t sdmm_packed_size(int type, int64_t n, int64_t k);
 /* src: n rows of k values in ggml's blocks; dst: sdmm_packed_size bytes */
 void sdmm_pack(int type, const void * src, int64_t n, int64_t k, void * dst);
@@ -251,7 +317,10 @@ sdmm_kernel_fn sdmm_kernel(int type, int isa);
     SDMM_KERNEL_DECL_(sdmm_kernel_q4k_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q5k_##isa)         \
     SDMM_KERNEL_DECL_(sdmm_kernel_q6k_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q4_0_##isa)        \
     SDMM_KERNEL_DECL_(sdmm_kernel_q4_1_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q5_0_##isa)       \
-    SDMM_KERNEL_DECL_(sdmm_kernel_q5_1_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q8_0_##isa)
+    SDMM_KERNEL_DECL_(sdmm_kernel_q5_1_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_q8_0_##isa)       \
+    SDMM_KERNEL_DECL_(sdmm_kernel_q2k_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_iq4xs_##isa)       \
+    SDMM_KERNEL_DECL_(sdmm_kernel_iq4nl_##isa) SDMM_KERNEL_DECL_(sdmm_kernel_f16_##isa)       \
+    SDMM_KERNEL_DECL_(sdmm_kernel_bf16_##isa)
 SDMM_KERNELS_DECL_(ref) SDMM_KERNELS_DECL_(avx2) SDMM_KERNELS_DECL_(avxvnni)
 SDMM_KERNELS_DECL_(avx512)
 #undef SDMM_KERNELS_DECL_

@@ -86,7 +86,7 @@ def _peer(name: str) -> Peer:
 
 def _sources(peer: str) -> list[Path]:
     """The patches (and, for the twin, sdmm's sources) a build is made with; ik: none."""
-    if peer == "ik":
+    if _peer(peer).ik:
         return []
     if not _peer(peer).patched:
         return llamacpp_build.patch_files(fixes_only=True)
@@ -119,7 +119,7 @@ def build_key(peer: str = "stock", source: str | object | None = _SELECTED) -> s
 
 
 def _ik_source(peer: str, source: str | object | None) -> str | None:
-    if peer != "ik":
+    if not _peer(peer).ik:
         return None
     if source is _SELECTED:
         return ik_source()
@@ -139,7 +139,7 @@ def binary(name: str = "llama-server", peer: str = "stock") -> Path:
     path = anchor_dir(peer) / "bin" / name
     if not path.is_file():
         cmd = "specdec anchors build" + ("" if peer == "stock" else f" --peer {peer}")
-        selected = ik_src.selected(specdec_home() / "anchors") if peer == "ik" else None
+        selected = ik_src.selected(specdec_home() / "anchors") if _peer(peer).ik else None
         if selected:  # the upstream tree it was built from
             src, commit = selected["src"], selected.get("commit")
             cmd += f" --src {src}"
@@ -153,7 +153,7 @@ def binary(name: str = "llama-server", peer: str = "stock") -> Path:
 
 def _minutes(peer: str) -> str:
     """How long a build takes on 2 cores: ik_llama.cpp's kernels (iqk/) take ~27 min."""
-    return "~30 min" if peer == "ik" else "~8 min"
+    return "~30 min" if _peer(peer).ik else "~8 min"
 
 
 def manifest(peer: str = "stock") -> dict | None:
@@ -222,7 +222,7 @@ def _source(
         return ik_src.copy(origin, work / "src" / "ik_llama.cpp", info)
     try:
         path = _sdist(p, sdist, progress)
-        if peer != "ik":
+        if not p.ik:
             root = llamacpp_build.prepare_source(path, work / "src", fixes_only=not p.patched)
             return root / "vendor" / "llama.cpp"
     except llamacpp_build.BuildError as e:
@@ -291,8 +291,10 @@ def build(
     (source_id); an ik build, made or found, becomes the one the ik modes run on. Built in a
     temporary directory and moved into place, so an interrupted build leaves nothing that
     looks finished."""
-    if src is not None and peer != "ik":
-        raise AnchorError(f"--src builds ik_llama.cpp from its source: pass --peer ik, not {peer}")
+    if src is not None and not _peer(peer).ik:
+        raise AnchorError(
+            f"--src builds ik_llama.cpp from its source: pass --peer ik or ik-avx2, not {peer}"
+        )
     if src is not None and sdist is not None:
         raise AnchorError("--src and --sdist name two sources; pass one")
     if commit is not None and src is None:
@@ -307,7 +309,7 @@ def build(
         (out / "bin" / t).is_file() for t in targets
     )
     if not force and done_before:
-        if peer == "ik":
+        if _peer(peer).ik:
             ik_src.select(out.parent, origin)
         progress(f"{', '.join(targets)} already built in {out / 'bin'}")
         return out / "bin"
@@ -341,7 +343,7 @@ def build(
         (done / "manifest.json").write_text(json.dumps(info, indent=2) + "\n")
         shutil.rmtree(out, ignore_errors=True)
         os.replace(done, out)
-    if peer == "ik":
+    if _peer(peer).ik:
         ik_src.select(out.parent, origin)
     progress(f"built {', '.join(targets)} in {info['build_s']:.0f} s -> {out / 'bin'}")
     return out / "bin"

@@ -78,6 +78,8 @@ class Peer:
     cmake: tuple[str, ...] = ()
     #: the environment its processes run with, past the caller's
     env: tuple[tuple[str, str], ...] = ()
+    #: ik_llama.cpp (ik, ik-avx2): its sdist, or the upstream tree `build(src=...)` selected
+    ik: bool = False
 
     def mode_args(self, mode: str) -> tuple[str, ...]:
         """The llama-server flags of `mode` (before {draft} is filled in) on this build."""
@@ -91,6 +93,8 @@ _OURS = (PACKAGE, VERSION, llamacpp_build.SDIST_SHA256)
 #: host it measures that class beside the native one (docs/kernels.md).
 _AVX2 = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON")
 _AVX2 += ("-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF")
+#: the same class for ik_llama.cpp's CMake, which spells AVX-VNNI GGML_AVXVNNI and has no BMI2
+_IK_AVX2 = (*_AVX2[:5], "-DGGML_AVX512=OFF", "-DGGML_AVXVNNI=OFF")
 #: The builds (`specdec anchors build --peer NAME`): stock llama.cpp, the "same kernels" twin,
 #: and ik_llama.cpp (its Python package's sdist, or its upstream source with --src). ik's
 #: --spec-type has the n-gram drafters under our names (ngram-mod, ngram-map-k, ngram-simple,
@@ -105,7 +109,28 @@ _AVX2 += ("-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF")
 #: two runs of the same prompts measure different settings. It runs with --run-time-repack
 #: (weights repacked at load into its interleaved CPU layouts, its own option for CPUs, off by
 #: default: a peer is run at its best, not at its defaults); it spells "no web UI" otherwise,
-#: reads no key from the environment and serves /v1/models to anyone.
+#: reads no key from the environment and serves /v1/models to anyone. "ik-avx2" is the same
+#: source built for the AVX2 class (modes "ik-avx2-<mode>"), from the same upstream tree.
+_IK = dict(
+    targets=("llama-server", "llama-bench"),
+    modes=(*SERVER_MODES, "suffix"),
+    flags=("--run-time-repack",),
+    no_ui=("--webui", "none"),
+    probe="/props",
+    key_in_file=True,
+    mode_flags=(
+        ("draft", ("--spec-type", "draft", "--model-draft", "{draft}")),
+        ("suffix", ("--spec-type", "suffix")),
+    ),
+    src_modes=("draft", "suffix"),
+    spec_one_slot=True,
+    ik=True,
+)
+_IK_SDIST = (
+    "ik-llama-cpp-python",
+    "0.1.5",
+    "33c67eb99e4dcab5e611050433243815709b8b3067753f9ce18375013cf002ad",
+)
 PEERS: dict[str, Peer] = {
     "stock": Peer("", "llama-server", *_OURS, f"llama.cpp-{VERSION}"),
     "twin": Peer("twin-", "llama-server-twin", *_OURS, f"llama.cpp-{VERSION}-twin", patched=True),
@@ -121,25 +146,14 @@ PEERS: dict[str, Peer] = {
         cmake=_AVX2,
         env=(("SPECDEC_MM_ISA", "avx2"),),
     ),
-    "ik": Peer(
-        "ik-",
-        "ik-llama-server",
-        "ik-llama-cpp-python",
-        "0.1.5",
-        "33c67eb99e4dcab5e611050433243815709b8b3067753f9ce18375013cf002ad",
-        "ik_llama.cpp-0.1.5",
-        targets=("llama-server", "llama-bench"),
-        modes=(*SERVER_MODES, "suffix"),
-        flags=("--run-time-repack",),
-        no_ui=("--webui", "none"),
-        probe="/props",
-        key_in_file=True,
-        mode_flags=(
-            ("draft", ("--spec-type", "draft", "--model-draft", "{draft}")),
-            ("suffix", ("--spec-type", "suffix")),
-        ),
-        src_modes=("draft", "suffix"),
-        spec_one_slot=True,
+    "ik": Peer("ik-", "ik-llama-server", *_IK_SDIST, "ik_llama.cpp-0.1.5", **_IK),
+    "ik-avx2": Peer(
+        "ik-avx2-",
+        "ik-llama-server-avx2",
+        *_IK_SDIST,
+        "ik_llama.cpp-0.1.5-avx2",
+        cmake=_IK_AVX2,
+        **_IK,
     ),
 }
 
