@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """llama.cpp's own benchmark on the builds `specdec anchors build` made, alternated round by round:
 by default stock llama.cpp and the "same kernels" twin built for the AVX2 class (peers stock-avx2
-and twin-avx2; the twin's processes run sdmm's AVX2 path, study/engines/peers.py), so that the
+and twin-avx2; the twin's processes run sdmm's AVX2 path, study/engines/peers.py; ik-avx2 adds
+ik_llama.cpp, run with its run-time repack), so that the
 prompt (pp512), a 16-token pass (pp16) and the single step (tg32) of stock's kernels and of
 specdec's are measured in stock's own harness, with its defaults.
 
@@ -48,6 +49,8 @@ def main() -> int:
             exe = anchor_build.binary("llama-bench", peer)
             env = {**os.environ, **dict(PEERS[peer].env)}
             cmd = [str(exe), "-m", str(model), "-t", str(args.threads), *tests]
+            # ik_llama.cpp at its best on a CPU, as its servers run (--run-time-repack)
+            cmd += ["-rtr", "1"] if PEERS[peer].ik else []
             res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
             if res.returncode != 0:
                 raise SystemExit(f"{peer}: llama-bench failed:\n{res.stderr[-2000:]}")

@@ -121,6 +121,8 @@ def test_ik_llama_cpp_is_a_named_peer_with_its_users_best_settings(tmp_path, mon
     anchors.check_modes(["ik-none", "ik-ngram-mod", "ngram-mod"], "llamacpp:a", "llamacpp:b")
     with pytest.raises(ValueError, match=r"ik-draft, ik-suffix need.*--peer ik --src DIR"):
         anchors.check_modes(["ik-draft", "ik-suffix"], "llamacpp:a", "llamacpp:b")
+    # a recorded bench config read back names them without running them: no build asked for
+    anchors.check_modes(["ik-suffix"], "llamacpp:a", "llamacpp:b", built=False)
     with pytest.raises(ValueError, match=r"unknown llama-server mode.*twin-suffix"):
         anchors.check_modes(["twin-suffix"], "llamacpp:a", "llamacpp:b")
     srv = anchors.server_for("ik-ngram-mod", Path("/m/t.gguf"), None)

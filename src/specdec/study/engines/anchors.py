@@ -46,9 +46,13 @@ from specdec.study.engines.peers import plain_mode as plain_mode
 
 
 # ------------------------------------------------------------------------------ modes
-def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = False) -> None:
+def check_modes(
+    modes: Sequence[str], target: str, draft: str, tools: bool = False, built: bool = True
+) -> None:
     """ValueError naming the fix for an unknown mode or a pair llama-server cannot load;
-    `tools`: TOOL_MODES are allowed too (the bench runs them, the gate does not)."""
+    `tools`: TOOL_MODES are allowed too (the bench runs them, the gate does not); `built`:
+    the modes are about to run, so an upstream-only mode needs that build here (False: a
+    recorded config read back, which names modes without running them)."""
     known = [p.prefix + m for p in PEERS.values() for m in p.modes]
     known += list(TOOL_MODES) if tools else []
     unknown = [m for m in modes if m not in known]
@@ -59,7 +63,7 @@ def check_modes(modes: Sequence[str], target: str, draft: str, tools: bool = Fal
             f"{', '.join(known)}{where}"
         )
     upstream = [m for m in modes if split_peer(m)[0] in PEERS[split_peer(m)[1]].src_modes]
-    if upstream and ik_source() is None:
+    if upstream and built and ik_source() is None:
         raise ValueError(
             f"{', '.join(upstream)} need(s) ik_llama.cpp built from its upstream source (the "
             f"ik-llama-cpp-python {PEERS['ik'].version} sdist has no such --spec-type): run "

@@ -131,7 +131,10 @@ class BenchConfig:
         self._check_prompts()
         peers = self.peers
         if peers.llama_server:
-            anchors.check_modes(peers.llama_server, self.target, self.draft, tools=True)
+            # the names only: servers_for checks the builds when the run starts them
+            anchors.check_modes(
+                peers.llama_server, self.target, self.draft, tools=True, built=False
+            )
         if self.sessions and (peers.endpoint_api != "chat" or peers.compare == "hf-assisted"):
             raise ValueError(
                 f"the {SESSION!r} category is a chat conversation: it needs --endpoint-api chat "
