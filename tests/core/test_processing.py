@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from specdec.backends.mock import MockModel
-from specdec.core.decode import generate, rounds_together, stream
-from specdec.core.processing import FORCED, Penalties, Processor
+from specdec.core.decode import FORCED_PER_ROUND, generate, rounds_together, stream
+from specdec.core.processing import FORCED, MAX_BIAS, Penalties, Processor
 from specdec.core.sampling import probs_from_logits, token_logprobs
 from specdec.study.run.significance import paired_permutation_p
 
@@ -121,6 +121,23 @@ def test_each_verify_row_is_adjusted_from_its_own_prefix() -> None:
     assert torch.isinf(bad[1, 6]) and bool(torch.isfinite(bad[2]).all())
 
 
+def test_a_draft_steps_row_is_the_last_verify_row_of_its_prefix() -> None:
+    """`row` (a draft step's adjustment, built alone) equals the last row `rows` builds for
+    the same drafted prefix, repeats and tokens already generated included."""
+    g = torch.Generator().manual_seed(1)
+    proc = Processor(PEN, None, PROMPT, V)
+    proc.commit([5, 9, 9])
+    for drafted in ([], [9], [5, 7, 7, 30], [6] * 5):
+        lg = torch.randn(len(drafted) + 1, V, generator=g)
+        assert torch.equal(proc.row(lg[-1], drafted), proc.rows(lg, drafted)[-1]), drafted
+
+
+def test_logit_bias_entries_are_capped() -> None:
+    Penalties.of(bias={i: 1.0 for i in range(MAX_BIAS)})
+    with pytest.raises(ValueError, match=f"at most {MAX_BIAS} are taken.*grammar"):
+        Penalties.of(bias={i: 1.0 for i in range(MAX_BIAS + 1)})
+
+
 def test_logprobs_are_the_models_own_distribution() -> None:
     logits = torch.tensor([[1.0, 2.0, 0.0], [0.0, 0.0, 3.0]])
     got = token_logprobs(logits, [0, 2], 2)
@@ -177,6 +194,17 @@ def test_greedy_speculation_equals_target_only(pair, spec: str, adjust: str) -> 
         assert alone.tokens != _run(target, None, {}, {}).tokens
 
 
+def _together(gens) -> None:
+    """Prefill the generations, then run them in joint rounds (rounds_together) to the end."""
+    for g in gens:
+        while not g.prefill():
+            pass
+    while any(not g.done for g in gens):
+        live = [g for g in gens if not g.done]
+        for got in rounds_together(live):
+            assert not isinstance(got, Exception), got
+
+
 def test_greedy_in_company_equals_alone(pair) -> None:
     """Four generations with their own adjustments in joint passes (rounds_together), each
     equal to its target-only answer."""
@@ -197,14 +225,87 @@ def test_greedy_in_company_equals_alone(pair) -> None:
             constraint=Alternating() if a.get("constraint") else None,
         )
         gens.append(s.generation)
-    for g in gens:
-        while not g.prefill():
-            pass
-    while any(not g.done for g in gens):
-        live = [g for g in gens if not g.done]
-        for got in rounds_together(live):
-            assert not isinstance(got, Exception), got
+    _together(gens)
     assert [g.tokens for g in gens] == alone
+
+
+class Spelled:
+    """A grammar that allows one sequence and then anything: every token of it forced (a long
+    `guided_choice`'s single choice)."""
+
+    def __init__(self, seq: list[int], width: int = V) -> None:
+        self.seq, self.width, self.pos = seq, width, [0]
+
+    def allowed(self) -> torch.Tensor | None:
+        if self.pos[-1] >= len(self.seq):
+            return None
+        mask = torch.zeros(self.width, dtype=torch.bool)
+        mask[self.seq[self.pos[-1]]] = True
+        return mask
+
+    def consume(self, tokens) -> int:
+        for n, t in enumerate(tokens):
+            p = self.pos[-1]
+            if p < len(self.seq) and t != self.seq[p]:
+                return n
+            self.pos.append(p + 1)
+        return len(tokens)
+
+    def rollback(self, n: int) -> None:
+        del self.pos[len(self.pos) - n :]
+
+    def forced(self) -> list[int]:
+        return self.seq[self.pos[-1] :]
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "model"])
+def test_a_grammar_forcing_hundreds_of_tokens_takes_them_a_bounded_number_a_round(
+    pair, drafter: str
+) -> None:
+    """200 forced tokens go in rounds of at most FORCED_PER_ROUND (a round's pass is shared with
+    other streams: a grammar must not make one pass of thousands of rows), all of them emitted,
+    then decoding goes on; with a draft model its q gets a one-hot row per forced token."""
+    target, draft = pair
+    seq = [(7 * i + 5) % V for i in range(200)]
+    s = stream(
+        target,
+        PROMPT,
+        drafter=drafter,
+        draft=draft if drafter == "model" else None,
+        k=4,
+        temperature=0.0 if drafter == "lookup" else 1.0,
+        seed=3,
+        max_new_tokens=230,
+        constraint=Spelled(seq),
+    )
+    rounds = []
+    s.generation.on_round = rounds.append
+    tokens = [t for chunk in s for t in chunk]
+    assert tokens[:200] == seq and len(tokens) == 230
+    assert max(r.forced for r in rounds) == FORCED_PER_ROUND
+    assert max(r.k for r in rounds) <= FORCED_PER_ROUND + 4
+
+
+def test_a_fixed_k_is_bounded_in_company_and_not_alone(pair) -> None:
+    """A request's fixed K (up to 128 through the server) in a shared pass is at most its
+    `k_company`; the answers stay target-only's. Alone, it drafts its own K."""
+    target, _ = pair
+    alone = _run(target, None, {}, {}).tokens
+    greedy40 = dict(temperature=0.0, max_new_tokens=40)
+    gens, rounds = [], []
+    for slot in target.slots(2):
+        s = stream(slot, PROMPT, drafter="prediction", prediction=alone, k=30, **greedy40)
+        s.generation.k_company = 5
+        s.generation.on_round = rounds.append
+        gens.append(s.generation)
+    _together(gens)
+    assert [g.tokens for g in gens] == [alone, alone]
+    assert max(r.k for r in rounds) == 5
+    solo = stream(target, PROMPT, drafter="prediction", prediction=alone, k=30, **greedy40)
+    solo.generation.k_company = 5
+    own: list = []
+    solo.generation.on_round = own.append
+    assert [t for chunk in solo for t in chunk] == alone and max(r.k for r in own) > 5
 
 
 def test_bad_adjustments_are_refused_before_any_model_work(pair) -> None:

@@ -238,3 +238,35 @@ def test_a_dead_worker_fails_requests_at_once() -> None:
         assert_good_request_exact(fresh)
     finally:
         fresh.close()
+
+
+def test_a_delivery_that_raises_fails_that_request_alone(monkeypatch) -> None:
+    """Issue 53: an exception while one request's round was handed over (its text, its stop
+    strings) failed every request of the round; now it fails that one with a 500 at once, and
+    its neighbour in the same passes ends with exactly `generate()`'s tokens."""
+    from specdec.serve.engine import Engine
+
+    srv = mock_server(delay=0.002, parallel=2)
+    real = Engine._deliver
+
+    def deliver(self, a, ids):
+        if a.gen.prompt[:3] == [7, 7, 7] and len(a.gen.tokens) > 3:
+            raise RuntimeError("a delivery bug")
+        return real(self, a, ids)
+
+    monkeypatch.setattr(Engine, "_deliver", deliver)
+    try:
+        poisoned = {**LONG, "prompt": [7, 7, 7], "max_tokens": 400}
+        good = {"model": MOCK_SPEC, "prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0.0}
+        good["return_token_ids"] = True
+        with ThreadPoolExecutor(2) as pool:
+            bad = pool.submit(srv.request, "POST", "/v1/completions", poisoned)
+            time.sleep(0.05)
+            ok = pool.submit(srv.request, "POST", "/v1/completions", good)
+            status, _, body = bad.result(timeout=30)
+            assert status == 500 and error_of(status, body)["code"] == "engine_error"
+            status, _, body = ok.result(timeout=30)
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == expected(srv, [1, 2, 3], 60).tokens
+    finally:
+        srv.close()

@@ -308,3 +308,20 @@ def test_the_prompt_cache_is_on_by_default_only_where_output_cannot_depend_on_it
     assert not Engine(Varying(V, seed=0)).prompt_cache
     assert Engine(Varying(V, seed=0), prompt_cache=True).prompt_cache  # asked for: on
     assert ServeConfig(target=MOCK_SPEC).prompt_cache is None  # serve: the engine decides
+
+
+def test_a_tool_call_nested_past_pythons_stack_is_a_400(srv) -> None:
+    """Issue 53: an earlier tool call's `arguments` is a JSON string, which the body's own
+    depth bound does not reach; parsed for the chat template it raised RecursionError on the
+    event loop: a 500 and a traceback. Now a 400 naming the problem, and the server goes on."""
+    deep = "[" * 100_000 + "]" * 100_000
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    body = {"model": MOCK_SPEC, "messages": messages, "max_tokens": 4}
+    status, _, err = _post(srv, body, "/v1/chat/completions")
+    assert status == 400 and err["error"]["code"] == "too_deep", err
+    assert _health_ms(srv) < 1000

@@ -203,6 +203,34 @@ def test_n_samples_are_seeded_seed_plus_i(srv: Server) -> None:
     assert r.usage.completion_tokens == sum(len(c.token_ids) for c in r.choices)  # type: ignore[attr-defined]
 
 
+def test_a_grammar_compiles_once_per_request_and_each_sample_copies_it(
+    srv: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n = 3 samples of one schema: one compile (in the request's thread, before the queue),
+    three matchers copied from it (on the worker, cheap), three valid objects."""
+    from specdec.backends.grammar import Grammars
+
+    calls = {"compile": 0, "copy": 0}
+    compile_, copy = Grammars._checked, Grammars.constraint
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+
+        return wrapper
+
+    monkeypatch.setattr(Grammars, "_checked", counted("compile", compile_))
+    monkeypatch.setattr(Grammars, "constraint", counted("copy", copy))
+    msgs = [{"role": "user", "content": TEXT}]
+    schema = {"name": "Person", "schema": Person.model_json_schema(), "strict": True}
+    rf = {"type": "json_schema", "json_schema": schema}
+    r = _chat(srv, msgs, n=3, seed=5, temperature=0.9, max_tokens=200, response_format=rf)
+    assert calls == {"compile": 1, "copy": 3}
+    for c in r.choices:
+        Person.model_validate_json(c.message.content)
+
+
 def test_completions_logprobs_and_echo(srv: Server) -> None:
     c = srv.client()
     r = c.completions.create(
@@ -238,3 +266,58 @@ def test_vllms_guided_fields(srv: Server) -> None:
         {"model": TARGET, "messages": msgs, "guided_regex": "(unclosed"},
     )
     assert status == 400 and body["error"]["param"] == "guided_regex", body
+
+
+@pytest.fixture(scope="module")
+def srv_drafted(qwen05_path) -> Server:
+    """The same model served with a draft model (a second copy of it: the same 151,936-token
+    vocabulary), the server's default drafter when `--draft` is given."""
+    target, draft = load_model(TARGET, n_threads=2), load_model(TARGET, n_threads=2)
+    engine = Engine(target, draft, model_id=TARGET, spec=SpecConfig(drafter="model", k=4))
+    server = Server(engine, ServeConfig(target=TARGET))
+    yield server
+    server.close()
+    target.close()
+    draft.close()
+
+
+def test_structured_output_drafted_by_a_draft_model(srv_drafted: Server) -> None:
+    """A grammar's forced tokens join a draft model's drafts with one-hot q rows, each built
+    alone: once built as rows of a [V, V] identity (92 GB at this vocabulary), every such
+    request failed with a 500. Sampled and greedy, the answer is valid; greedy, it is the
+    answer without speculation; a long guided_choice (hundreds of forced tokens) comes back
+    whole."""
+    schema = {"name": "Person", "schema": Person.model_json_schema(), "strict": True}
+    rf = {"type": "json_schema", "json_schema": schema}
+    msgs = [{"role": "user", "content": TEXT}]
+    sampled = _chat(srv_drafted, msgs, response_format=rf, temperature=0.7, seed=1)
+    Person.model_validate_json(sampled.choices[0].message.content)
+    assert sampled.usage.speculation["drafted"] > 0  # type: ignore[attr-defined]
+    on = _same_without_speculation(srv_drafted, msgs, response_format=rf)
+    assert Person.model_validate_json(on.choices[0].message.content).year == 1815
+    choice = "The answer is " + ", ".join(f"item {i}" for i in range(150))
+    r = _chat(srv_drafted, msgs, max_tokens=1000, extra_body={"guided_choice": [choice]})
+    assert r.choices[0].message.content == choice and r.choices[0].finish_reason == "stop"
+
+
+def test_a_grammar_past_its_limits_is_an_error_naming_it_and_the_server_goes_on(
+    srv: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A matcher past its lexer states (backends.grammar.LIMITS, here cut to 50: the schema
+    compiles, then the answer's third token needs more) used to allow only the end of text:
+    the answer stopped short with finish_reason "stop", as if it had succeeded. Now the request
+    fails with a 400 naming the limit, and the next request is answered."""
+    import llguidance
+
+    grammars = srv.engine._grammars_for_model()
+    monkeypatch.setattr(grammars, "_limits", llguidance.LLParserLimits(max_lexer_states=50))
+    msgs = [{"role": "user", "content": TEXT}]
+    schema = {"name": "Person", "schema": Person.model_json_schema(), "strict": True}
+    body = {"model": TARGET, "messages": msgs, "max_tokens": 60, "temperature": 0}
+    body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    status, _, err = srv.request("POST", "/v1/chat/completions", body)
+    assert status == 400 and err["error"]["code"] == "grammar_error", err
+    assert "too many states" in err["error"]["message"] and "simplify" in err["error"]["message"]
+    monkeypatch.undo()
+    r = _chat(srv, msgs, response_format=body["response_format"], max_tokens=100)
+    assert Person.model_validate_json(r.choices[0].message.content).year == 1815

@@ -10,18 +10,24 @@ moving, and the tokens a grammar forces.
 
     Grammars(tokenizer, width, stop_ids)   once per model (building the token trie takes ~2 s)
     .json_schema(schema) / .regex(pattern) / .lark(text)
-                                           a grammar, checked (ValueError names the problem)
-    .constraint(grammar)                   a fresh matcher: core.processing's Constraint
+                                           a Grammar, compiled and checked once (ValueError
+                                           names the problem): up to a second for a large one,
+                                           so off the engine's worker
+    .constraint(grammar)                   a fresh matcher (a copy of the compiled one, cheap):
+                                           core.processing's Constraint, one per sample
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+from specdec.core.processing import GrammarError
 
 #: JSON as OpenAI's structured outputs write it: compact, no whitespace between tokens. Why:
 #: the grammar then forces every key with its quotes, colon and comma, which are drafted for
@@ -30,6 +36,29 @@ import torch
 JSON_OPTIONS = {"whitespace_flexible": False}
 #: Any JSON object: OpenAI's response_format {"type": "json_object"}.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+#: llguidance's resource limits, set here rather than left to a version's defaults, for every
+#: grammar checked and every matcher: a mask may cost ~4 ms of lexer work (step_lexer_fuel,
+#: ~50k a millisecond) and a round computes up to K + 1 of them; a matcher may build 20,000
+#: lexer states (1.9's default allows 250,000, hundreds of MB for one hostile request); the
+#: grammar, 500,000 symbols (the 1 MiB body cap's worth of schema). A grammar past a limit fails
+#: its request with the limit named (GrammarError), while the server goes on.
+LIMITS = dict(
+    max_items_in_row=2000,
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_lexer_states=20_000,
+    max_grammar_size=500_000,
+)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar: its text (llguidance's) and a matcher at its start, which
+    `Grammars.constraint` copies for each sample rather than compiling the text again."""
+
+    text: str
+    _start: Any = field(repr=False, compare=False)
 
 
 class Grammars:
@@ -46,8 +75,9 @@ class Grammars:
         self._tok = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=width, eos_token=self.stop_ids or None
         )
+        self._limits = llguidance.LLParserLimits(**LIMITS)
 
-    def json_schema(self, schema: dict[str, Any] | None) -> str:
+    def json_schema(self, schema: dict[str, Any] | None) -> Grammar:
         """A grammar for JSON text matching `schema` (None: any JSON object)."""
         import llguidance
 
@@ -59,30 +89,29 @@ class Grammars:
             raise ValueError(f"the JSON schema is not valid: {e}") from None
         return self._checked(grammar, "JSON schema")
 
-    def lark(self, text: str) -> str:
+    def lark(self, text: str) -> Grammar:
         """A grammar from Lark text (llguidance's dialect: `%json {...}` embeds a schema)."""
         import llguidance
 
         return self._checked(llguidance.LLMatcher.grammar_from_lark(text), "grammar")
 
-    def regex(self, pattern: str) -> str:
+    def regex(self, pattern: str) -> Grammar:
         """A grammar for text matching the regular expression `pattern` (whole)."""
         import llguidance
 
         return self._checked(llguidance.LLMatcher.grammar_from_regex(pattern), "regex")
 
-    def constraint(self, grammar: str) -> LLConstraint:
+    def constraint(self, grammar: Grammar) -> LLConstraint:
+        return LLConstraint(grammar._start.deep_copy(), self)
+
+    def _checked(self, grammar: str, what: str) -> Grammar:
+        """`grammar` compiled, once, under LIMITS; ValueError naming what is wrong."""
         import llguidance
 
-        return LLConstraint(llguidance.LLMatcher(self._tok, grammar, log_level=0), self)
-
-    def _checked(self, grammar: str, what: str) -> str:
-        import llguidance
-
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tok)
-        if error and not error.startswith("WARNING"):
-            raise ValueError(f"the {what} cannot be used: {error}")
-        return grammar
+        matcher = llguidance.LLMatcher(self._tok, grammar, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            raise ValueError(f"the {what} cannot be used: {matcher.get_error()}")
+        return Grammar(grammar, matcher)
 
 
 class LLConstraint:
@@ -96,13 +125,22 @@ class LLConstraint:
 
     def allowed(self) -> torch.Tensor | None:
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        self._raise_if_failed()
         mask = torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self._width].astype(bool))
-        if not bool(mask.any()):  # an error state: nothing can follow, so end the generation
+        if not bool(mask.any()):  # the grammar is done: nothing can follow, so end the answer
             mask[self._stops] = True
         return mask
 
+    def _raise_if_failed(self) -> None:
+        """GrammarError if the matcher is in its error state (a limit hit, LIMITS): it would
+        then allow only the end, and the answer would stop short looking finished."""
+        if self._m.is_error():
+            raise GrammarError(f"the grammar could not go on: {self._m.get_error()}")
+
     def consume(self, tokens: Sequence[int]) -> int:
-        return self._m.try_consume_tokens(list(tokens)) if tokens else 0
+        n = self._m.try_consume_tokens(list(tokens)) if tokens else 0
+        self._raise_if_failed()
+        return n
 
     def rollback(self, n: int) -> None:
         if n:

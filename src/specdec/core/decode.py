@@ -66,6 +66,11 @@ from specdec.core.sampling import (
 #: so a request abandoned during a long prefill frees the engine within one chunk. 512 is
 #: llama.cpp's default physical batch (the backend splits there anyway).
 PREFILL_CHUNK = 512
+#: The grammar's forced tokens one round takes at most (the rest, the next rounds'): a round's
+#: pass is shared with other streams, and a grammar may force thousands (a long
+#: `guided_choice`), which in one pass would stall them all and copy [rows, V] floats
+#: several times over.
+FORCED_PER_ROUND = 32
 _T = TypeVar("_T")
 
 
@@ -147,6 +152,10 @@ class Generation:
     _prefilled: int = -1  # prompt tokens in the target's cache; -1: the prefill has not begun
     _t_start: float = 0.0  # clock.now() when the prefill began
     _forced: list[int] = field(default_factory=list)  # the grammar's forced tokens (`want`)
+    # K at most this in a pass shared with others (rounds_together; None: its own K): a fixed
+    # K of 128 would set every neighbour's round, its draft steps and its rows; alone it pays
+    # for itself
+    k_company: int | None = None
 
     def __post_init__(self) -> None:
         model = self.drafter.model if _has_model(self.drafter) else None  # type: ignore[union-attr]
@@ -201,13 +210,14 @@ class Generation:
         """What the next round's K is chosen from: the K policy, the draft source it judges
         (None: nothing to draft) and the room left (a round emits at most K + 1 tokens).
         With a drafter, the tokens a grammar forces go first, all of them, on top of K: they
-        cost nothing to make and are near certain; the policy judges what follows them."""
+        cost nothing to make and are near certain; the policy judges what follows them. At
+        most FORCED_PER_ROUND of them a round."""
         # the budget, and the cache: the pass's rows must fit the target's (a slot's) context
         room = self.max_new_tokens - len(self.tokens) - 1
         room = min(room, self.target.n_ctx - self.target.n_cached - 1)
         drafter, forced = self.drafter, []
         if drafter is not None and room > 0 and self.processor is not None:
-            forced = self.processor.forced()[:room]
+            forced = self.processor.forced()[: min(room, FORCED_PER_ROUND)]
         self._forced = forced
         room -= len(forced)
         source = drafter.source(self.seq + forced) if drafter is not None and room > 0 else None
@@ -227,8 +237,10 @@ class Generation:
                 x, q, catchup_s = self.drafter.propose(self.seq + forced, k)
         if forced:  # deterministic drafts: one-hot rows where q is kept
             x = torch.cat([torch.tensor(forced, dtype=torch.long), x])
-            if q is not None:
-                q = torch.cat([torch.eye(q.shape[-1])[forced], q])
+            if q is not None:  # [forced, V], each row built alone (never a [V, V] identity)
+                one_hot = torch.zeros(len(forced), q.shape[-1], dtype=q.dtype)
+                one_hot[torch.arange(len(forced)), x[: len(forced)]] = 1.0
+                q = torch.cat([one_hot, q])
         if self.processor is not None and x.numel():  # a forbidden draft would be rejected
             keep = self.processor.valid(x.tolist())
             x, q = x[:keep], q[:keep] if q is not None else None
@@ -492,7 +504,8 @@ def _round(gen: Generation) -> list[int]:
 def rounds_together(gens: Sequence[Generation]) -> list[list[int] | Exception]:
     """One round of each generation (prefilled, not done), their targets being slots of one
     model (SpecModel.slots), in one target pass: each drafts its own K (core.policy.
-    choose_together: its own policy's, k="auto" priced by its rows' share of the pass) and
+    choose_together: its own policy's, k="auto" priced by its rows' share of the pass; at most
+    its `k_company` when it has company) and
     the pass verifies the sum of their rows, nobody padded to a neighbour's K; each keeps its
     own rows and settles with its own rule and generator. On a batch-invariant backend a row
     has the same bits as in a pass of its own: a greedy answer is the same alone or in company.
@@ -508,7 +521,9 @@ def rounds_together(gens: Sequence[Generation]) -> list[list[int] | Exception]:
         if isinstance(w, Exception):
             done[i] = w
         else:  # its room bounded by its own slot's cache too (Generation.want)
-            wants[i] = w
+            policy, source, room = w
+            cap = g.k_company
+            wants[i] = (policy, source, room if cap is None else min(room, cap))
     ks = dict(zip(wants, choose_together(list(wants.values())), strict=True))
     drafts: dict[int, Draft] = {}
     for i, (_, src, _) in wants.items():  # as `_round`: nothing drafted without a source

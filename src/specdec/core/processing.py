@@ -21,6 +21,7 @@ min-p). Logprobs are not taken from here: they are the model's own (see core.dec
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ __all__ = ["FORCED", "Constraint", "Penalties", "Processor"]
 #: transformers'/vLLM's: > 0, 1 is none.
 PENALTY_RANGE = (-2.0, 2.0)
 BIAS_RANGE = (-100.0, 100.0)
+#: logit_bias entries a request may carry: past a few hundred a bias is a restriction of the
+#: vocabulary, which a grammar expresses (and ~80,000 fit in a 1 MiB body)
+MAX_BIAS = 300
 
 
 def _number(what: str, v: object, lo: float, hi: float, *, open_lo: bool = False) -> float:
@@ -65,6 +69,11 @@ class Penalties:
         _number("presence_penalty", self.presence, *PENALTY_RANGE)
         _number("frequency_penalty", self.frequency, *PENALTY_RANGE)
         _number("repetition_penalty", self.repetition, 0.0, 2.0, open_lo=True)
+        if len(self.bias) > MAX_BIAS:
+            raise ValueError(
+                f"logit_bias has {len(self.bias)} entries, at most {MAX_BIAS} are taken; "
+                "restrict the vocabulary with a grammar (response_format, guided_*) instead"
+            )
         for t, v in self.bias:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
@@ -100,13 +109,19 @@ class Penalties:
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {width})")
 
+    @functools.cached_property
+    def _bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bias as tensors, ids and values, built once (not per verify row or draft step)."""
+        ids = torch.tensor([t for t, _ in self.bias], dtype=torch.long)
+        return ids, torch.tensor([v for _, v in self.bias], dtype=torch.float32)
+
     def apply(self, logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """logits [n, V] float32 adjusted, rows independent: counts [n, V] (times each token was
         generated before that row), seen [n, V] bool (in the prompt or generated before)."""
         x = logits
         if self.bias:
-            ids = torch.tensor([t for t, _ in self.bias])
-            x = x.index_add(-1, ids, torch.tensor([v for _, v in self.bias]).expand(x.shape[0], -1))
+            ids, values = self._bias
+            x = x.index_add(-1, ids, values.expand(x.shape[0], -1))
         if self.repetition != 1:
             r = self.repetition
             x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
@@ -117,9 +132,15 @@ class Penalties:
         return x
 
 
+class GrammarError(ValueError):
+    """A grammar could not go on (a matcher's resource limit, or an error state): the request
+    fails with this message, never a silent stop that would look like a finished answer."""
+
+
 class Constraint(Protocol):
     """A grammar matcher at the end of the committed sequence (its state moves with `consume`
-    and `rollback`). `allowed()` is a bool [V] mask over the sampling width (None: anything)."""
+    and `rollback`). `allowed()` is a bool [V] mask over the sampling width (None: anything);
+    it raises GrammarError when the matcher cannot go on."""
 
     def allowed(self) -> torch.Tensor | None: ...
 
@@ -194,9 +215,11 @@ class Processor:
         drafting from the adjusted q drafts what the adjusted p accepts)."""
         drafted = [*self.ahead, *drafted]
         out = logits.to("cpu", torch.float32).reshape(1, -1)
-        if self.penalties is not None:
-            counts, seen = self._counted(drafted)
-            out = self.penalties.apply(out, counts[-1:], seen[-1:])
+        if self.penalties is not None:  # the last row of _counted's, built alone: O(V + k)
+            counts = self._counts.clone()
+            if drafted:
+                counts.index_add_(0, torch.tensor(drafted), torch.ones(len(drafted)))
+            out = self.penalties.apply(out, counts[None], (self._seen | (counts > 0))[None])
         if self.constraint is not None:
             out = out.clone() if out.data_ptr() == logits.data_ptr() else out
             taken = self.constraint.consume(drafted)

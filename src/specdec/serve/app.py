@@ -101,9 +101,9 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -116,7 +116,7 @@ from specdec.serve import answers, playground
 from specdec.serve.answers import Reply, sample_params
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
-from specdec.serve.errors import ApiError
+from specdec.serve.errors import ApiError, bad
 from specdec.serve.jobs import Job
 from specdec.serve.keys import KeyRing, unauthorized
 from specdec.serve.protocol import (
@@ -130,6 +130,7 @@ from specdec.serve.protocol import (
 from specdec.serve.tools import ToolFormat
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,16 @@ def _parse(kind: type[ChatRequest] | type[CompletionRequest], body: bytes) -> An
     return parse_request(kind, parse_json(body))
 
 
+async def _off_loop(fn: Callable[..., _T], *args: Any) -> _T:
+    """`fn(*args)` in a thread, so that the event loop serves others meanwhile; a request
+    nested deeper than Python's stack allows (a schema or a tool call's arguments, each under
+    the body's own bound) is the client's 400, not a 500."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except RecursionError:
+        raise bad("the request nests objects too deeply", code="too_deep") from None
+
+
 # ------------------------------------------------------------------------------ routes
 async def chat_completions(request: Request) -> Response:
     return await _completion(request, ChatRequest)
@@ -274,7 +285,7 @@ async def _completion(
     tenant = _tenant(request)
     body = await _read_body(request, ctx.cfg.max_body_bytes, ctx.cfg.body_timeout)
     # JSON and validation off the event loop; the bounds in parse_json keep both short.
-    req = await asyncio.to_thread(_parse, kind, body)
+    req = await _off_loop(_parse, kind, body)
     _check_model(ctx, req.model)
     with contextlib.ExitStack() as held:
         # 429 / 503 now, before any tokenizing: a place for each of the n samples
@@ -283,28 +294,35 @@ async def _completion(
         echo = ""
         if isinstance(req, ChatRequest):
             tools = _rendered_tools(req)
-            prompt = await asyncio.to_thread(engine.tokens.encode_chat, req.chat_messages(), tools)
+            # the messages too: an earlier tool call's `arguments` is parsed there, a string
+            # the body's own depth bound does not reach
+            prompt = await _off_loop(lambda: engine.tokens.encode_chat(req.chat_messages(), tools))
         else:
             prompt = req.single_prompt()
             if isinstance(prompt, str):
                 echo = prompt
-                prompt = await asyncio.to_thread(engine.tokens.encode_text, prompt)
+                prompt = await _off_loop(engine.tokens.encode_text, prompt)
             elif req.echo:
-                echo = await asyncio.to_thread(engine.tokens.text_of, prompt)
+                echo = await _off_loop(engine.tokens.text_of, prompt)
         pred = None
         if req.prediction is not None:
-            pred = await asyncio.to_thread(engine.tokens.encode_prediction, req.prediction.text())
+            pred = await _off_loop(engine.tokens.encode_prediction, req.prediction.text())
         vocab = engine.target.vocab_size
-        params = validate_request(
-            req, engine.n_ctx, vocab, prompt, pred, engine.defaults, _tool_format(engine, req)
+        params = await _off_loop(
+            validate_request,
+            req,
+            engine.n_ctx,
+            vocab,
+            prompt,
+            pred,
+            engine.defaults,
+            _tool_format(engine, req),
         )
         if params.structure is not None:  # checked now, a 400 before the queue
-            grammar = await asyncio.to_thread(engine.grammar, params.structure)
+            grammar = await _off_loop(engine.grammar, params.structure)
             params = dataclasses.replace(params, grammar=grammar)
         if params.prediction:  # its hints, and its index if it may be built ahead (engine)
-            params = await asyncio.to_thread(
-                engine.tokens.prepare_prediction, params, _instruction(req)
-            )
+            params = await _off_loop(engine.tokens.prepare_prediction, params, _instruction(req))
         reply = Reply(
             ctx.public_id,
             isinstance(req, ChatRequest),
@@ -396,13 +414,9 @@ def _speculation_card(engine: Engine) -> dict[str, Any]:
 async def health(request: Request) -> Response:
     ctx = _ctx(request)
     alive = ctx.engine.alive
-    body = {
-        "status": "ok" if alive else "engine_stopped",
-        "model": _ctx(request).public_id,  # unauthenticated: no directories
-        "busy": ctx.engine.busy,
-        "running": ctx.engine.running,
-        "queue_depth": ctx.engine.queue_depth,
-    }
+    # unauthenticated: whether it serves and what, no directories and no load (how busy the
+    # server is describes other tenants' traffic: /metrics, the operator's, says it)
+    body = {"status": "ok" if alive else "engine_stopped", "model": ctx.public_id}
     return JSONResponse(body, status_code=200 if alive else 503)
 
 

@@ -59,11 +59,12 @@ from typing import TYPE_CHECKING, Any
 
 from specdec.backends import chat as prompting
 from specdec.backends.costs import CurveFiles
-from specdec.backends.grammar import Grammars
+from specdec.backends.grammar import Grammar, Grammars
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import Generation, prepare, rounds_together, stream
 from specdec.core.model import SpecModel
 from specdec.core.pool import DraftPool
+from specdec.core.processing import GrammarError
 from specdec.serve import scheduler
 from specdec.serve.draft_pools import PoolConfig, PoolUse, ServedPools
 from specdec.serve.errors import ApiError, bad, unavailable_error
@@ -211,10 +212,12 @@ class Engine:
     def tokenizer(self, tokenizer: object | None) -> None:
         self.tokens.tokenizer = tokenizer
 
-    def grammar(self, structure: Structure) -> str:
-        """The grammar of a request's structure (protocol.Structure), checked against the
-        model's tokenizer: ApiError 400 naming the problem. Call off the event loop: the first
-        call builds llguidance's token trie (~2 s for 150k tokens)."""
+    def grammar(self, structure: Structure) -> Grammar:
+        """The grammar of a request's structure (protocol.Structure), compiled and checked
+        against the model's tokenizer: ApiError 400 naming the problem. Call off the event loop
+        and off the worker: the first call builds llguidance's token trie (~2 s for 150k
+        tokens), and a large schema compiles for up to a second; each sample then runs on a
+        copy of it."""
         try:
             grammars = self._grammars_for_model()
             if structure.functions:
@@ -420,8 +423,16 @@ class Engine:
                 return bool(self._active)
             try:
                 self._admit(job)
-            except Exception:  # _admit reports its own errors; this is a last resort
+            except Exception as e:  # _admit reports its own errors; this is a last resort
                 log.exception("engine worker: unexpected error")
+                # its client is told now, not at its request timeout; a job already
+                # started (in _active) ends as any failed generation does
+                started = next((a for a in self._active if a.job is job), None)
+                if started is not None:
+                    self._fail(started, e)
+                else:
+                    msg = f"admission failed: {type(e).__name__} (the server's log has the details)"
+                    job.emit(Failed(ApiError(500, msg, type="server_error", code="engine_error")))
         return True
 
     def _prefill_newcomers(self, round_s: float | None) -> None:
@@ -521,6 +532,9 @@ class Engine:
             self._hold(bool(self._active))
             return
         self._cache_scope[slot] = scope  # what the target will hold
+        # in company, K at most the server's k_max for its kind of drafter (a request's own
+        # fixed K, up to MAX_REQUEST_K, would set its neighbours' rounds)
+        gen.k_company = self.defaults.spec.resolved_k_max(_has_draft_model(gen))
         job.emit(Start())
         text = TextAssembler(self.tokens.decode, p.stop)
         self._active.append(_Active(job, slot, gen, use, started, text, origins))
@@ -539,9 +553,14 @@ class Engine:
         raised may have left it half-written)."""
         if a.ended:
             return
-        log.error("generation failed", exc_info=e)
-        err = f"generation failed: {type(e).__name__} (the server's log has the details)"
-        a.job.emit(Failed(ApiError(500, err, type="server_error", code="engine_error")))
+        if isinstance(e, GrammarError):  # the request's grammar, not the server, gave up
+            log.warning("grammar failed: %s", e)
+            err = ApiError(400, f"{e}; simplify the schema or grammar", code="grammar_error")
+        else:
+            log.error("generation failed", exc_info=e)
+            msg = f"generation failed: {type(e).__name__} (the server's log has the details)"
+            err = ApiError(500, msg, type="server_error", code="engine_error")
+        a.job.emit(Failed(err))
         self._reset_slot(a.slot)
         self._end(a, "error", None)
 
@@ -552,8 +571,11 @@ class Engine:
         for a, got in zip(ready, rounds_together(gens), strict=True):
             if isinstance(got, Exception):
                 self._fail(a, got)
-            else:
+                continue
+            try:  # one request's delivery (its text, its stop strings) fails it alone
                 self._deliver(a, got)
+            except Exception as e:
+                self._fail(a, e)
 
     def _deliver(self, a: _Active, ids: list[int]) -> None:
         """Hand a round's tokens to the job (and its origins, if asked); end it when it is done,
@@ -630,3 +652,7 @@ class _Active:
     @property
     def ended(self) -> bool:
         return self.state is State.ENDED
+
+
+def _has_draft_model(gen: Generation) -> bool:
+    return gen.drafter is not None and gen.drafter.model is not None

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from specdec.backends.grammar import schema_of
+from specdec.backends.grammar import Grammar, schema_of
 from specdec.core.checks import shown
 from specdec.core.config import Warp
 from specdec.core.drafters import PredictionIndex
@@ -388,7 +388,7 @@ class GenParams:
     echo: bool = False  # completions: the prompt's text before the answer's
     structure: Structure | None = None  # what the output must match (response_format, tools)
     tools: ToolFormat | None = None  # read tool calls out of the text in this format
-    grammar: str | None = None  # the structure's grammar (backends.grammar), built by the app
+    grammar: Grammar | None = None  # the structure's grammar, compiled by the app (off the worker)
 
 
 @dataclass(frozen=True)
