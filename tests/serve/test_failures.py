@@ -118,6 +118,34 @@ def test_tokenization_runs_off_the_event_loop() -> None:
         srv.close()
 
 
+def test_a_whole_answer_is_built_off_the_event_loop(monkeypatch) -> None:
+    """Issue 53: a non-streamed answer was built and serialized on the event loop (n = 16
+    samples of 4,000 tokens with top_logprobs 20: hundreds of MB, seconds), so nobody else was
+    answered meanwhile. Here building it takes 1.5 s, and /health answers during it."""
+    from specdec.serve.answers import Reply
+
+    real = Reply.completion
+
+    def slow(self, choices):
+        time.sleep(1.5)
+        return real(self, choices)
+
+    monkeypatch.setattr(Reply, "completion", slow)
+    srv = mock_server()
+    try:
+        body = {"model": MOCK_SPEC, "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            answer = pool.submit(srv.request, "POST", "/v1/completions", body)
+            time.sleep(0.5)  # the answer is being built now
+            t0 = time.monotonic()
+            assert srv.request("GET", "/health")[0] == 200
+            assert time.monotonic() - t0 < 0.5
+            status, _, r = answer.result()
+        assert status == 200 and r["choices"][0]["text"], r
+    finally:
+        srv.close()
+
+
 def test_a_lone_surrogate_in_a_text_prompt_is_400_not_500() -> None:
     """Low: the tokenizer raised UnicodeEncodeError on the surrogate: a 500."""
     target = SlowMock(V, seed=0, name=MOCK_SPEC)

@@ -393,7 +393,9 @@ async def generate(
                 choices[i].take(ev)
             elif isinstance(ev, Done):
                 choices[i].end(ev)
-        return JSONResponse(reply.completion(choices))
+        # the whole answer is built and serialized off the event loop: n samples of long
+        # answers with top_logprobs are hundreds of MB of objects, seconds of work
+        return await asyncio.to_thread(lambda: JSONResponse(reply.completion(choices)))
     finally:
         if not streaming:  # the SSE generator owns the jobs from here on
             for job in jobs:
