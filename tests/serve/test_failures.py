@@ -298,3 +298,29 @@ def test_a_delivery_that_raises_fails_that_request_alone(monkeypatch) -> None:
         assert body["choices"][0]["token_ids"] == expected(srv, [1, 2, 3], 60).tokens
     finally:
         srv.close()
+
+
+def test_an_admission_that_raises_is_told_to_its_client_at_once(monkeypatch) -> None:
+    """Issue 53: the worker's last-resort catch around admission logged an unexpected error and
+    sent the job nothing, so its client waited for its request timeout. Now it gets a 500 at
+    once, and the next request is served exactly."""
+    from specdec.serve.engine import Engine
+
+    real = Engine._admit
+
+    def admit(self, job):
+        if job.params.prompt_ids[:3] == [7, 7, 7]:
+            raise RuntimeError("an admission bug")
+        return real(self, job)
+
+    monkeypatch.setattr(Engine, "_admit", admit)
+    srv = mock_server(request_timeout=60)
+    try:
+        t0 = time.monotonic()
+        body = {"model": MOCK_SPEC, "prompt": [7, 7, 7], "max_tokens": 3}
+        status, _, err = srv.request("POST", "/v1/completions", body)
+        assert status == 500 and error_of(status, err)["code"] == "engine_error", err
+        assert time.monotonic() - t0 < 10  # not the 60 s timeout
+        assert_good_request_exact(srv)
+    finally:
+        srv.close()
