@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,90 +64,54 @@ def _requantize(src: Path, ftype: int, out: Path, pure: bool = False) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def iq3_s(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """smollm2 requantized to IQ3_S (a type neither sdmm nor ggml's per-row kernels take) where
-    a row is whole super-blocks (ffn_down), IQ4_NL (llama.cpp's fallback, sdmm's) elsewhere."""
-    import llama_cpp
-
-    out = tmp_path_factory.mktemp("requant") / "smollm2-iq3_s.gguf"
-    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_IQ3_S, out)
-
-
-@pytest.fixture(scope="module")
-def q4_0(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """smollm2 requantized to Q4_0 (sdmm's)."""
-    import llama_cpp
-
-    out = tmp_path_factory.mktemp("requant") / "smollm2-q4_0.gguf"
-    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, out)
-
-
-@pytest.fixture(scope="module")
-def q5_k_m(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """smollm2 requantized to Q5_K_M: Q5_K where a row is whole super-blocks, Q5_1 (llama.cpp's
-    fallback) where it is not (576 columns), Q6_K: all sdmm's."""
-    import llama_cpp
-
-    out = tmp_path_factory.mktemp("requant") / "smollm2-q5_k_m.gguf"
-    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M, out)
+#: The files the tests make from smollm2: name -> (llama_ftype, pure). Where a row is not whole
+#: 256-value super-blocks (smollm2's 576 columns) llama.cpp falls back to another type.
+#:   iq3_s   IQ3_S (neither sdmm's nor ggml's per-row kernels take it) in ffn_down, IQ4_NL
+#:           (sdmm's) elsewhere
+#:   q4_0    Q4_0 (sdmm's)
+#:   q5_k_m  Q5_K, Q5_1 where rows are not whole super-blocks, Q6_K: all sdmm's
+#:   q3_k_s  Q3_K (packed as Q6_K) in ffn_down (Q3_K_M gives those Q4_K/Q5_K here, so no Q3_K
+#:           at all), Q4_0 elsewhere
+#:   q2_k    Q2_K, pure: the Q2_K mix would give ffn_down Q3_K, and smollm2 would hold no Q2_K
+#:   iq4_xs  IQ4_XS, IQ4_NL where rows are not whole super-blocks
+#:   f16     F16, from its Q8_0 (each value exact in fp16's 11 bits)
+#:   bf16    BF16
+REQUANT = {
+    "iq3_s": ("LLAMA_FTYPE_MOSTLY_IQ3_S", False),
+    "q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", False),
+    "q5_k_m": ("LLAMA_FTYPE_MOSTLY_Q5_K_M", False),
+    "q3_k_s": ("LLAMA_FTYPE_MOSTLY_Q3_K_S", False),
+    "q2_k": ("LLAMA_FTYPE_MOSTLY_Q2_K", True),
+    "iq4_xs": ("LLAMA_FTYPE_MOSTLY_IQ4_XS", False),
+    "f16": ("LLAMA_FTYPE_MOSTLY_F16", False),
+    "bf16": ("LLAMA_FTYPE_MOSTLY_BF16", False),
+}
 
 
 @pytest.fixture(scope="module")
-def q2_k(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """smollm2 requantized to Q2_K, pure: Q2_K where a row is whole super-blocks (ffn_down: the
-    Q2_K mix would give it Q3_K, and smollm2 would hold no Q2_K at all), Q4_0 (llama.cpp's
-    fallback) where it is not."""
+def requantized(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """smollm2 requantized as REQUANT names it, each file made once for the module."""
     import llama_cpp
 
-    out = tmp_path_factory.mktemp("requant") / "smollm2-q2_k.gguf"
-    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K, out, pure=True)
+    made: dict[str, Path] = {}
 
+    def get(name: str) -> Path:
+        if name not in made:
+            ftype, pure = REQUANT[name]
+            out = tmp_path_factory.mktemp("requant") / f"smollm2-{name}.gguf"
+            made[name] = _requantize(smol_path, getattr(llama_cpp, ftype), out, pure)
+        return made[name]
 
-@pytest.fixture(scope="module")
-def iq4_xs(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """smollm2 requantized to IQ4_XS (IQ4_NL where a row is not whole super-blocks)."""
-    import llama_cpp
-
-    out = tmp_path_factory.mktemp("requant") / "smollm2-iq4_xs.gguf"
-    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_XS, out)
-
-
-@pytest.fixture(scope="module")
-def f16(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """smollm2's weights in F16 (from its Q8_0: each value exact in fp16's 11 bits)."""
-    import llama_cpp
-
-    out = tmp_path_factory.mktemp("requant") / "smollm2-f16.gguf"
-    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_F16, out)
-
-
-@pytest.fixture(scope="module")
-def bf16(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """smollm2's weights in BF16."""
-    import llama_cpp
-
-    out = tmp_path_factory.mktemp("requant") / "smollm2-bf16.gguf"
-    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_BF16, out)
-
-
-@pytest.fixture(scope="module")
-def q3_k_s(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """smollm2 requantized to Q3_K_S: Q3_K (packed as Q6_K) where a row is whole super-blocks
-    (ffn_down; Q3_K_M gives those Q4_K/Q5_K here, so no Q3_K at all), Q4_0 (llama.cpp's fallback
-    for Q3_K) where it is not."""
-    import llama_cpp
-
-    out = tmp_path_factory.mktemp("requant") / "smollm2-q3_k_s.gguf"
-    return _requantize(smol_path, llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_S, out)
+    return get
 
 
 @pytest.mark.model
 def test_inspect_names_an_uncovered_type_and_says_the_guarantee_does_not_hold(
-    iq3_s: Path, q4_0: Path, smol_path: Path, capsys: pytest.CaptureFixture
+    requantized: Callable[[str], Path], smol_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     from specdec.cli.main import main
 
+    iq3_s, q4_0 = requantized("iq3_s"), requantized("q4_0")
     assert inspect_weights(smol_path, "avx512").invariant  # Q4_1 and Q8_0: covered
     assert inspect_weights(q4_0, "avx512").invariant  # Q4_0 and Q8_0: sdmm's
     report = inspect_weights(iq3_s, "avx512")
@@ -164,13 +129,13 @@ def test_inspect_names_an_uncovered_type_and_says_the_guarantee_does_not_hold(
 
 @pytest.mark.model
 def test_a_default_load_of_an_uncovered_file_warns_once_naming_the_types(
-    iq3_s: Path, caplog: pytest.LogCaptureFixture
+    requantized: Callable[[str], Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     from specdec.backends import load_model
     from specdec.serve.app import _weights_card
 
     with caplog.at_level(logging.WARNING, logger="specdec.backends.llamacpp"):
-        model = load_model(f"llamacpp:{iq3_s}", n_threads=2)
+        model = load_model(f"llamacpp:{requantized('iq3_s')}", n_threads=2)
     try:
         warned = [r.getMessage() for r in caplog.records if "IQ3_S" in r.getMessage()]
         assert len(warned) == 1 and "deterministic=True" in warned[0]
@@ -185,7 +150,7 @@ def test_a_default_load_of_an_uncovered_file_warns_once_naming_the_types(
 @pytest.mark.model
 @pytest.mark.parametrize("ftype", ["q4_0", "q5_k_m", "q3_k_s", "q2_k", "iq4_xs", "f16", "bf16"])
 def test_a_requantized_file_on_sdmm_rows_bit_identical_and_greedy_speculation_exact(
-    ftype: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+    ftype: str, requantized: Callable[[str], Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Q4_0, Q5_K_M (Q5_K, Q5_1, Q6_K), Q3_K_S (Q3_K packed as Q6_K, Q4_0), Q2_K, IQ4_XS (with
     IQ4_NL), F16 and BF16 run sdmm's kernels: the default load is batch-invariant and says
@@ -195,7 +160,7 @@ def test_a_requantized_file_on_sdmm_rows_bit_identical_and_greedy_speculation_ex
     from specdec.backends.llamacpp_kernels import sdmm_isa
     from specdec.core.decode import generate
 
-    path: Path = request.getfixturevalue(ftype)
+    path = requantized(ftype)
     report = inspect_weights(path, sdmm_isa())
     main_type = {"q5_k_m": "Q5_K", "q3_k_s": "Q3_K"}.get(ftype, ftype.upper())
     assert main_type in report.type_bytes

@@ -170,6 +170,11 @@ class Generation:
         return self._prefilled == len(self.prompt) - 1
 
     @property
+    def drafts_with_model(self) -> bool:
+        """Its drafter runs a draft model: each drafted token costs a draft step."""
+        return _has_model(self.drafter)
+
+    @property
     def prompt_left(self) -> int:
         """Prompt tokens still to prefill (before the first `prefill`: all, as if nothing of
         it were cached)."""

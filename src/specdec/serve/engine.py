@@ -431,8 +431,7 @@ class Engine:
                 if started is not None:
                     self._fail(started, e)
                 else:
-                    msg = f"admission failed: {type(e).__name__} (the server's log has the details)"
-                    job.emit(Failed(ApiError(500, msg, type="server_error", code="engine_error")))
+                    job.emit(Failed(_server_error("admission", e)))
         return True
 
     def _prefill_newcomers(self, round_s: float | None) -> None:
@@ -534,7 +533,7 @@ class Engine:
         self._cache_scope[slot] = scope  # what the target will hold
         # in company, K at most the server's k_max for its kind of drafter (a request's own
         # fixed K, up to MAX_REQUEST_K, would set its neighbours' rounds)
-        gen.k_company = self.defaults.spec.resolved_k_max(_has_draft_model(gen))
+        gen.k_company = self.defaults.spec.resolved_k_max(gen.drafts_with_model)
         job.emit(Start())
         text = TextAssembler(self.tokens.decode, p.stop)
         self._active.append(_Active(job, slot, gen, use, started, text, origins))
@@ -558,8 +557,7 @@ class Engine:
             err = ApiError(400, f"{e}; simplify the schema or grammar", code="grammar_error")
         else:
             log.error("generation failed", exc_info=e)
-            msg = f"generation failed: {type(e).__name__} (the server's log has the details)"
-            err = ApiError(500, msg, type="server_error", code="engine_error")
+            err = _server_error("generation", e)
         a.job.emit(Failed(err))
         self._reset_slot(a.slot)
         self._end(a, "error", None)
@@ -654,5 +652,8 @@ class _Active:
         return self.state is State.ENDED
 
 
-def _has_draft_model(gen: Generation) -> bool:
-    return gen.drafter is not None and gen.drafter.model is not None
+def _server_error(what: str, e: Exception) -> ApiError:
+    """The 500 for an unexpected exception `e` while `what`: its type, not its text (which may
+    hold another request's data); the log has the rest."""
+    msg = f"{what} failed: {type(e).__name__} (the server's log has the details)"
+    return ApiError(500, msg, type="server_error", code="engine_error")

@@ -61,6 +61,18 @@ SD_INLINE vint scale_pair(vint sc) {
 }
 #endif
 
+/* The float term of a super-block without mins (Q6_K, IQ4_XS): row t's outputs
+ * facc[t * SDMM_R ..] += sumi[t] * (d * da). */
+SD_INLINE void scale_float(const sdmm_half * d16, const sdmm_act * a, const int NT, int h,
+                           const vint * sumi, float * facc) {
+    const vfloat d = vf_from_f16(d16 + SD_VL * h);
+    for (int t = 0; t < NT; t++) {
+        const vfloat da = vf_set1(a[t].d);
+        vf_store(facc + t * SDMM_R,
+                 vf_fmadd(vf_from_i32(sumi[t]), vf_mul(d, da), vf_load(facc + t * SDMM_R)));
+    }
+}
+
 /* The float terms of a super-block with mins (Q4_K, Q5_K: npairs 4, 32-value sub-blocks; Q2_K:
  * 8, 16-value ones, b16 set): row t's outputs facc[t * SDMM_R ..] += sumi[t] * (d * da), then
  * -= summ * (dmin * da), summ the mins m (int16 pairs per lane) times the activation's sums of
@@ -238,12 +250,7 @@ SD_INLINE void iq4xs_block(const sdmm_iq4xs_r16 * blk, const sdmm_act * a, const
         }
 #endif
     }
-    const vfloat d = vf_from_f16(blk->d + SD_VL * h);
-    for (int t = 0; t < NT; t++) {
-        const vfloat da = vf_set1(a[t].d);
-        vf_store(facc + t * SDMM_R,
-                 vf_fmadd(vf_from_i32(sumi[t]), vf_mul(d, da), vf_load(facc + t * SDMM_R)));
-    }
+    scale_float(blk->d, a, NT, h, sumi, facc);
 }
 
 /* The same for a Q6_K super-block: row t's outputs facc[t * SDMM_R ..] += its float term. */
@@ -291,12 +298,7 @@ SD_INLINE void q6k_block(const sdmm_q6k_r16 * blk, const sdmm_act * a, const int
         }
 #endif
     }
-    const vfloat d = vf_from_f16(blk->d + SD_VL * h);
-    for (int t = 0; t < NT; t++) {
-        const vfloat da = vf_set1(a[t].d);
-        vf_store(facc + t * SDMM_R,
-                 vf_fmadd(vf_from_i32(sumi[t]), vf_mul(d, da), vf_load(facc + t * SDMM_R)));
-    }
+    scale_float(blk->d, a, NT, h, sumi, facc);
 }
 
 /* The float terms of a 32-value block: row t's outputs facc[t * SDMM_R ..] += sumi[t] * (d *
