@@ -189,25 +189,28 @@ study-anchors: anchors
 	  --llama-server-modes none,ngram-mod,ngram-map-k,lookup --tag anchors
 
 # The hostile soak (scripts/loadtest.py --hostile; its mix: scripts/loadtest_hostile.py): a server
-# on the smallest model, a fresh key, $(SOAK_N) good and hostile requests (make soak-hostile
+# on the smallest model, 3 fresh keys, $(SOAK_N) good and hostile requests (make soak-hostile
 # SOAK_N=2000 for the RSS plateau), every answer compared with generate(): the draft pool off,
 # since a pool's drafts change the random draws of a sampled answer and it could not be compared
 # with a pool-less generate(). SOAK_OUT: where the record goes; SOAK_PARALLEL: the server's
 # --parallel (its slots; a fixed K drafts alike alone and in company, so sampled answers compare).
-SOAK_PARALLEL ?= 1
+SOAK_PARALLEL ?= 4
 SOAK_SERVE := --target llamacpp:smollm2-135m --drafter lookup -k 4 --deterministic --threads 1 \
   --parallel $(SOAK_PARALLEL)
 SOAK_N ?= 500
 SOAK_OUT ?= results/cpu/loadtest_hostile.json
 soak-hostile: venv
-	@key=$$(mktemp); log=$$(mktemp); head -c 24 /dev/urandom | base64 > $$key; \
-	$(BIN)/specdec serve $(SOAK_SERVE) --draft-pool off --api-key-file $$key --body-timeout 2 --max-queue 16 \
+	@key=$$(mktemp); mkey=$$(mktemp); log=$$(mktemp); head -c 24 /dev/urandom | base64 > $$mkey; \
+	for i in 1 2 3; do head -c 24 /dev/urandom | base64; done > $$key; \
+	$(BIN)/specdec serve $(SOAK_SERVE) --draft-pool off --api-keys-file $$key --body-timeout 2 --max-queue 16 \
+	  --max-queue-per-key 16 --metrics-key-file $$mkey \
 	  --request-timeout 60 --port 8312 > /dev/null 2> $$log & pid=$$!; \
 	for i in $$(seq 120); do curl -sf http://127.0.0.1:8312/health > /dev/null && break; \
 	  sleep 1; done; \
 	$(BIN)/python scripts/loadtest.py --url http://127.0.0.1:8312 --hostile --pid $$pid \
-	  --server-log $$log --api-key-file $$key -n $(SOAK_N) -c 16 $(SOAK_SERVE) --max-queue 16 \
-	  --out $(SOAK_OUT); rc=$$?; kill $$pid; rm -f $$key $$log; exit $$rc
+	  --server-log $$log --api-key-file $$key --keys-file $$key --metrics-key-file $$mkey \
+	  -n $(SOAK_N) -c 16 $(SOAK_SERVE) --max-queue 16 \
+	  --out $(SOAK_OUT); rc=$$?; kill $$pid; rm -f $$key $$mkey $$log; exit $$rc
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -288,6 +288,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     soak_args.add_argument("--server-log", default=None, help="--hostile: the server's stderr")
     soak_args.add_argument(
+        "--keys-file",
+        default=None,
+        help="--hostile: more keys of the server's --api-keys-file, one per line: the "
+        "structured requests take them in turn (default: the one key)",
+    )
+    soak_args.add_argument(
         "--max-queue", type=int, default=8, help="--hostile: the server's --max-queue (burst)"
     )
     return ap

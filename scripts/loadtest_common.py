@@ -16,6 +16,7 @@ A soak's mix is a table of request kinds: request i is of kind MIX[i % len(MIX)]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.client
 import ipaddress
 import json
@@ -66,6 +67,7 @@ class Server:
     port: int
     headers: dict[str, str]
     model: str
+    metrics_key: str | None = None  # the operator's key for /metrics (None: the headers' key)
 
     @property
     def url(self) -> str:
@@ -108,6 +110,9 @@ def add_server_args(ap: argparse.ArgumentParser, requests: int, timeout: float) 
     key.add_argument("--api-key", default=None, help="Bearer key, if the server wants one")
     key.add_argument("--api-key-file", default=None, help="read the key from this file (path)")
     ap.add_argument(
+        "--metrics-key-file", default=None, help="the server's --metrics-key-file (path)"
+    )
+    ap.add_argument(
         "--timeout", type=float, default=timeout, help=f"per request, s (default {timeout:g})"
     )
     ap.add_argument("--out", default=None, help="write the JSON record here (path)")
@@ -121,16 +126,24 @@ def connect_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.api_key_file:  # its first line, as `specdec serve --api-key-file` reads it
         key = Path(args.api_key_file).read_text().splitlines()[0].strip()
     try:
-        return connect(args.url, key, args.model)
+        server = connect(args.url, key, args.model)
     except ValueError as e:
         ap.error(str(e))
+    if args.metrics_key_file:
+        metrics_key = Path(args.metrics_key_file).read_text().splitlines()[0].strip()
+        server = dataclasses.replace(server, metrics_key=metrics_key)
+    return server
 
 
 def get(server: Server, path: str) -> tuple[int, bytes]:
-    """GET `path` with the server's headers: (status, body), or (0, b"") if it did not answer."""
+    """GET `path` with the server's headers (/metrics with the operator's key, if given):
+    (status, body), or (0, b"") if it did not answer."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    headers = server.headers
+    if path == "/metrics" and server.metrics_key:
+        headers = {**headers, "Authorization": f"Bearer {server.metrics_key}"}
     try:
-        conn.request("GET", path, headers=server.headers)
+        conn.request("GET", path, headers=headers)
         resp = conn.getresponse()
         return resp.status, resp.read()
     except (OSError, http.client.HTTPException):
@@ -145,7 +158,9 @@ def turn(i: int, mix: Sequence[str]) -> int:
     return i // len(mix)
 
 
-def run_mix(fn: Callable[[int], dict[str, Any]], indices: range, concurrency: int) -> list[dict]:
+def run_mix(
+    fn: Callable[[int], dict[str, Any]], indices: Iterable[int], concurrency: int
+) -> list[dict]:
     """fn(i) for every index, `concurrency` at a time; the results in index order."""
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         return list(pool.map(fn, indices))
@@ -223,7 +238,8 @@ def _read_answer(
         out["prompt_ids"], out["ids"], out["cached"] = ids_of(raw, got)
         out["body"] = body  # what generate() is asked afterwards
     elif status >= 400:  # an error answer is JSON with a code (ValueError otherwise)
-        out["code"] = json.loads(raw).get("error", {}).get("code")
+        error = json.loads(raw).get("error", {})
+        out["code"], out["param"] = error.get("code"), error.get("param")
 
 
 def streamed(raw: bytes, url: str) -> tuple[StreamReader | None, str | None]:

@@ -62,6 +62,7 @@ from loadtest_common import (
     tally,
     turn,
 )
+from loadtest_structured import HOSTILE_STRUCTURED, STRUCTURED, WEATHER_TOOL
 
 from specdec.study.engines.endpoint import percentile
 
@@ -86,6 +87,10 @@ HOSTILE_MIX = (
     "slow_headers",
     "good",
     "stop_hit",
+    "good",
+    "structured",
+    "good",
+    "hostile_structured",
 )
 #: The outcomes each kind may get: HTTP statuses, "left" (the client went away on purpose) or
 #: "closed" (the server cut the connection).
@@ -102,9 +107,11 @@ EXPECTED: dict[str, tuple[Any, ...]] = {
     "cache_seq": (200, 400, "left"),
     "slow_headers": ("closed",),
     "stop_hit": (200,),
+    "structured": (200,),
+    "hostile_structured": (200, 400),  # which, per variant: HOSTILE_STRUCTURED
 }
 #: Kinds whose requests are well-formed: a 5xx to any of them is the server's fault.
-WELL_FORMED = ("good", "stop_hit", "prediction", "cache", "cache_seq")
+WELL_FORMED = ("good", "stop_hit", "prediction", "cache", "cache_seq", "structured")
 MAX_TOKENS = 16
 #: ~700 tokens shared by every "cache" request: the prompt cache keeps its whole blocks.
 SHARED = "You are a careful assistant. " + " ".join(
@@ -197,6 +204,10 @@ class Monitor:
         }
 
 
+def _structured_variant(i: int) -> int:
+    return turn(i, HOSTILE_MIX) % len(HOSTILE_STRUCTURED)
+
+
 # ------------------------------------------------------------------------------ the requests
 def _chat(model: str, content: str, i: int, **kw: Any) -> dict[str, Any]:
     body = {
@@ -213,10 +224,21 @@ def _chat(model: str, content: str, i: int, **kw: Any) -> dict[str, Any]:
     return body
 
 
-def _plan(i: int, model: str) -> Plan:
-    """What request i of the mix sends, and how its client behaves."""
+def _plan(i: int, model: str, keys: tuple[str, ...] = (), tools: bool = True) -> Plan:
+    """What request i of the mix sends, and how its client behaves (`keys`: the structured
+    requests' API keys, taken in turn; none: the server's own. `tools`: whether the model's
+    chat template has a tool format; without one, a tools request is a 400 naming `tools`,
+    and the well-formed structured requests leave them out)."""
     kind, t = HOSTILE_MIX[i % len(HOSTILE_MIX)], turn(i, HOSTILE_MIX)
     p = SHORT_PROMPTS[i % len(SHORT_PROMPTS)]
+    if kind in ("structured", "hostile_structured"):
+        key = {"Authorization": f"Bearer {keys[t % len(keys)]}"} if keys else {}
+        if kind == "structured":
+            variants = [v for v in STRUCTURED if tools or "tools" not in v]
+            body = _chat(model, p, i, **variants[t % len(variants)])
+        else:
+            body = _chat(model, p, i, stream=False, **HOSTILE_STRUCTURED[_structured_variant(i)][1])
+        return Plan.of(kind, i, body, headers=key)
     if kind == "bad_key":
         method, path = BAD_KEY_ROUTES[t % len(BAD_KEY_ROUTES)]
         key = {"Authorization": "Bearer wrong"} if t % 2 else {"Authorization": ""}
@@ -360,8 +382,11 @@ def hostile_soak(args: Any, server: Server) -> dict[str, Any]:
     """The hostile soak; returns its record (see the module docstring)."""
     track = RssTrack(args.pid)
 
+    keys = _keys(args)
+    tools = _tools_served(server)
+
     def run(i: int) -> dict[str, Any]:
-        r = _send(server, _plan(i, server.model))
+        r = _send(server, _plan(i, server.model, keys, tools))
         if i < WARMUP_OFFSET:
             track.completed()
         return r
@@ -370,6 +395,11 @@ def hostile_soak(args: Any, server: Server) -> dict[str, Any]:
     # worker thread's malloc arena meeting a 1 MiB body, caches, pools) come before the RSS is
     # first read; other indices, so other prompts and seeds.
     run_mix(run, range(WARMUP_OFFSET, WARMUP_OFFSET + 3 * len(HOSTILE_MIX)), args.concurrency)
+    # and every structured variant once, each kind's first use of the grammar engine included
+    cycles = max(len(STRUCTURED), len(HOSTILE_STRUCTURED))
+    at = [j for j, kind in enumerate(HOSTILE_MIX) if kind.endswith("structured")]
+    first = WARMUP_OFFSET + 3 * len(HOSTILE_MIX)
+    run_mix(run, [first + c * len(HOSTILE_MIX) + j for c in range(cycles) for j in at], 4)
     before = snapshot(server, args.pid, args.server_log)
     monitor = Monitor(server)
     t0 = time.perf_counter()
@@ -388,12 +418,56 @@ def hostile_soak(args: Any, server: Server) -> dict[str, Any]:
         "rss_course": track.summary(),
     }
     refs = _references(args, results, _pooled(server)) if args.target else None
+    seen["solo"] = _solo(server, results, keys, tools)
+    seen["tools_served"] = tools
     return _record(args, results, refs, seen)
+
+
+def _keys(args: Any) -> tuple[str, ...]:
+    if not getattr(args, "keys_file", None):
+        return ()
+    with open(args.keys_file) as f:
+        return tuple(line.strip() for line in f if line.strip())
+
+
+def _tools_served(server: Server) -> bool:
+    """Whether the model's chat template has a tool format: a tools request answered 200."""
+    body = _chat(server.model, "Hi.", 0, stream=False, max_tokens=1, tools=[WEATHER_TOOL])
+    return send(server, Plan.of("probe", 0, body))["status"] == 200
+
+
+def _solo(
+    server: Server, results: list[dict[str, Any]], keys: tuple[str, ...], tools: bool
+) -> dict:
+    """Every structured answer of the soak against the same request sent alone, now: the
+    requests beside it (hostile ones among them) must not have changed a token."""
+    compared, mismatches = 0, []
+    for r in results:
+        if r["kind"] != "structured" or "ids" not in r or r["error"]:
+            continue
+        again = _send(server, _plan(r["i"], server.model, keys, tools))
+        compared += 1
+        if again.get("ids") != r["ids"]:
+            mismatches.append({"i": r["i"], "soak": r["ids"], "alone": again.get("ids"),
+                               "status": again["status"]})  # fmt: skip
+    return {"compared": compared, "mismatches": len(mismatches), "samples": mismatches[:3]}
+
+
+def _latency(results: list[dict[str, Any]], kinds: tuple[str, ...]) -> dict[str, Any]:
+    s = [r["s"] for r in results if r["kind"] in kinds and r["status"] == 200 and "s" in r]
+    return {"n": len(s), "p50_s": percentile(s, 50), "p99_s": percentile(s, 99),
+            "max_s": max(s, default=None)}  # fmt: skip
 
 
 def _allowed(r: dict[str, Any]) -> tuple[Any, ...]:
     if r["kind"] == "prediction":
         return (400,) if r["room_sized"] else (200,)
+    if r["kind"] == "hostile_structured":
+        _, _, statuses, field = HOSTILE_STRUCTURED[_structured_variant(r["i"])]
+        named = (r.get("param") or "").startswith(field or "")
+        if r["status"] == 400 and not named:
+            return ()  # a 400 that does not name the field it refused
+        return statuses
     return EXPECTED[r["kind"]]
 
 
@@ -430,6 +504,21 @@ def _record(
         "new_tracebacks": (after["log"]["tracebacks"] or 0) - (before["log"]["tracebacks"] or 0),
         "log_bytes_added": (after["log"]["bytes"] or 0) - (before["log"]["bytes"] or 0),
         "reference": refs,
+        "solo": seen["solo"],
+        "tools_served": seen["tools_served"],
+        # what a well-formed request waited, hostile neighbours and all
+        "latency": {k: _latency(results, (k,)) for k in ("good", "structured")},
+        "hostile_structured": {
+            name: dict(
+                Counter(
+                    str(r["status"])
+                    for r in results
+                    if r["kind"] == "hostile_structured"
+                    and HOSTILE_STRUCTURED[_structured_variant(r["i"])][0] == name
+                )
+            )
+            for name, *_ in HOSTILE_STRUCTURED
+        },
     }
     record["ok"] = _ok(record, args.deterministic)
     return record
@@ -447,12 +536,14 @@ def _ok(record: dict[str, Any], deterministic: bool) -> bool:
         and rss is not None
         and rss <= RSS_GROWTH_MAX
         and record["rss_course"]["plateau"] is not False
+        and record["before"]["504"] >= 0  # /metrics was read: the 504 count means something
         and record["new_504"] == 0
         and record["new_tracebacks"] == 0
         and record["burst"]["429_without_retry_after"] == 0
         and refs is not None
         and refs["mismatches"] == 0
         and (refs["with_cached_prefix"] > 0 or not deterministic)  # the cache was exercised
+        and record["solo"]["mismatches"] == 0
     )
 
 
@@ -472,6 +563,8 @@ def _references(args: Any, results: list[dict[str, Any]], pooled: bool) -> dict[
     for r in results:
         if "ids" not in r or r.get("prompt_ids") is None or r["error"]:
             continue  # no complete answer to compare (a stream that failed is unexpected)
+        if r["kind"] in ("structured", "hostile_structured"):
+            continue  # generate() has no grammar, penalties or n: `_solo` compares these
         body = r["body"]
         if pooled and body["temperature"] > 0:
             not_comparable += 1
@@ -519,7 +612,8 @@ def report(record: dict[str, Any]) -> None:
         f"{record['after']['fds']} | new 504s {record['new_504']}, tracebacks "
         f"{record['new_tracebacks']} | answers == generate(): {same}/{ref.get('compared', 0)}"
         f" ({ref.get('not_comparable', 0)} sampled with a draft pool: not comparable)"
-        f" | ok {record['ok']}"
+        f" | structured == alone: {record['solo']['compared'] - record['solo']['mismatches']}"
+        f"/{record['solo']['compared']} | ok {record['ok']}"
     )
     for e in record["unexpected_samples"]:
         print(f"  unexpected: {e}", file=sys.stderr)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from specdec.backends.llamacpp import usable_cores
+from specdec.backends.cores import usable_cores
 
 # Threads per model: every core this process may use (the library's default), as CI's box runs
 # the suite alone; set SPECDEC_TEST_THREADS=1 where the box is shared. Both ggml and torch's

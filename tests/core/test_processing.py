@@ -308,6 +308,25 @@ def test_a_fixed_k_is_bounded_in_company_and_not_alone(pair) -> None:
     assert [t for chunk in solo for t in chunk] == alone and max(r.k for r in own) > 5
 
 
+def test_forced_tokens_count_in_the_k_company_of_a_shared_pass(pair) -> None:
+    """In company a round puts at most its k_company tokens, forced and drafted together, into
+    the shared pass (a grammar forcing 200 must not make a neighbour's pass 33 rows longer);
+    every forced token is still emitted, and alone the round takes FORCED_PER_ROUND."""
+    target, _ = pair
+    seq = [(7 * i + 5) % V for i in range(200)]
+    gens, rounds = [], []
+    for slot in target.slots(2):
+        s = stream(slot, PROMPT, drafter="lookup", k=4, temperature=0.0, max_new_tokens=230,
+                   constraint=Spelled(seq))  # fmt: skip
+        s.generation.k_company = 6
+        s.generation.on_round = rounds.append
+        gens.append(s.generation)
+    _together(gens)
+    assert [g.tokens[:200] for g in gens] == [seq, seq]
+    assert max(r.forced for r in rounds) == 6 and max(r.k for r in rounds) <= 6
+    assert max(r.rows for r in rounds) <= 2 * (6 + 1)  # two requests, k_company + 1 rows each
+
+
 def test_bad_adjustments_are_refused_before_any_model_work(pair) -> None:
     target, _ = pair
     with pytest.raises(ValueError, match="logit_bias token id 99"):

@@ -565,6 +565,20 @@ def test_cli_serve_subprocess_binds_loopback() -> None:
             proc.wait(30)
 
 
+def _serve_script(code: str) -> tuple[subprocess.Popen, int]:
+    """A Python process running `code` with a free port as its argument: (it, the port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, port
+
+
 _MAIN_THREAD_SERVE = """
 import sys, threading
 from specdec.backends.mock import MockModel
@@ -587,15 +601,7 @@ def test_cli_serve_decodes_in_the_main_thread_and_stops_on_sigterm() -> None:
     """`specdec serve` runs the engine's worker in the main thread (serve/engine.py: llama.cpp's
     OpenMP barriers stop spinning for a decode started from any other thread, +40% per token),
     and SIGTERM still ends it cleanly with status 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _MAIN_THREAD_SERVE, str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, port = _serve_script(_MAIN_THREAD_SERVE)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -614,6 +620,43 @@ def test_cli_serve_decodes_in_the_main_thread_and_stops_on_sigterm() -> None:
         out = proc.stdout.read()
         # the warm-up and the request, all in the main thread
         assert "DECODED_IN_MAIN_THREAD [True]" in out, out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+_SIGNAL_ELSEWHERE_SERVE = """
+import http.client, signal, sys, threading, time
+from specdec.serve import config, launch
+
+port = int(sys.argv[1])
+
+def interrupt_from_this_thread():
+    while True:  # once the server answers, with its worker idle in the main thread
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                break
+        except OSError:
+            time.sleep(0.2)
+    time.sleep(1.0)
+    # SIGINT to this thread, not the main one: what the kernel does when it picks another
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+threading.Thread(target=interrupt_from_this_thread, daemon=True).start()
+sys.exit(launch.serve(config.ServeConfig(target="mock:vocab=48,seed=0", port=port)))
+"""
+
+
+@pytest.mark.slow
+def test_cli_serve_stops_on_a_sigint_another_thread_took() -> None:
+    """An idle server's worker waits for jobs in the main thread; a SIGINT the kernel delivers
+    to another thread must still stop it (it once waited for the next request)."""
+    proc, _ = _serve_script(_SIGNAL_ELSEWHERE_SERVE)
+    try:
+        assert proc.wait(60 + GRACEFUL_SHUTDOWN_S) == 0, proc.stdout.read()[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -230,3 +230,13 @@ def test_prediction_is_drafted_from_exact_and_counted_in_usage(smoke: Server) ->
     assert _chat(smoke, text, extra_body={"return_token_ids": True}, **kw).choices[0].token_ids == (
         want.tokens
     )
+
+
+def test_metrics_say_what_share_of_the_machine_the_passes_get(smoke: Server) -> None:
+    from support import TEST_THREADS
+
+    _chat(smoke, "Name three colors.", max_tokens=8, temperature=0)
+    text = smoke.metrics()
+    assert metric(text, "specdec_threads") == TEST_THREADS  # the session model's fixed pool
+    assert metric(text, "specdec_pass_pace") >= 1.0  # no pass beats the fastest of its size
+    assert metric(text, "specdec_other_cores") >= 0.0  # measured: this is Linux

@@ -170,6 +170,12 @@ def test_chat_logprobs_and_tool_choice_rules() -> None:
     assert validate_request(chat(logprobs=True), N_CTX, V, [1]).logprobs == 0
     refused("top_logprobs", top_logprobs=2)  # needs logprobs: true
     refused("top_logprobs", logprobs=True, top_logprobs=21)
+    # the entries one response may carry: n x max_tokens x (top_logprobs + 1) <= 2**18
+    many = {"logprobs": True, "top_logprobs": 20, "n": 16}
+    assert validate_request(chat(**many, max_tokens=780), 4096, V, [1]).logprobs == 20
+    with pytest.raises(ApiError) as ei:
+        validate_request(chat(**many, max_tokens=781), 4096, V, [1])
+    assert ei.value.param == "top_logprobs" and "262,144" in ei.value.message, ei.value
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     refused("tools", tools=tools)  # no tool format known for this model
     refused("tool_choice", tool_choice="required")  # no tools

@@ -43,6 +43,7 @@ SCRIPT_KINDS = (
     "specdec.loadtest_parallel/1",
     "specdec.loadtest_soak/1",
     "specdec.oneshot/1",
+    "specdec.shared_machine/1",
 )
 
 

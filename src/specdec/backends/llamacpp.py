@@ -59,12 +59,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from specdec.backends.cores import governor, pace, usable_cores
 from specdec.backends.llamacpp_kernels import check_sdmm_env, sdfa_isa, sdmm_isa, source_digest
 from specdec.backends.llamacpp_lib import bindings, load_log
 from specdec.backends.weights import (
@@ -119,15 +121,6 @@ def _available_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def usable_cores() -> int:
-    # The cores this process may run on (a container's cpuset can be smaller than cpu_count).
-    # Never more: ggml's threads spin at a barrier after every op, so a pool larger than the free
-    # cores stalls badly (measured ~100x slower per token with 2 threads on 1 free core).
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 def cost_key(model: LlamaCppModel) -> str:
@@ -270,6 +263,8 @@ class LlamaCppModel(SpecModel):
         if tokenizer is not None:
             self._check_tokenizer(vocab, tokenizer)
         self._cparams = self._context_params(n_threads, flash_attn, type_k, op_capture)
+        # None: the pool follows the cores other work leaves free (backends.cores)
+        self._adaptive = n_threads is None
         self._op_capture = op_capture  # keeps the callback alive with the context
         self.kv_bytes = self.n_seq * self._kv_bytes_per_seq(type_k)
         try:
@@ -479,13 +474,19 @@ class LlamaCppModel(SpecModel):
             for lo in range(0, len(tokens), self.n_batch):
                 chunk = tokens[lo : lo + self.n_batch]
                 batch.n_tokens = len(chunk)
+                n = governor().threads()  # measured with a fixed pool too: /metrics, doctor
+                if self._adaptive:
+                    llama.llama_set_n_threads(ctx, n, n)
                 for i, (_, seq, pos, tok) in enumerate(chunk):
                     batch.token[i] = tok
                     batch.pos[i] = pos
                     batch.n_seq_id[i] = 1
                     batch.seq_id[i][0] = seq
                     batch.logits[i] = logits  # full-vocabulary logits at every position
+                t0 = time.perf_counter()
                 rc = llama.llama_decode(ctx, batch)
+                seconds = time.perf_counter() - t0
+                pace().record(self.name, len(chunk), seconds, llama.llama_n_threads(ctx))
                 if rc != 0:
                     raise SpecModelError(
                         f"{self.name}: llama_decode failed with code {rc} at cache position "

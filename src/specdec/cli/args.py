@@ -34,8 +34,8 @@ def error(msg: str, code: int = EXIT_ERROR) -> int:
 # ------------------------------------------------------------------------------ help texts
 DEVICE_HELP = "cpu, cuda or mps for HF models (str; default: best available)"
 THREADS_HELP = (
-    "CPU threads per model, >= 1 (int; default: all cores). Use 1 on a shared machine: "
-    "llama.cpp's spin barriers stall when another process holds a core"
+    "CPU threads per model, >= 1 (int; default: this process's cores, fewer while other work "
+    "holds some: llama.cpp's barriers wait for a thread off its core). A number fixes the pool"
 )
 K_HELP = (
     "draft tokens per round: an int >= 1, 'auto' (K in 0..--k-max from measured costs) "
@@ -89,7 +89,8 @@ def k_value(text: str) -> int | str:
 
 
 def check_threads(threads: int | None) -> None:
-    """--threads is None (all cores) or >= 1; ValueError otherwise (the CLI prints it)."""
+    """--threads is None (the cores other work leaves free) or >= 1; ValueError otherwise (the
+    CLI prints it)."""
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
 
@@ -120,8 +121,8 @@ def add_device_args(
     device_help: str = DEVICE_HELP,
     threads_help: str = THREADS_HELP,
 ) -> None:
-    """--device (str; None = best available) and, with `threads`, --threads (int; None = all
-    cores; check it with `check_threads`)."""
+    """--device (str; None = best available) and, with `threads`, --threads (int; None = the
+    cores other work leaves free; check it with `check_threads`)."""
     p.add_argument("--device", default=None, help=device_help)
     if threads:
         p.add_argument("--threads", type=int, default=None, help=threads_help)

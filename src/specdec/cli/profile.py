@@ -49,7 +49,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from specdec.backends.llamacpp import usable_cores
+    from specdec.backends.cores import usable_cores
     from specdec.backends.llamacpp_kernels import peak_int8_gops
 
     cli_args.check_threads(args.threads)

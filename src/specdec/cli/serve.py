@@ -60,11 +60,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         "`prediction` is drafted from first with any drafter but none",
         p_min_help="stop drafting below this draft top probability, in [0, 1) (float; default off)",
     )
-    cli_args.add_device_args(
-        p,
-        threads_help="CPU threads per model (int >= 1; default: all cores; on a shared "
-        "machine fewer is much faster for llama.cpp)",
-    )
+    cli_args.add_device_args(p)
     cli_args.add_deterministic_arg(p)
     cache = p.add_mutually_exclusive_group()
     cache.add_argument(

@@ -211,15 +211,18 @@ class Generation:
             self.drafter.model.reset()  # type: ignore[union-attr]
         return self.prefilled
 
-    def want(self) -> tuple[KPolicy | None, str | None, int]:
+    def want(self, cap: int | None = None) -> tuple[KPolicy | None, str | None, int]:
         """What the next round's K is chosen from: the K policy, the draft source it judges
         (None: nothing to draft) and the room left (a round emits at most K + 1 tokens).
-        With a drafter, the tokens a grammar forces go first, all of them, on top of K: they
-        cost nothing to make and are near certain; the policy judges what follows them. At
-        most FORCED_PER_ROUND of them a round."""
+        With a drafter, the tokens a grammar forces go first, on top of K: they cost nothing
+        to make and are near certain; the policy judges what follows them. At most
+        FORCED_PER_ROUND of them a round; `cap` (its k_company, in a pass shared with others)
+        bounds forced and drafted tokens together."""
         # the budget, and the cache: the pass's rows must fit the target's (a slot's) context
         room = self.max_new_tokens - len(self.tokens) - 1
         room = min(room, self.target.n_ctx - self.target.n_cached - 1)
+        if cap is not None:
+            room = min(room, cap)
         drafter, forced = self.drafter, []
         if drafter is not None and room > 0 and self.processor is not None:
             forced = self.processor.forced()[: min(room, FORCED_PER_ROUND)]
@@ -522,13 +525,12 @@ def rounds_together(gens: Sequence[Generation]) -> list[list[int] | Exception]:
     done: dict[int, list[int] | Exception] = {}  # what each one ends the round with
     wants = {}
     for i, g in enumerate(gens):
-        w = _own(g.want)
+        # its room bounded by its own slot's cache, and forced + drafted by its k_company
+        w = _own(partial(g.want, g.k_company))
         if isinstance(w, Exception):
             done[i] = w
-        else:  # its room bounded by its own slot's cache too (Generation.want)
-            policy, source, room = w
-            cap = g.k_company
-            wants[i] = (policy, source, room if cap is None else min(room, cap))
+        else:
+            wants[i] = w
     ks = dict(zip(wants, choose_together(list(wants.values())), strict=True))
     drafts: dict[int, Draft] = {}
     for i, (_, src, _) in wants.items():  # as `_round`: nothing drafted without a source

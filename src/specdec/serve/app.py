@@ -110,6 +110,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from specdec.backends.cores import pace
 from specdec.backends.weights import kernel_of
 from specdec.core.model import SpecModel
 from specdec.serve import answers, playground
@@ -456,6 +457,7 @@ async def prometheus(request: Request) -> Response:
         "specdec_slots": engine.parallel,
         "specdec_queue_capacity": engine.max_queue,
         **engine.pools.gauges(),
+        **pace().gauges(),
     }
     text = engine.metrics.render(gauges)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

@@ -23,6 +23,10 @@ from typing import Generic, Protocol, TypeVar
 DEFAULT_MAX_QUEUE = 64
 
 
+#: Seconds an idle worker waits for a job before it looks again (signals; see `get`).
+WAIT_SLICE_S = 0.5
+
+
 class _Tenanted(Protocol):
     tenant: str
 
@@ -97,7 +101,10 @@ class JobQueue(Generic[J]):
         no tenant but the busy ones has a job waiting."""
         with self._cond:
             while block and not self._size and not self._closed:
-                self._cond.wait()
+                # in slices: `specdec serve` waits here in the main thread, and a signal the
+                # kernel hands another thread runs its Python handler only once the main thread
+                # is back in the interpreter (a SIGINT to an idle server was lost otherwise)
+                self._cond.wait(WAIT_SLICE_S)
             ready = [t for t in self._waiting if t not in busy]
             if not ready:
                 return None

@@ -73,6 +73,23 @@ _METRICS: dict[str, tuple[str, str]] = {
     "specdec_busy": ("gauge", "1 while the engine is generating, else 0"),
     "specdec_running": ("gauge", "Requests being generated, one per busy slot"),
     "specdec_slots": ("gauge", "--parallel: requests the engine generates at once"),
+    "specdec_pass_pace": (
+        "gauge",
+        "llama.cpp passes' recent time over the fastest this process ran at the same size, "
+        "a moving average of ~10 passes: 1 on an idle machine, several beside other work",
+    ),
+    "specdec_threads": ("gauge", "Threads of the latest llama.cpp pass (backends.cores)"),
+    "specdec_other_cores": (
+        "gauge",
+        "Cores' worth of other processes' work on this process's cores in the latest "
+        "half-second window (/proc/stat); -1 where it cannot be read",
+    ),
+    "specdec_thread_wait": (
+        "gauge",
+        "Seconds per second this process's threads waited on a run queue in the latest "
+        "half-second window: ~0 alone or beside niced work, 0.25 and more when others compete "
+        "for its cores (the pool then gives up a thread); -1 where it cannot be read",
+    ),
     "specdec_generations_by_drafter_total": (
         "counter",
         "Generations run, by the drafter they ran with: the request's speculation.drafter, "

@@ -62,6 +62,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_N = 16
+#: Logprob entries (n x max_tokens x (top + 1)) one response may carry: each is a few hundred
+#: bytes of Python objects and JSON, so n = 16, top_logprobs = 20, max_tokens = 4,000 (1.3M)
+#: would build a response of hundreds of MB; 262,144 still lets n = 1 run to a 12k context.
+MAX_LOGPROB_ENTRIES = 1 << 18
 
 
 # ------------------------------------------------------------------------------ the JSON body
@@ -459,7 +463,7 @@ def validate_request(
         speculation=speculation,
         origins=req.include_speculation,
         penalties=_penalties(req, vocab),
-        logprobs=_logprobs(req),
+        logprobs=_logprob_budget(req, n, max_tokens),
         n=n,
         echo=bool(getattr(req, "echo", False)),
         structure=structure,
@@ -484,6 +488,20 @@ def _penalties(req: ChatRequest | CompletionRequest, vocab: int) -> Penalties | 
     except ValueError as e:  # Penalties' message starts with the field it rejects
         raise bad(str(e), str(e).split()[0].split("[")[0]) from None
     return pen if pen.active else None
+
+
+def _logprob_budget(req: ChatRequest | CompletionRequest, n: int, max_tokens: int) -> int | None:
+    """`_logprobs`, refused where its entries could pass MAX_LOGPROB_ENTRIES."""
+    top = _logprobs(req)
+    if top is not None and n * max_tokens * (top + 1) > MAX_LOGPROB_ENTRIES:
+        field = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
+        raise bad(
+            f"n ({n}) x max_tokens ({max_tokens}) x ({field} + 1 = {top + 1}) logprob entries "
+            f"exceed the {MAX_LOGPROB_ENTRIES:,} a response may carry; lower max_tokens, n or "
+            f"{field}",
+            field,
+        )
+    return top
 
 
 def _logprobs(req: ChatRequest | CompletionRequest) -> int | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar, Literal
 
-from specdec.study.artifacts.base import Artifact, Model, Record, schema_field
+from specdec.study.artifacts.base import Artifact, Model, Record, added_later, schema_field
 
 
 class BreakEven(Record):
@@ -52,3 +52,8 @@ class DoctorArtifact(Artifact):
     contended: bool  # step_spread above microbench.CONTENDED_SPREAD: the numbers are flattened
     cost_store: str | None  # the file k=auto's curve was written to; None: not written
     measure_s: float  # seconds the timed passes took
+    # cores' worth of other processes' work while they ran (backends.cores; None: not measured)
+    other_cores: float | None = added_later()
+    # seconds a second its threads waited for a core (run queues; >= 0.25: others compete)
+    thread_wait: float | None = added_later()
+    threads: int | None = added_later()  # llama.cpp's pool in the timed passes (None: another)

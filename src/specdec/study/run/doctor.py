@@ -34,6 +34,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from specdec.backends.cores import WAIT_DROP, WINDOW_S, Mark, pace
 from specdec.core.cost import (
     ROW_SLACK,
     VerifyCurve,
@@ -230,9 +231,13 @@ def run(
     batches = tuple(sorted(set(batches) | {1}))
     if batches[0] < 1:
         raise ValueError(f"batch sizes must be >= 1, got {batches[0]}")
+    mark = Mark()
     verify, draft_ms, took = measure(
         target, draft, prefix=prefix, batches=batches, seconds=seconds, progress=progress
     )
+    others, waited, _ = mark.since()
+    if took < WINDOW_S:  # a wait over a few milliseconds says nothing of the machine
+        others = waited = None
     medians = {b: statistics.median(ms) for b, ms in sorted(verify.items())}
     step = medians[1]
     spread = max(verify[1]) / min(verify[1]) - 1
@@ -260,9 +265,13 @@ def run(
         verify_ms=medians,
         draft_step_ms=draft_step,
         diagnosis=diagnosis,
-        contended=spread > microbench.CONTENDED_SPREAD,
+        contended=spread > microbench.CONTENDED_SPREAD or (waited or 0.0) >= WAIT_DROP,
         cost_store=store,
         measure_s=took,
+        other_cores=others,
+        thread_wait=waited,
+        # a llama.cpp target (it has GGUF weight types) ran the passes the pace recorded
+        threads=(pace().threads or None) if hasattr(target, "weight_types") else None,
     )
 
 
@@ -336,8 +345,20 @@ def format_report(rep: DoctorArtifact) -> str:
     lines += ["", "verdict"] + [f"  - {v}" for v in d.verdict]
     if rep.contended:
         lines.append(
-            f"  ! the single step varied by {rep.step_spread:.0%} between passes: the machine was "
-            "busy, and every number above is flattened; rerun on an idle machine"
+            f"  ! the single step varied by {rep.step_spread:.0%} between passes"
+            + (f", its threads waited {rep.thread_wait:.2f} s a second" if rep.thread_wait else "")
+            + ": the machine was busy, and every number above is flattened; rerun on an idle "
+            "machine"
+        )
+    if rep.other_cores is not None:
+        lines.append(
+            f"other work on this process's cores while it measured: {rep.other_cores:.2f} cores"
+            + (
+                f"; its threads waited for a core {rep.thread_wait:.2f} s a second"
+                if rep.thread_wait is not None
+                else ""
+            )
+            + (f"; llama.cpp ran {rep.threads} thread(s)" if rep.threads else "")
         )
     if rep.cost_store:
         lines.append(f"k=auto's cost store seeded: {rep.cost_store}")
