@@ -135,13 +135,11 @@ def connect_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
     return server
 
 
-def get(server: Server, path: str) -> tuple[int, bytes]:
-    """GET `path` with the server's headers (/metrics with the operator's key, if given):
-    (status, body), or (0, b"") if it did not answer."""
+def get(server: Server, path: str, key: str | None = None) -> tuple[int, bytes]:
+    """GET `path` with the server's headers (`key`: another Bearer key): (status, body), or
+    (0, b"") if it did not answer."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
-    headers = server.headers
-    if path == "/metrics" and server.metrics_key:
-        headers = {**headers, "Authorization": f"Bearer {server.metrics_key}"}
+    headers = {**server.headers, "Authorization": f"Bearer {key}"} if key else server.headers
     try:
         conn.request("GET", path, headers=headers)
         resp = conn.getresponse()
@@ -329,7 +327,7 @@ def rss_mb(pid: int | None) -> float | None:
 
 
 def _metrics(server: Server) -> dict[str, Any]:
-    status, text = get(server, "/metrics")
+    status, text = get(server, "/metrics", server.metrics_key)
     if status != 200:
         return {"series": -1, "504": -1.0}
     samples = [x for x in text.decode(errors="replace").splitlines() if x and x[0] != "#"]

@@ -424,7 +424,7 @@ def hostile_soak(args: Any, server: Server) -> dict[str, Any]:
 
 
 def _keys(args: Any) -> tuple[str, ...]:
-    if not getattr(args, "keys_file", None):
+    if not args.keys_file:
         return ()
     with open(args.keys_file) as f:
         return tuple(line.strip() for line in f if line.strip())

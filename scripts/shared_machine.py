@@ -60,7 +60,7 @@ def compile_loop(src: Path, session: str) -> list[subprocess.Popen]:
     loop = f"while :; do gcc -O2 -c {src} -o /dev/null; done"
     pre = ["setsid"] if session == "new" else []
     return [
-        subprocess.Popen([*pre, "nice", "-n", "19", "sh", "-c", loop], start_new_session=False)
+        subprocess.Popen([*pre, "nice", "-n", "19", "sh", "-c", loop])
         for _ in range(os.cpu_count() or 1)
     ]
 
@@ -87,6 +87,13 @@ def start(port: int, target: str, threads: int | None, log: Path) -> subprocess.
     raise SystemExit(f"the server on {port} did not come up")
 
 
+def stop_servers(servers: list[subprocess.Popen]) -> None:
+    for p in servers:
+        p.send_signal(signal.SIGINT)
+    for p in servers:
+        p.wait(60)
+
+
 def ask(port: int, model: str, max_tokens: int) -> tuple[float, list[int]]:
     body = {
         "model": model,
@@ -106,13 +113,12 @@ def ask(port: int, model: str, max_tokens: int) -> tuple[float, list[int]]:
 
 
 def one_round(args: argparse.Namespace, threads: int | None, src: Path, log: Path) -> dict:
-    model = f"{args.target}"
     servers = [start(port, args.target, threads, log) for port in PORTS]
     try:
         answers = []
 
         def timed(port: int) -> float:
-            s, ids = ask(port, model, args.max_tokens)
+            s, ids = ask(port, args.target, args.max_tokens)
             answers.append(ids)
             return round(s, 2)
 
@@ -133,10 +139,7 @@ def one_round(args: argparse.Namespace, threads: int | None, src: Path, log: Pat
             t.join()
         alone.append(timed(PORTS[0]))
     finally:
-        for p in servers:
-            p.send_signal(signal.SIGINT)
-        for p in servers:
-            p.wait(60)
+        stop_servers(servers)
     base = sorted(alone)[1]
     return {
         "threads": threads or "default",
@@ -164,10 +167,7 @@ def idle_ab(args: argparse.Namespace, n: int, log: Path) -> dict[str, Any]:
             for port in PORTS if i % 2 == 0 else PORTS[::-1]:
                 times[port].append(round(ask(port, args.target, args.max_tokens)[0], 3))
     finally:
-        for p in servers:
-            p.send_signal(signal.SIGINT)
-        for p in servers:
-            p.wait(60)
+        stop_servers(servers)
     a, b = sorted(times[PORTS[0]]), sorted(times[PORTS[1]])
     return {
         "default_s": times[PORTS[0]],
@@ -186,6 +186,7 @@ def main() -> int:
     ap.add_argument("--idle", type=int, default=0, help="idle answers per pool, alternated")
     ap.add_argument("--out", default=None, help="write the record here (path)")
     args = ap.parse_args()
+    load_before = os.getloadavg()  # benchmarks want an idle machine: what it was
     with tempfile.TemporaryDirectory() as tmp:
         src, log = c_file(Path(tmp)), Path(tmp) / "serve.log"
         rows = []
@@ -203,7 +204,7 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "session": args.session,
         "cores": os.cpu_count(),
-        "load_avg_before": os.getloadavg(),
+        "load_avg_before": load_before,
         "rounds": rows,
         "idle": idle,
         "same_answers": ok,

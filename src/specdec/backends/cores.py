@@ -157,11 +157,16 @@ class Mark:
         waited: Callable[[], float | None] = wait_s,
         tick_s: float | None = None,
     ) -> None:
-        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        self._clock, self._own, self._waited = clock, own, waited
-        self._busy = busy or (lambda: busy_ticks(cpus))
+        if busy is None:  # this process's cores, as they are now
+            cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+            busy = lambda: busy_ticks(cpus)  # noqa: E731
+        self._clock, self._own, self._waited, self._busy = clock, own, waited, busy
         self._tick = tick_s or 1.0 / os.sysconf("SC_CLK_TCK")
         self.t, self.ticks, self.cpu, self.wait = clock(), self._busy(), own(), waited()
+
+    def age(self) -> float:
+        """Seconds since this mark."""
+        return self._clock() - self.t
 
     def since(self) -> tuple[float | None, float | None, Mark]:
         """(other processes' work on this process's cores, in cores; this process's threads'
@@ -201,7 +206,7 @@ class ThreadGovernor:
 
     def threads(self) -> int:
         with self._lock:
-            if self._mark._clock() - self._mark.t < self._window:
+            if self._mark.age() < self._window:
                 return self.n
             # a longer span too (a long prefill, an idle server) is one window: its average
             others, waited, self._mark = self._mark.since()
@@ -221,8 +226,9 @@ class ThreadGovernor:
             return max(1, min(n - 1, self.cores - round(others)))
         if trial:
             self._try_after = TRY_AFTER_S  # the others yielded: the thread stays
-        if n < self.cores and (others < self.cores - n - 1 + FREE_BELOW or now >= self._next_try):
-            self._trying = others >= self.cores - n - 1 + FREE_BELOW  # held, not idle: a trial
+        idle_core = others < self.cores - n - 1 + FREE_BELOW
+        if n < self.cores and (idle_core or now >= self._next_try):
+            self._trying = not idle_core  # a core others hold: a trial
             return n + 1
         return n
 

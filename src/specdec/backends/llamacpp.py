@@ -486,7 +486,8 @@ class LlamaCppModel(SpecModel):
                 t0 = time.perf_counter()
                 rc = llama.llama_decode(ctx, batch)
                 seconds = time.perf_counter() - t0
-                pace().record(self.name, len(chunk), seconds, llama.llama_n_threads(ctx))
+                threads = n if self._adaptive else self._cparams.n_threads
+                pace().record(self.name, len(chunk), seconds, threads)
                 if rc != 0:
                     raise SpecModelError(
                         f"{self.name}: llama_decode failed with code {rc} at cache position "
