@@ -453,10 +453,11 @@ def test_bad_new_flags_fail_at_start_up(flags: list[str], message: str, capsys) 
 def test_the_start_up_warnings_name_what_a_shared_pool_and_several_keys_expose() -> None:
     """Finding 6: the shared pool's warning named speed alone, yet cached_tokens reports
     another key's prompt blocks directly."""
-    from specdec.serve.launch import _warnings
+    from specdec.serve.launch import start_warnings
 
-    shared = _warnings(ServeConfig(target=MOCK_SPEC, api_keys=(KEY_A, KEY_B), draft_pool="shared"))
+    keys = (KEY_A, KEY_B)
+    shared = start_warnings(ServeConfig(target=MOCK_SPEC, api_keys=keys, draft_pool="shared"))
     assert any("cached_tokens" in w for w in shared)
     assert any("--metrics-key-file" in w for w in shared)
     keyed = ServeConfig(target=MOCK_SPEC, api_keys=(KEY_A, KEY_B), metrics_key=OPERATOR)
-    assert _warnings(keyed) == []
+    assert start_warnings(keyed) == []

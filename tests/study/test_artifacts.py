@@ -36,6 +36,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures"
 #: The scripts' own records (scripts/*.py write them; no reader in the library): not typed.
 SCRIPT_KINDS = (
     "specdec.arrivals/1",
+    "specdec.cluster_check/1",
     "specdec.extraction/1",
     "specdec.kernel_classes/1",
     "specdec.llama_bench/1",

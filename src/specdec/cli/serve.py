@@ -217,6 +217,23 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         help="seconds a response may wait for its client to read any of it before the "
         f"connection is reset (float > 0; default {DEFAULT_WRITE_TIMEOUT_S:g})",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engines serving at once, each a Ray Serve replica with its own slots, prompt "
+        "cache and draft pools (--threads each); a request goes to the replica that served its "
+        "API key and prompt prefix last (int >= 1; default 1: one process, no Ray; needs "
+        "specdec[cluster]; docs/serving.md)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="join this Ray cluster (ray start --head's address) instead of starting one on "
+        "this machine; its replicas may run on any of its nodes",
+    )
     _add_pool_args(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -255,7 +272,7 @@ def _add_pool_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     lows = (("max_queue", 1), ("parallel", 1), ("max_body_bytes", 1), ("threads", 1), ("port", 0),
-            ("ctx_size", 16))  # fmt: skip
+            ("ctx_size", 16), ("replicas", 1))  # fmt: skip
     per = (("max_queue_per_key", 1), ("max_running_per_key", 1), ("max_connections_per_client", 1))
     for name, low in (*lows, ("max_connections", 1), *per):
         v = getattr(args, name)
@@ -264,39 +281,42 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for name in ("request_timeout", "body_timeout", "write_timeout", "prefill_share"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    return serve(
-        ServeConfig(
-            target=args.target,
-            draft=cli_args.draft_spec(args.draft),
-            **cli_args.spec_options(args),
-            device=args.device,
-            threads=args.threads,
-            host=args.host,
-            port=args.port,
-            api_keys=resolve_api_keys(
-                args.api_key, args.api_key_file, args.api_keys_file, os.environ
-            ),
-            metrics_key=_metrics_key(args.metrics_key_file),
-            allowed_hosts=tuple(args.allowed_host or ()),
-            max_queue=args.max_queue,
-            parallel=args.parallel,
-            max_running_per_key=args.max_running_per_key,
-            max_queue_per_key=args.max_queue_per_key,
-            max_body_bytes=args.max_body_bytes,
-            request_timeout=args.request_timeout,
-            deterministic=args.deterministic,
-            prompt_cache=args.prompt_cache,
-            body_timeout=args.body_timeout,
-            max_connections=args.max_connections,
-            max_connections_per_client=args.max_connections_per_client,
-            write_timeout=args.write_timeout,
-            prefill_share=args.prefill_share,
-            ctx_size=args.ctx_size,
-            draft_pool=args.draft_pool,
-            draft_pool_tokens=args.draft_pool_tokens,
-            draft_pool_scopes=args.draft_pool_scopes,
-        )
+    cfg = ServeConfig(
+        target=args.target,
+        draft=cli_args.draft_spec(args.draft),
+        **cli_args.spec_options(args),
+        device=args.device,
+        threads=args.threads,
+        host=args.host,
+        port=args.port,
+        api_keys=resolve_api_keys(args.api_key, args.api_key_file, args.api_keys_file, os.environ),
+        metrics_key=_metrics_key(args.metrics_key_file),
+        allowed_hosts=tuple(args.allowed_host or ()),
+        max_queue=args.max_queue,
+        parallel=args.parallel,
+        max_running_per_key=args.max_running_per_key,
+        max_queue_per_key=args.max_queue_per_key,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
+        deterministic=args.deterministic,
+        prompt_cache=args.prompt_cache,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+        write_timeout=args.write_timeout,
+        prefill_share=args.prefill_share,
+        ctx_size=args.ctx_size,
+        draft_pool=args.draft_pool,
+        draft_pool_tokens=args.draft_pool_tokens,
+        draft_pool_scopes=args.draft_pool_scopes,
+        replicas=args.replicas,
+        ray_address=args.ray_address,
     )
+    if cfg.replicas > 1 or cfg.ray_address:  # Ray Serve; one process never imports Ray
+        from specdec.serve.cluster import serve_cluster
+
+        return serve_cluster(cfg)
+    return serve(cfg)
 
 
 def resolve_api_keys(

@@ -179,6 +179,7 @@ class Reply:
     speculation: Speculation | None = None  # usage.speculation's settings
     logprobs: bool = False  # each choice carries its tokens' logprobs
     echo: str = ""  # completions with echo: the prompt's text, before the answer's
+    replica: str | None = None  # usage.replica: which replica answered (serve.cluster)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -189,7 +190,10 @@ class Reply:
         # usage.speculation in a stream only when asked (include_speculation): the default
         # stream stays byte for byte what it was before the extension
         opted = not streamed or self.req.include_speculation
-        return usage(stats, self.speculation if opted else None)
+        out = usage(stats, self.speculation if opted else None)
+        if self.replica is not None:
+            out["replica"] = self.replica
+        return out
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

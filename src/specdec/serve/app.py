@@ -6,7 +6,9 @@ Endpoints
                                 only way to serve a tokenizer-free mock model)
     GET  /v1/models             the one model; its id is the target spec string, with the
                                 drafters a request may ask for and the server's defaults
-    GET  /health                {"status": "ok", ...} (no paths: it needs no API key)
+    GET  /health                {"status": "ok", ...} (no paths: it needs no API key); 503
+                                {"status": "draining"} once shutdown began, so a router
+                                sends the next request elsewhere
     GET  /metrics               Prometheus text format, each metric defined in its HELP line;
                                 the operator's (`_check_operator`): its counters add up every
                                 tenant's requests
@@ -82,12 +84,16 @@ server keeps serving.
     429 queue_full              with Retry-After (seconds); decided before tokenizing: the
                                 queue, or the key's share of it, is full
     500 server_error            the engine raised (the type is named, its text only logged)
-    503 shutting_down           the server is stopping (engine_stopped: its worker is not
-                                running); also past --max-connections open connections, or
+    503 shutting_down           with Retry-After: the server is stopping (engine_stopped: its
+                                worker is not running); also past --max-connections open
+                                connections (uvicorn's, without Retry-After), or
                                 --max-connections-per-client from one address (serve.
                                 connections, which also resets a connection whose client has
                                 taken no bytes for --write-timeout seconds)
     504 timeout                 --request-timeout passed, counted from arrival (queue included)
+Every response echoes the request's x-request-id (one is made when none, or a malformed one,
+came) and, in a cluster, names its replica in x-specdec-replica (serve.cluster).
+
 A streaming request that fails after its response started gets the error object as its last
 SSE event (the openai client raises it as an APIError). A non-streaming request whose client
 went away is counted as 499 (nginx's "client closed request") in specdec_requests_total.
@@ -100,7 +106,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -108,7 +116,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.backends.cores import pace
 from specdec.backends.weights import kernel_of
@@ -144,6 +152,7 @@ class _Context:
     operator: KeyRing | None  # the --metrics-key-file key; None: none was given
     model_ids: frozenset[str]  # the names a request's `model` may use
     public_id: str  # the id responses carry: the target spec without directories
+    replica: str | None = None  # this replica's name in a cluster (serve.cluster)
 
 
 def _ctx(request: Request) -> _Context:
@@ -190,6 +199,37 @@ class _HostCheck:
                 await JSONResponse(err.body(), status_code=400)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _ResponseHeaders:
+    """Every response echoes the request's x-request-id (a router's or client's trace id; one
+    is made when none or a malformed one came) and names the replica that answered."""
+
+    def __init__(self, app: ASGIApp, replica: str | None) -> None:
+        self.app = app
+        self.replica = replica
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = dict(scope["headers"]).get(b"x-request-id", b"")
+        if not _REQUEST_ID.fullmatch(rid):
+            rid = uuid.uuid4().hex.encode()
+        extra = [(b"x-request-id", rid)]
+        if self.replica is not None:
+            extra.append((b"x-specdec-replica", self.replica.encode()))
+
+        async def send_with(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with)
+
+
+#: An x-request-id echoed as it came: printable ASCII without spaces, at most 128 bytes.
+_REQUEST_ID = re.compile(rb"[!-~]{1,128}")
 
 
 def _host_name(host: str) -> str:
@@ -332,6 +372,7 @@ async def _completion(
             params.speculation,
             logprobs=params.logprobs is not None,
             echo=echo if params.echo else "",
+            replica=ctx.replica,
         )
         loop = asyncio.get_running_loop()
         deadline = arrived + ctx.cfg.request_timeout
@@ -417,8 +458,9 @@ async def health(request: Request) -> Response:
     alive = ctx.engine.alive
     # unauthenticated: whether it serves and what, no directories and no load (how busy the
     # server is describes other tenants' traffic: /metrics, the operator's, says it)
-    body = {"status": "ok" if alive else "engine_stopped", "model": ctx.public_id}
-    return JSONResponse(body, status_code=200 if alive else 503)
+    status = "engine_stopped" if not alive else "draining" if ctx.engine.draining else "ok"
+    body = {"status": status, "model": ctx.public_id}
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
 
 def _check_operator(request: Request) -> None:
@@ -456,6 +498,9 @@ async def prometheus(request: Request) -> Response:
         "specdec_running": engine.running,
         "specdec_slots": engine.parallel,
         "specdec_queue_capacity": engine.max_queue,
+        "specdec:num_requests_waiting": engine.queue_depth,
+        "specdec:num_requests_running": engine.running,
+        "specdec:kv_cache_usage_perc": engine.kv_usage,
         **engine.pools.gauges(),
         **pace().gauges(),
     }
@@ -473,8 +518,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await asyncio.to_thread(engine.stop)  # joins the worker: not on the event loop
 
 
-def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
-    """The FastAPI app over a started-or-not `engine` (the lifespan starts and stops it)."""
+def create_app(engine: Engine, cfg: ServeConfig, replica: str | None = None) -> FastAPI:
+    """The FastAPI app over a started-or-not `engine` (the lifespan starts and stops it);
+    `replica` names it in a cluster (x-specdec-replica, usage.replica)."""
     # No /docs, /redoc or /openapi.json: this is an API for programs, and the schema would
     # describe FastAPI's view of routes that parse their own bodies.
     app = FastAPI(
@@ -486,7 +532,7 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     operator = KeyRing([cfg.metrics_key]) if cfg.metrics_key else None
     # The keys stay in the rings alone, as digests (serve.keys), not in the routes' config.
     bare = dataclasses.replace(cfg, api_key=None, api_keys=(), metrics_key=None)
-    app.state.specdec = _Context(engine, bare, keys, operator, frozenset(names), public_id)
+    app.state.specdec = _Context(engine, bare, keys, operator, frozenset(names), public_id, replica)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
@@ -499,6 +545,7 @@ def create_app(engine: Engine, cfg: ServeConfig) -> FastAPI:
     hosts = cfg.host_names()
     if hosts is not None:
         app.add_middleware(_HostCheck, names=hosts)
+    app.add_middleware(_ResponseHeaders, replica=replica)
     return app
 
 

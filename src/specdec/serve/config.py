@@ -72,6 +72,8 @@ class ServeConfig:
     draft_pool: str = "key"  # whose earlier requests prompt lookup drafts from: key, shared, off
     draft_pool_tokens: int = DEFAULT_POOL_TOKENS  # each scope's pool, in tokens
     draft_pool_scopes: int = DEFAULT_POOL_SCOPES  # pools held at once, at most
+    replicas: int = 1  # engines, each a Ray Serve replica when > 1 (serve.cluster)
+    ray_address: str | None = None  # a Ray cluster to join; None: start one on this machine
 
     def __post_init__(self) -> None:
         self.pool_config()  # a bad --draft-pool* value fails here, before any model loads

@@ -66,7 +66,8 @@ _REFUSED_BODY = _error_body(
 #: request yet, so the answer is written at once, as raw bytes.
 REFUSED = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-    b"connection: close\r\ncontent-length: " + str(len(_REFUSED_BODY)).encode() + b"\r\n\r\n"
+    b"connection: close\r\nretry-after: 1\r\n"
+    b"content-length: " + str(len(_REFUSED_BODY)).encode() + b"\r\n\r\n"
 ) + _REFUSED_BODY
 
 
@@ -84,6 +85,8 @@ def uvicorn_server(app: Any, **config: Any) -> Any:
     cfg = app.state.specdec.cfg
     config.setdefault("timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
     config.setdefault("limit_concurrency", cfg.max_connections)
+    # asyncio's loop, not uvloop where it is installed (Ray brings it): one loop on every host
+    config.setdefault("loop", "asyncio")
     read_ahead = cfg.max_body_bytes + READ_AHEAD_HEADERS
     config.setdefault(
         "http",

@@ -311,6 +311,17 @@ class Engine:
         return self.runs_in_caller or self._thread.is_alive()
 
     @property
+    def draining(self) -> bool:
+        """`drain` was called: no new jobs are taken."""
+        return self._stopping
+
+    @property
+    def kv_usage(self) -> float:
+        """The target's KV cells holding tokens over all of its slots' cells, 0 to 1."""
+        held = sum(t.n_cached for t in self._targets)
+        return held / (self.target.n_ctx * len(self._targets))
+
+    @property
     def queue_depth(self) -> int:
         return len(self._jobs)
 

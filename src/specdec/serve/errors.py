@@ -53,5 +53,15 @@ def timeout_error() -> ApiError:
     )
 
 
+#: A 503 says when to come back: a router retries another replica now, a client in a second.
+UNAVAILABLE_RETRY_AFTER_S = 1
+
+
 def unavailable_error(message: str, code: str) -> ApiError:
-    return ApiError(503, message, type="server_error", code=code)
+    return ApiError(
+        503,
+        message,
+        type="server_error",
+        code=code,
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+    )

@@ -40,7 +40,7 @@ def build_engine(cfg: ServeConfig) -> Engine:
     return engine
 
 
-def _warnings(cfg: ServeConfig) -> list[str]:
+def start_warnings(cfg: ServeConfig) -> list[str]:
     """What the operator should know about these flags before the server starts."""
     out = []
     if not is_loopback(cfg.host) and not cfg.keys():
@@ -65,8 +65,9 @@ def _warnings(cfg: ServeConfig) -> list[str]:
 
 
 def serve(cfg: ServeConfig) -> int:
-    """Load, warm up and serve until SIGINT/SIGTERM; the exit code (1: could not listen)."""
-    for warning in _warnings(cfg):
+    """Load, warm up and serve until SIGINT/SIGTERM; the exit code (1: could not listen).
+    (--replicas: serve.cluster.serve_cluster instead.)"""
+    for warning in start_warnings(cfg):
         print(f"warning: {warning}", file=sys.stderr)
     engine = build_engine(cfg)
     print(

@@ -73,6 +73,22 @@ _METRICS: dict[str, tuple[str, str]] = {
     "specdec_busy": ("gauge", "1 while the engine is generating, else 0"),
     "specdec_running": ("gauge", "Requests being generated, one per busy slot"),
     "specdec_slots": ("gauge", "--parallel: requests the engine generates at once"),
+    # The three gauges a router scrapes (the model-server protocol of the Gateway API inference
+    # extension, llm-d's scheduler): named as vLLM's, which its flags map one to one.
+    "specdec:num_requests_waiting": (
+        "gauge",
+        "Requests waiting for a slot (TotalQueuedRequests; equals specdec_queue_depth)",
+    ),
+    "specdec:num_requests_running": (
+        "gauge",
+        "Requests being generated (TotalRunningRequests; equals specdec_running)",
+    ),
+    "specdec:kv_cache_usage_perc": (
+        "gauge",
+        "The target's KV cells holding tokens over all of its slots' cells, 0 to 1 "
+        "(KVCacheUtilization; a slot keeps its prompt's KV for the prompt cache after the "
+        "request, so an idle server may report above 0)",
+    ),
     "specdec_pass_pace": (
         "gauge",
         "llama.cpp passes' recent time over the fastest this process ran at the same size, "

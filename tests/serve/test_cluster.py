@@ -1,0 +1,311 @@
+"""`specdec serve --replicas 2 --threads 1` on loopback (serve.cluster): a local Ray with two
+engine replicas of qwen2.5-coder-0.5b, driven over HTTP as a client would, beside the same model
+served by one plain `specdec serve`.
+
+    kinds      stream, prediction, tools and logprobs answer with the single server's text (T=0)
+    affinity   2 keys x 2 files: each pair on one replica every time, its later requests served
+               from that replica's prompt cache (cached_tokens >= 80% of the prompt)
+    worker     x-request-id echoed, /health, /metrics merged with a replica label and the
+               router's gauges (serve.cluster.merge_metrics is unit-tested in test_app.py)
+    failure    a replica killed (SIGKILL) during a burst of 8: none hangs, each completes or
+               names the failure; the next burst completes
+    shutdown   SIGINT while a stream runs: the stream finishes, then no Ray process is left
+
+One cluster for the module (~20 s to start on a 2-core machine); `slow`, so `make test-fast`
+leaves it out.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("key-alpha", "key-beta")
+OPERATOR = "key-operator"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+class Proc:
+    """A `specdec serve` subprocess on a free loopback port."""
+
+    def __init__(self, target: str, keys_file: Path, *extra: str) -> None:
+        self.target = target
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "specdec.cli.main", "serve", "--target", target]
+        cmd += ["--port", str(self.port), "--threads", "1", "--api-keys-file", str(keys_file)]
+        cmd += ["--metrics-key-file", str(keys_file.parent / "operator")]
+        self.log = keys_file.parent / f"serve-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [*cmd, *extra],
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+        )
+        self.started = time.monotonic()
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds from start to the first answer."""
+        deadline = self.started + timeout
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, self.log.read_text()[-3000:]
+            try:
+                status, _, r = self.request("POST", "/v1/completions", _completion("x", 1), 0)
+                assert status in (200, 404, 503), r  # 404: Ray has no route yet
+                if status == 200:
+                    return time.monotonic() - self.started
+            except OSError:
+                pass
+            time.sleep(0.5)
+
+    def request(
+        self, method: str, path: str, body: dict | None = None, key: int | str = 0
+    ) -> tuple[int, dict[str, str], Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        token = KEYS[key] if isinstance(key, int) else key
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        headers["X-Request-Id"] = "trace-42"
+        if body is not None and body.get("model") == "m":  # the name this server answers to
+            body = {**body, "model": self.target}
+        conn.request(method, path, json.dumps(body) if body is not None else None, headers)
+        resp = conn.getresponse()
+        raw = resp.read()
+        conn.close()
+        head = {k.lower(): v for k, v in resp.getheaders()}
+        is_json = head.get("content-type", "").startswith("application/json")
+        return resp.status, head, json.loads(raw) if is_json else raw.decode()
+
+    def stream(self, body: dict, key: int = 0) -> tuple[str, list[dict], str | None]:
+        """(the text, the events, the error message of an error event, if any)."""
+        status, _, raw = self.request("POST", "/v1/chat/completions", {**body, "stream": True}, key)
+        assert status == 200, raw
+        events, error = [], None
+        for line in raw.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]["message"]
+                else:
+                    events.append(event)
+        text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        return text, events, error
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(90)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+def _completion(prompt: str, max_tokens: int) -> dict:
+    return {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+
+def _chat(content: str, **kw: Any) -> dict:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        **kw,
+    }
+
+
+FILE = "def total(xs):\n    s = 0\n    for x in xs:\n        s += x\n    return s\n"
+KINDS: dict[str, dict] = {
+    "plain": _chat("Write a Python function that reverses a string.", max_tokens=24),
+    "prediction": _chat(
+        f"Rename the function to sum_all:\n{FILE}",
+        max_tokens=40,
+        prediction={"type": "content", "content": FILE.replace("total", "sum_all")},
+    ),
+    "tools": _chat("What is the weather in Paris?", tools=TOOLS, tool_choice="required"),
+    "logprobs": _chat("Say hello.", max_tokens=8, logprobs=True, top_logprobs=2),
+}
+
+
+def _answer(r: dict) -> Any:
+    msg = r["choices"][0]["message"]
+    logprobs = r["choices"][0].get("logprobs")
+    tokens = [t["token"] for t in logprobs["content"]] if logprobs else None
+    calls = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []
+    ]
+    return msg.get("content"), calls, tokens
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cluster") / "keys"
+    path.write_text("\n".join(KEYS) + "\n")
+    (path.parent / "operator").write_text(OPERATOR + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def single(qwen05_path: Path, keys_file: Path) -> dict[str, Any]:
+    """The answers of one plain `specdec serve` (no Ray) to KINDS."""
+    srv = Proc(f"llamacpp:{qwen05_path}", keys_file)
+    try:
+        srv.wait_ready(120)
+        out = {}
+        for name, body in KINDS.items():
+            status, _, r = srv.request("POST", "/v1/chat/completions", body)
+            assert status == 200, r
+            out[name] = _answer(r)
+        out["stream"] = srv.stream(KINDS["plain"])[0]
+        return out
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(qwen05_path: Path, keys_file: Path, single: dict) -> Iterator[Proc]:
+    before = _ray_processes()
+    srv = Proc(f"llamacpp:{qwen05_path}", keys_file, "--replicas", "2")
+    try:
+        srv.ready_s = srv.wait_ready(180)
+        yield srv
+    finally:
+        srv.stop()
+    assert _ray_processes() <= before, "Ray processes left behind"
+
+
+def _ray_processes() -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    marks = ("raylet", "gcs_server", "ray::", "ray/dashboard", "default_worker.py")
+    return {int(line.split()[0]) for line in out.splitlines() if any(m in line for m in marks)}
+
+
+def test_every_kind_answers_as_the_single_server(cluster: Proc, single: dict) -> None:
+    assert cluster.ready_s < 90, f"first answer after {cluster.ready_s:.0f} s"
+    for name, body in KINDS.items():
+        status, head, r = cluster.request("POST", "/v1/chat/completions", body)
+        assert status == 200, (name, r)
+        assert _answer(r) == single[name], name
+        assert r["usage"]["replica"] == head["x-specdec-replica"]
+        if name == "tools":
+            assert r["choices"][0]["finish_reason"] == "tool_calls"
+        if name == "prediction":
+            assert r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    text, events, error = cluster.stream(KINDS["plain"])
+    assert error is None and text == single["stream"] and len(events) > 2
+
+
+def test_a_key_and_file_stay_on_one_replica_and_hit_its_prompt_cache(cluster: Proc) -> None:
+    files = [
+        "".join(f"def f{i}_{j}(x):\n    return x * {i} + {j}\n\n" for j in range(60))
+        for i in range(2)
+    ]
+    home: dict[tuple[int, int], str] = {}
+    # Each pair's two requests in a row: a replica's one slot (--parallel 1) keeps one prompt,
+    # so pairs interleaved on one replica would evict each other (docs/serving.md).
+    for key, f in ((0, 0), (1, 1), (0, 1), (1, 0)):
+        for n in range(2):
+            body = _chat(f"Add type hints to this file:\n{files[f]}", max_tokens=4)
+            status, head, r = cluster.request("POST", "/v1/chat/completions", body, key)
+            assert status == 200, r
+            where = head["x-specdec-replica"]
+            assert home.setdefault((key, f), where) == where, (key, f, n)
+            if n == 1:
+                usage = r["usage"]
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+                assert cached >= 0.8 * usage["prompt_tokens"], (key, f, usage)
+    # new pairs go where the fewest pairs live (the earlier tests' prompts count too)
+    assert len(set(home.values())) == 2, f"all pairs on one replica: {home}"
+
+
+def test_worker_surface_through_the_cluster(cluster: Proc) -> None:
+    status, head, body = cluster.request("GET", "/health")
+    assert status == 200 and body["status"] == "ok"
+    assert head["x-request-id"] == "trace-42"
+    status, head, r = cluster.request(
+        "POST", "/v1/chat/completions", {**KINDS["plain"], "max_tokens": 2, "no_such_field": 1}
+    )
+    assert status == 200 and head["x-request-id"] == "trace-42"
+    status, _, r = cluster.request("GET", "/metrics", key=0)
+    assert status == 403 and r["error"]["code"] == "operator_key_required"
+    status, _, text = cluster.request("GET", "/metrics", key=OPERATOR)
+    assert status == 200
+    names = {ln.split()[2] for ln in text.splitlines() if ln.startswith("# TYPE")}
+    assert {"specdec:num_requests_waiting", "specdec:kv_cache_usage_perc"} <= names
+    replicas = {
+        ln.split('replica="')[1].split('"')[0] for ln in text.splitlines() if "replica=" in ln
+    }
+    assert len(replicas) == 2, replicas
+    status, _, r = cluster.request("POST", "/v1/chat/completions", {"model": "m"})
+    assert status == 400 and r["error"]["param"] == "messages"
+
+
+def test_a_killed_replica_fails_its_requests_by_name_and_the_next_burst_completes(
+    cluster: Proc,
+) -> None:
+    bodies = [_chat(f"Count from {i} to {i + 30}.", max_tokens=48) for i in range(8)]
+
+    def one(body: dict) -> tuple[str, str | None]:
+        try:
+            text, _, error = cluster.stream(body)
+            return text, error
+        except AssertionError as e:  # 503 before any byte: the failure is named in the body
+            return "", str(e)
+
+    victim = _replicas()[0]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, b) for b in bodies]
+        time.sleep(1.5)
+        os.kill(victim, signal.SIGKILL)
+        results = [f.result(timeout=150) for f in futures]  # none hangs
+    for text, error in results:
+        assert error is None or "replica" in error, error
+        assert text or error
+    assert sum(error is None for _, error in results) >= 4
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        after = list(pool.map(one, bodies, timeout=300))
+    assert all(error is None and text for text, error in after), after
+
+
+def _replicas() -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(ln.split()[0]) for ln in out.splitlines() if "specdec-engine" in ln]
+
+
+def test_sigint_lets_a_running_stream_finish_then_leaves_nothing(cluster: Proc) -> None:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(cluster.stream, _chat("Count from 1 to 40.", max_tokens=64))
+        time.sleep(2.0)
+        cluster.proc.send_signal(signal.SIGINT)
+        _, events, error = running.result(timeout=120)
+    assert error is None and events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert cluster.proc.wait(90) == 0
