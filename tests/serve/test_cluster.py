@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -203,10 +204,18 @@ def cluster(qwen05_path: Path, keys_file: Path, single: dict) -> Iterator[Proc]:
     assert _ray_processes() <= before, "Ray processes left behind"
 
 
+def _processes(*marks: str) -> list[int]:
+    """The processes whose command line holds any of `marks`."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        line = " ".join(p.info["cmdline"] or ())
+        if any(m in line for m in marks):
+            found.append(p.info["pid"])
+    return found
+
+
 def _ray_processes() -> set[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    marks = ("raylet", "gcs_server", "ray::", "ray/dashboard", "default_worker.py")
-    return {int(line.split()[0]) for line in out.splitlines() if any(m in line for m in marks)}
+    return set(_processes("raylet", "gcs_server", "ray::", "ray/dashboard", "default_worker.py"))
 
 
 def test_every_kind_answers_as_the_single_server(cluster: Proc, single: dict) -> None:
@@ -297,8 +306,7 @@ def test_a_killed_replica_fails_its_requests_by_name_and_the_next_burst_complete
 
 
 def _replicas() -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return [int(ln.split()[0]) for ln in out.splitlines() if "specdec-engine" in ln]
+    return _processes("specdec-engine")
 
 
 def test_sigint_lets_a_running_stream_finish_then_leaves_nothing(cluster: Proc) -> None:
