@@ -9,6 +9,7 @@ served by one plain `specdec serve`.
                router's gauges (serve.cluster.merge_metrics is unit-tested in test_app.py)
     failure    a replica killed (SIGKILL) during a burst of 8: none hangs, each completes or
                names the failure; the next burst completes
+    disconnect a client that goes away mid-stream frees its replica's slot
     shutdown   SIGINT while a stream runs: the stream finishes, then no Ray process is left
 
 One cluster for the module (~20 s to start on a 2-core machine); `slow`, so `make test-fast`
@@ -92,9 +93,7 @@ class Proc:
         self, method: str, path: str, body: dict | None = None, key: int | str = 0
     ) -> tuple[int, dict[str, str], Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        token = KEYS[key] if isinstance(key, int) else key
-        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-        headers["X-Request-Id"] = "trace-42"
+        headers = _headers(key)
         if body is not None and body.get("model") == "m":  # the name this server answers to
             body = {**body, "model": self.target}
         conn.request(method, path, json.dumps(body) if body is not None else None, headers)
@@ -129,6 +128,12 @@ class Proc:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait(30)
+
+
+def _headers(key: int | str) -> dict[str, str]:
+    token = KEYS[key] if isinstance(key, int) else key
+    auth = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    return {**auth, "X-Request-Id": "trace-42"}
 
 
 def _completion(prompt: str, max_tokens: int) -> dict:
@@ -278,6 +283,28 @@ def test_worker_surface_through_the_cluster(cluster: Proc) -> None:
     assert status == 400 and r["error"]["param"] == "messages"
 
 
+def test_a_client_that_goes_away_frees_its_replicas_slot(cluster: Proc) -> None:
+    body = {**_chat("Count from 1 to 500, one number a line."), "max_tokens": 1500, "stream": True}
+    body["model"] = cluster.target
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), _headers(0))
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+
+    def running() -> float:
+        status, _, text = cluster.request("GET", "/metrics", key=OPERATOR)
+        assert status == 200, text
+        lines = [ln for ln in text.splitlines() if ln.startswith("specdec:num_requests_running")]
+        return sum(float(ln.split()[-1]) for ln in lines)
+
+    assert running() == 1
+    conn.close()  # the client goes away mid-answer
+    deadline = time.monotonic() + 20
+    while running() != 0:  # the generation was withdrawn, not run to its 1,500 tokens
+        assert time.monotonic() < deadline, "the replica still generates for a gone client"
+        time.sleep(0.5)
+
+
 def test_a_killed_replica_fails_its_requests_by_name_and_the_next_burst_completes(
     cluster: Proc,
 ) -> None:
@@ -311,9 +338,14 @@ def _replicas() -> list[int]:
 
 def test_sigint_lets_a_running_stream_finish_then_leaves_nothing(cluster: Proc) -> None:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(cluster.stream, _chat("Count from 1 to 40.", max_tokens=64))
-        time.sleep(2.0)
+        ask = _chat("Write a long story about a lighthouse keeper.", max_tokens=300)
+        running = pool.submit(cluster.stream, ask)
+        time.sleep(1.0)
         cluster.proc.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
         _, events, error = running.result(timeout=120)
+        after = time.monotonic() - signalled
+    # the whole answer, generated for seconds past the signal (a 0.5B, one thread)
     assert error is None and events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert after > 2.0, f"the answer ended {after:.1f} s after the signal: nothing was drained"
     assert cluster.proc.wait(90) == 0

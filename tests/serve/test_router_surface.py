@@ -5,6 +5,7 @@ gauges in /metrics, x-request-id echoed, 503s with Retry-After; and serve.cluste
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import threading
@@ -120,50 +121,82 @@ class _FakeReplica:
         self.replica_id = _FakeId(name)
 
 
-def _router(slots: int, queues: dict | None = None) -> Any:
+def _router(slots: int) -> Any:
     from specdec.serve.cluster_router import AffinityRouter
 
     router = AffinityRouter.__new__(AffinityRouter)  # its policy alone, without Ray's loop
     router.initialize_state(slots=slots)
-    router._replica_queue_len_cache = queues or {}
     return router
 
 
-def _route(router: Any, replicas: list, affinity: str | None, pin: str | None = None) -> list[str]:
+_IDS = itertools.count()
+
+
+def _route(
+    router: Any, replicas: list, affinity: str | None, pin: str | None = None, routed: bool = True
+) -> list[str]:
     import asyncio
 
     from specdec.serve.cluster import Forwarded
 
     fwd = Forwarded("POST", "/v1/chat/completions", b"", [], b"", affinity, replica=pin)
 
-    pending = SimpleNamespace(args=[fwd], routing_context=SimpleNamespace(should_backoff=False))
+    pending = SimpleNamespace(
+        args=[fwd],
+        routing_context=SimpleNamespace(should_backoff=False),
+        metadata=SimpleNamespace(internal_request_id=f"req-{next(_IDS)}"),
+    )
     ranks = asyncio.run(router.choose_replicas(replicas, pending))
-    assert all(len(rank) == 1 for rank in ranks) and pending.routing_context.should_backoff
-    if ranks and pin is None:
+    assert pending.routing_context.should_backoff
+    if affinity is None and pin is None:
+        return sorted(r.replica_id.unique_id for r in ranks[0])
+    assert all(len(rank) == 1 for rank in ranks)
+    if ranks and pin is None and routed:
         router.on_request_routed(pending, ranks[0][0].replica_id, None)
     return [rank[0].replica_id.unique_id for rank in ranks]
+
+
+def _done(router: Any) -> None:
+    """Every generation routed so far ends."""
+    for rid, replica in list(router._sent.items()):
+        router.on_request_completed(replica, rid)
 
 
 def test_the_router_keeps_a_pair_home_and_spreads_new_pairs_over_free_slots() -> None:
     a, b = _FakeReplica("a"), _FakeReplica("b")
     for slots in (1, 2):
         router = _router(slots)
-        first = [_route(router, [a, b], f"pair{i}")[0] for i in range(2 * slots)]
+        first = []
+        for i in range(2 * slots):
+            first.append(_route(router, [a, b], f"pair{i}")[0])
+            _done(router)
         assert sorted(first) == ["a"] * slots + ["b"] * slots, (slots, first)  # no slot shared
         for i in range(2 * slots):  # each pair goes home first, the other replica next
             ranks = _route(router, [a, b], f"pair{i}")
+            _done(router)
             assert ranks[0] == first[i] and len(ranks) == 2
         # a new pair evicts the least recently used prompt: pair0's, routed longest ago
         assert _route(router, [a, b], "new")[0] == first[0]
-    # least loaded first for a new pair; a home keeps its rank whatever its queue
-    busy = _router(1, {a.replica_id: 3, b.replica_id: 0})
-    assert _route(busy, [a, b], "p") == ["b", "a"]
-    assert _route(busy, [a, b], "p") == ["b", "a"]
-    busy._replica_queue_len_cache = {b.replica_id: 5}
-    assert _route(busy, [a, b], "p") == ["b", "a"]  # home first; Ray skips it while it is full
+
+
+def test_the_router_counts_slots_leaves_a_full_home_for_a_free_replica_then_waits() -> None:
+    a, b = _FakeReplica("a"), _FakeReplica("b")
+    router = _router(1)
+    home = _route(router, [a, b], "p")[0]  # running: its home's one slot is taken
+    other = "b" if home == "a" else "a"
+    assert _route(router, [a, b], "p") == [other]  # a free slot elsewhere
+    assert _route(router, [a, b], "p") == []  # every slot taken: it waits at the router
+    _done(router)
+    assert not router._busy and _route(router, [a, b], "p") == [other, home]  # home: last
+    # a choice counts before Ray carries it out: requests routed at once spread
+    _done(router)
+    chosen = [_route(router, [a, b], f"burst{i}", routed=False)[0] for i in range(2)]
+    assert sorted(chosen) == ["a", "b"]
+    # requests without an affinity (/health, /v1/models) are not counted, go anywhere
+    assert sorted(_route(router, [a, b], None)) == ["a", "b"]
     # pinned: that replica alone, or nothing while it is gone
-    assert _route(busy, [a, b], None, pin="a") == ["a"]
-    assert _route(busy, [b], None, pin="a") == []
+    assert _route(router, [a, b], None, pin="a") == ["a"]
+    assert _route(router, [b], None, pin="a") == []
 
 
 def test_full_replicas_are_a_429_and_a_dead_one_a_503_each_with_retry_after() -> None:

@@ -92,7 +92,8 @@ server keeps serving.
                                 taken no bytes for --write-timeout seconds)
     504 timeout                 --request-timeout passed, counted from arrival (queue included)
 Every response echoes the request's x-request-id (one is made when none, or a malformed one,
-came) and, in a cluster, names its replica in x-specdec-replica (serve.cluster).
+came) and, in a cluster, names its replica in x-specdec-replica (serve.cluster); all but an
+unexpected 500, which Starlette's outermost middleware sends.
 
 A streaming request that fails after its response started gets the error object as its last
 SSE event (the openai client raises it as an APIError). A non-streaming request whose client

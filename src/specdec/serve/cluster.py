@@ -11,9 +11,9 @@ router has them, because Ray's proxy picks a replica before it reads a request's
                     slots, prompt cache and draft pools) behind the same app as `specdec serve`
                     (serve.app.create_app, called in-process: `Replica.http`).
 `AffinityRouter` sends a request to the replica that answered its (key, prefix) last while that
-replica has a free slot (max_ongoing_requests = --parallel), else to the least loaded one: the
-prompt cache and the key's draft pool live in one replica, and a round-robin balancer would
-land the next edit of the same file cold elsewhere.
+replica has a free slot (of --parallel), else to the least loaded one with a free slot, else
+keeps it waiting: the prompt cache and the key's draft pool live in one replica, and a
+round-robin balancer would land the next edit of the same file cold elsewhere.
 
 A replica that dies mid-answer ends a stream with an error event, or answers 503 with
 Retry-After if nothing was sent yet; Ray restarts it; the others serve on. SIGINT/SIGTERM drain:
@@ -33,7 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.serve.config import ServeConfig
@@ -48,6 +48,10 @@ AFFINITY_CHARS = 1024
 AFFINITY_MEMORY = 4096
 #: Seconds running answers get to finish when the cluster is stopped.
 DRAIN_S = 30.0
+#: Seconds the ingress waits for one replica's /metrics, and for any other's /health.
+ASK_S, PROBE_S = 10.0, 2.0
+#: Requests a replica takes beyond its slots and queue: /health, /metrics, /v1/models.
+LIGHT_REQUESTS = 8
 APP_NAME = "specdec"
 
 
@@ -58,10 +62,11 @@ class Forwarded:
     method: str
     path: str
     query: bytes
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
+    headers: list[tuple[bytes, bytes]] = field(repr=False)  # the API key among them
+    body: bytes = field(repr=False)
     affinity: str | None  # affinity_key; None: any replica will do
     replica: str | None = None  # this replica only (the ingress's /metrics asks each)
+    avoid: tuple[str, ...] = ()  # any replica but these (how /metrics finds the others)
 
 
 def affinity_key(authorization: str, body: bytes) -> str | None:
@@ -199,44 +204,53 @@ class Ingress:
     """Ray Serve's HTTP entry: reads a request, routes it with its affinity, relays the
     answer (streams as they come)."""
 
-    def __init__(self, engines: Any, replicas: int, max_body_bytes: int) -> None:
+    def __init__(self, engines: Any, cfg: ServeConfig) -> None:
+        from specdec.serve.keys import KeyRing
+
         self.engines = engines.options(stream=True)
-        self.replicas = replicas
-        self.max_body_bytes = max_body_bytes
+        self.replicas = cfg.replicas
+        self.max_body_bytes = cfg.max_body_bytes
+        # a request without a valid key gets its 401 from a replica, and no affinity: a flood
+        # of them must not push the paying keys' pairs out of the router's memory
+        self.keys = KeyRing(cfg.keys()) if cfg.keys() else None
         self.seen: set[str] = set()  # replicas that answered, by name (for /metrics)
 
     async def __call__(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse, Response, StreamingResponse
+        from starlette.requests import ClientDisconnect
+        from starlette.responses import Response, StreamingResponse
 
         try:
             body = await self._body(request)
         except ApiError as e:
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            return _error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody reads it
         headers = list(request.scope["headers"])
-        path = request.url.path
-        if path == "/metrics" and request.method == "GET":
-            return await self._metrics(request, headers)
-        affinity = None
-        if request.method == "POST":
-            affinity = affinity_key(request.headers.get("authorization", ""), body)
+        if request.url.path == "/metrics" and request.method == "GET":
+            return await self._metrics(headers)
         fwd = Forwarded(
-            request.method, path, request.scope.get("query_string", b""), headers, body, affinity
+            request.method,
+            request.url.path,
+            request.scope.get("query_string", b""),
+            headers,
+            body,
+            await self._affinity(request, body),
         )
         answer = self.engines.http.remote(fwd)
         try:
             status, head = await answer.__anext__()
+            self._saw(head)
+            media = dict((k.lower(), v) for k, v in head).get(b"content-type", b"")
+            if not media.startswith(b"text/event-stream"):
+                whole = Response(b"".join([c async for c in answer]), status_code=status)
+                return _raw(whole, head)
         except Exception as e:  # the replica died or could not be reached: nothing was sent
-            err = _replica_error(e)
-            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-        self._saw(head)
-        # the relay frames the body anew, and Ray's proxy echoes x-request-id itself
-        dropped = (b"content-length", b"transfer-encoding", b"x-request-id")
-        kept = [(k, v) for k, v in head if k.lower() not in dropped]
-        media = dict((k.lower(), v) for k, v in head).get(b"content-type", b"")
-        if not media.startswith(b"text/event-stream"):
-            chunks = [c async for c in answer]
-            return _raw(Response(b"".join(chunks), status_code=status), kept)
-        return _raw(StreamingResponse(_relay(answer), status_code=status), kept)
+            answer.cancel()
+            return _error(_replica_error(e))
+        except BaseException:  # cancelled: the client went away; so does its generation
+            answer.cancel()
+            raise
+        return _raw(StreamingResponse(_relay(answer), status_code=status), head)
 
     async def _body(self, request: Any) -> bytes:
         declared = request.headers.get("content-length")
@@ -249,23 +263,32 @@ class Ingress:
                 raise _too_large(self.max_body_bytes)
         return body
 
-    async def _metrics(self, request: Any, headers: list[tuple[bytes, bytes]]) -> Any:
-        """Every replica's /metrics, each sample labelled with its replica."""
-        from starlette.responses import JSONResponse, Response
+    async def _affinity(self, request: Any, body: bytes) -> str | None:
+        auth = request.headers.get("authorization", "")
+        if request.method != "POST" or (self.keys is not None and not self.keys.matches(auth)):
+            return None
+        if len(body) < 1 << 16:
+            return affinity_key(auth, body)
+        # parsing up to --max-body-bytes of JSON would hold up every stream this loop relays
+        return await asyncio.to_thread(affinity_key, auth, body)
 
-        if len(self.seen) < self.replicas:  # find the replicas no answer has named yet
-            probe = Forwarded("GET", "/health", b"", headers, b"", None)
-            calls = [_collect(self.engines.http.remote(probe)) for _ in range(2 * self.replicas)]
-            for got in await asyncio.gather(*calls, return_exceptions=True):
-                if not isinstance(got, BaseException):
-                    self._saw(got[1])
+    async def _metrics(self, headers: list[tuple[bytes, bytes]]) -> Any:
+        """Every replica's /metrics, each sample labelled with its replica."""
+        from starlette.responses import Response
+
+        while len(self.seen) < self.replicas:  # find the replicas no answer has named yet
+            probe = Forwarded("GET", "/health", b"", headers, b"", None, avoid=tuple(self.seen))
+            try:
+                self._saw((await self._ask(probe, PROBE_S))[1])
+            except Exception:  # none answered: one is starting, or gone
+                break
         texts: dict[str, str] = {}
+        # One at a time: calls made while one HTTP request is handled share Ray's request id,
+        # and Ray hands a replica found for one to the first pending call with that id.
         for name in sorted(self.seen):
             fwd = Forwarded("GET", "/metrics", b"", headers, b"", None, replica=name)
             try:
-                status, head, text = await asyncio.wait_for(
-                    _collect(self.engines.http.remote(fwd)), 10.0
-                )
+                status, head, text = await self._ask(fwd)
             except Exception:  # gone since (Ray restarts it under another name)
                 self.seen.discard(name)
                 continue
@@ -273,9 +296,21 @@ class Ingress:
                 return _raw(Response(text, status_code=status), head)
             texts[name] = text.decode()
         if not texts:
-            err = unavailable_error("no replica answered", "no_replica")
-            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+            return _error(unavailable_error("no replica answered", "no_replica"))
         return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4")
+
+    async def _ask(
+        self, fwd: Forwarded, timeout: float = ASK_S
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """A whole answer to `fwd`, within `timeout` seconds (cancelled past them)."""
+        answer = self.engines.http.remote(fwd)
+        try:
+            async with asyncio.timeout(timeout):
+                status, head = await answer.__anext__()
+                return status, head, b"".join([c async for c in answer])
+        except BaseException:
+            answer.cancel()
+            raise
 
     def _saw(self, head: list[tuple[bytes, bytes]]) -> None:
         name = dict(head).get(b"x-specdec-replica")
@@ -283,23 +318,35 @@ class Ingress:
             self.seen.add(name.decode())
 
 
-async def _collect(answer: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    status, head = await answer.__anext__()
-    return status, head, b"".join([c async for c in answer])
-
-
 async def _relay(answer: Any) -> AsyncIterator[bytes]:
-    """The rest of a stream; a replica that dies mid-answer ends it with an error event."""
+    """The rest of a stream; a replica that dies mid-answer ends it with an error event, and a
+    client that goes away cancels the replica's generation."""
+    ended = False
     try:
         async for chunk in answer:
             yield chunk
+        ended = True
     except Exception as e:
+        ended = True
         yield f"data: {json.dumps(_replica_error(e).body())}\n\n".encode()
+    finally:
+        if not ended:
+            answer.cancel()
+
+
+def _error(e: ApiError) -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+#: What the relay sets itself: the body's framing, and x-request-id (Ray's proxy echoes it).
+_RELAY_SETS = (b"content-length", b"transfer-encoding", b"x-request-id")
 
 
 def _raw(response: Any, headers: list[tuple[bytes, bytes]]) -> Any:
-    """`response` with the replica's headers (its own length and type kept)."""
-    own = {k for k, _ in response.raw_headers}
+    """`response` with the replica's headers (its own framing and type kept)."""
+    own = {k for k, _ in response.raw_headers} | set(_RELAY_SETS)
     response.raw_headers += [(k, v) for k, v in headers if k.lower() not in own]
     return response
 
@@ -335,12 +382,14 @@ def build_app(cfg: ServeConfig) -> Any:
         Replica,
         name="specdec-engine",
         num_replicas=cfg.replicas,
-        max_ongoing_requests=cfg.parallel,  # a slot each: more wait at the router (affinity)
-        max_queued_requests=cfg.max_queue * cfg.replicas,  # past it: 429 (_replica_error)
+        # its slots (the router counts them: cluster_router) and the light requests
+        max_ongoing_requests=cfg.parallel + LIGHT_REQUESTS,
+        max_queued_requests=cfg.max_queue * cfg.replicas,  # waiting at the router; then 429
         ray_actor_options={"num_cpus": cfg.threads or 1},
         request_router_config=RequestRouterConfig(
             request_router_class="specdec.serve.cluster_router.AffinityRouter",
             request_router_kwargs={"slots": cfg.parallel},
+            max_backoff_s=0.1,  # a request waiting for a slot starts within 0.1 s of one freeing
         ),
         health_check_period_s=5.0,
         graceful_shutdown_timeout_s=DRAIN_S,
@@ -351,8 +400,9 @@ def build_app(cfg: ServeConfig) -> Any:
         num_replicas=1,
         max_ongoing_requests=cfg.max_connections,
         ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=DRAIN_S + 5,  # it relays the engines' last answers
     )
-    return ingress.bind(engines.bind(cfg), cfg.replicas, cfg.max_body_bytes)
+    return ingress.bind(engines.bind(cfg), cfg)
 
 
 def serve_cluster(cfg: ServeConfig) -> int:
@@ -391,7 +441,9 @@ def serve_cluster(cfg: ServeConfig) -> int:
             include_dashboard=False,
             object_store_memory=128 << 20,  # requests and answers, never weights
         )
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    # the proxy's own bound on a request, queue included: the engine's 504 comes first
+    timeout = cfg.request_timeout + DRAIN_S
+    serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": timeout})
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
     print(
         f"specdec: serving {cfg.target} on {cfg.replicas} replica(s) at "
@@ -404,7 +456,10 @@ def serve_cluster(cfg: ServeConfig) -> int:
     while not stop.wait(0.5):
         pass
     print("specdec: draining the replicas", file=sys.stderr)
-    serve.shutdown()
-    if not cfg.ray_address:
+    # The app first, while Ray's proxy still relays: its replicas finish their answers (up to
+    # DRAIN_S). serve.shutdown would stop the proxy at once, cutting every stream.
+    serve.delete(APP_NAME)
+    if not cfg.ray_address:  # what this process started; a cluster joined keeps its Serve
+        serve.shutdown()
         ray.shutdown()
     return 0

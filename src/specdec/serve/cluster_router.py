@@ -5,23 +5,37 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from specdec.serve.cluster import AFFINITY_MEMORY, Forwarded
 
+#: Seconds a choice counts against its replica's slots before it is carried out.
+CHOSEN_S = 10.0
+
 
 class AffinityRouter(RequestRouter):
-    """The replica that answered a request's (key, prefix) last, while it has a free slot; else
-    the least loaded of the others. Ray's loop tries each rank in turn, taking a replica whose
-    queue is under max_ongoing_requests, and backs off when none has room."""
+    """A request with an affinity goes to the replica that answered it last while that replica
+    has a free slot; else to another with a free slot, the least loaded first; else it waits
+    here (Ray's loop backs off and asks again) until a slot frees, so a replica that dies takes
+    only its running generations with it. Requests without one (/health, /metrics,
+    /v1/models) go anywhere: a replica takes LIGHT_REQUESTS of them beyond its slots
+    (serve.cluster.build_app).
+
+    Slots are counted here, of the generations this router sent (`_busy`), with the choices
+    made but not yet carried out (`_chosen`): Ray routes several requests at once, and each
+    would otherwise see the same free replica."""
 
     def initialize_state(self, slots: int = 1, **kwargs: Any) -> None:
-        self._slots = slots  # --parallel: the prompts each replica's prompt cache keeps
+        self._slots = slots  # --parallel: generations a replica runs at once, prompts it keeps
         # (key, prefix) -> the replica that answered it last, least recently routed first
         self._home: OrderedDict[str, ReplicaID] = OrderedDict()
+        self._busy: Counter[ReplicaID] = Counter()  # generations running, by replica
+        self._sent: dict[str, ReplicaID] = {}  # those generations, by Ray's request id
+        self._chosen: dict[str, tuple[ReplicaID, float]] = {}  # first choices, by request id
 
     async def choose_replicas(
         self,
@@ -35,23 +49,38 @@ class AffinityRouter(RequestRouter):
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == fwd.replica]
             return [pinned] if pinned else []
         affinity = fwd.affinity if fwd is not None else None
-        home_id = self._home.get(affinity) if affinity else None
-        home = [r for r in candidate_replicas if r.replica_id == home_id]
-        rest = [r for r in candidate_replicas if r.replica_id != home_id]
-        # One replica a rank, so that this order holds (within a rank Ray prefers a replica whose
-        # queue length it has cached): the least loaded as last seen; then, for a new pair, the
-        # replica where its prompt evicts the least recently used one (`_evicts`); then a hash
-        # of the pair; a request without one, at random.
-        evicts = self._evicts() if affinity else {}
-        random.shuffle(rest)
-        rest.sort(
+        if not affinity or pending_request is None:  # anywhere (but where `avoid` says not)
+            avoid = fwd.avoid if fwd is not None else ()
+            rest = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
+            random.shuffle(rest)
+            return [rest] if rest else []
+        load = self._load()
+        free = [r for r in candidate_replicas if load[r.replica_id] < self._slots]
+        home_id = self._home.get(affinity)
+        # home; else the least loaded, then where the new prompt evicts the least recently
+        # used one (`_evicts`), then a hash of the pair; one replica a rank, so that the order
+        # holds (within a rank Ray prefers a replica whose queue length it has cached)
+        evicts = self._evicts()
+        free.sort(
             key=lambda r: (
-                self._replica_queue_len_cache.get(r.replica_id) or 0,
+                r.replica_id != home_id,
+                load[r.replica_id],
                 evicts.get(r.replica_id, (0, 0)),
-                _mix(affinity, r.replica_id.unique_id) if affinity else b"",
+                _mix(affinity, r.replica_id.unique_id),
             )
         )
-        return [[r] for r in home + rest]
+        if free:
+            rid = pending_request.metadata.internal_request_id
+            self._chosen[rid] = (free[0].replica_id, time.monotonic())
+        return [[r] for r in free]
+
+    def _load(self) -> Counter[ReplicaID]:
+        """Generations per replica: those sent, and those chosen in the last CHOSEN_S."""
+        now = time.monotonic()
+        for rid, (_, at) in list(self._chosen.items()):
+            if now - at > CHOSEN_S:  # never carried out (cancelled while it waited)
+                del self._chosen[rid]
+        return self._busy + Counter(replica for replica, _ in self._chosen.values())
 
     def _evicts(self) -> dict[ReplicaID, tuple[int, int]]:
         """Per replica, what a new prompt would cost its slots, which keep the last `slots`
@@ -68,11 +97,22 @@ class AffinityRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         fwd = _forwarded(pending_request)
-        if fwd is not None and fwd.affinity and fwd.replica is None:
-            self._home[fwd.affinity] = replica_id
-            self._home.move_to_end(fwd.affinity)
-            while len(self._home) > AFFINITY_MEMORY:
-                self._home.popitem(last=False)
+        if fwd is None or not fwd.affinity or fwd.replica is not None:
+            return
+        self._home[fwd.affinity] = replica_id
+        self._home.move_to_end(fwd.affinity)
+        while len(self._home) > AFFINITY_MEMORY:
+            self._home.popitem(last=False)
+        rid = pending_request.metadata.internal_request_id
+        self._chosen.pop(rid, None)
+        self._busy[replica_id] += 1
+        self._sent[rid] = replica_id
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._sent.pop(internal_request_id, None) is not None:
+            self._busy[replica_id] -= 1
+            if self._busy[replica_id] <= 0:
+                del self._busy[replica_id]
 
 
 def _mix(affinity: str, replica: str) -> bytes:
