@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from loadtest_common import write_record
+from loadtest_common import rss_mb, write_record
 
 KEYS = ("key-alpha", "key-beta")
 FILE = "def total(xs):\n    s = 0\n    for x in xs:\n        s += x\n    return s\n"
@@ -189,14 +189,8 @@ def affinity(srv: Server, order: list[tuple[int, int]]) -> list[dict[str, Any]]:
     return rows
 
 
-def rss_mb(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            total += psutil.Process(pid).memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return round(total / 2**20, 1)
+def total_rss_mb(pids: list[int]) -> float:
+    return round(sum(rss_mb(p) or 0.0 for p in pids), 1)
 
 
 def processes() -> dict[str, list[int]]:
@@ -285,7 +279,7 @@ def run(args: argparse.Namespace, tmp: Path, servers: list) -> int:
     single = Server(args.target, keys, "--threads", "1")
     servers.append(single)
     record["single_ready_s"] = round(single.ready_s, 1)
-    record["single_rss_mb"] = rss_mb([single.proc.pid])
+    record["single_rss_mb"] = total_rss_mb([single.proc.pid])
     want = kinds(single)
     single.stop()
     wide = Server(args.target, keys, "--threads", "2", "--parallel", "2")
@@ -304,9 +298,9 @@ def run(args: argparse.Namespace, tmp: Path, servers: list) -> int:
     record["affinity_interleaved"] = affinity(cl, INTERLEAVED)
     procs = processes()
     record["rss_mb"] = {
-        "ray_processes": rss_mb(procs["ray"]),
+        "ray_processes": total_rss_mb(procs["ray"]),
         "ray_process_count": len(procs["ray"]),
-        "engine_replicas": [rss_mb([p]) for p in procs["engine_replicas"]],
+        "engine_replicas": [total_rss_mb([p]) for p in procs["engine_replicas"]],
     }
     record["burst_cluster_s"] = [round(burst(cl), 2) for _ in range(3)]
     record["kill"] = kill_during_burst(cl)

@@ -187,7 +187,7 @@ def test_the_router_counts_slots_leaves_a_full_home_for_a_free_replica_then_wait
     assert _route(router, [a, b], "p") == [other]  # a free slot elsewhere
     assert _route(router, [a, b], "p") == []  # every slot taken: it waits at the router
     _done(router)
-    assert not router._busy and _route(router, [a, b], "p") == [other, home]  # home: last
+    assert not router._sent and _route(router, [a, b], "p") == [other, home]  # home: last
     # a choice counts before Ray carries it out: requests routed at once spread
     _done(router)
     chosen = [_route(router, [a, b], f"burst{i}", routed=False)[0] for i in range(2)]

@@ -277,6 +277,12 @@ async def _read_all(request: Request, limit: int) -> bytes:
             f"Content-Type must be application/json, got {media or 'none'!r}",
             code="unsupported_media_type",
         )
+    return await read_at_most(request, limit)
+
+
+async def read_at_most(request: Request, limit: int) -> bytes:
+    """The request body; 413 past `limit` bytes, declared or sent (serve.cluster's ingress
+    reads with it too)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(

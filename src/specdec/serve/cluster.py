@@ -219,8 +219,10 @@ class Ingress:
         from starlette.requests import ClientDisconnect
         from starlette.responses import Response, StreamingResponse
 
+        from specdec.serve.app import read_at_most
+
         try:
-            body = await self._body(request)
+            body = await read_at_most(request, self.max_body_bytes)
         except ApiError as e:
             return _error(e)
         except ClientDisconnect:
@@ -251,17 +253,6 @@ class Ingress:
             answer.cancel()
             raise
         return _raw(StreamingResponse(_relay(answer), status_code=status), head)
-
-    async def _body(self, request: Any) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise _too_large(self.max_body_bytes)
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise _too_large(self.max_body_bytes)
-        return body
 
     async def _affinity(self, request: Any, body: bytes) -> str | None:
         auth = request.headers.get("authorization", "")
@@ -368,10 +359,6 @@ def _replica_error(e: Exception) -> ApiError:
     )
 
 
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"request body over {limit} bytes", code="request_too_large")
-
-
 # ------------------------------------------------------------------------------ the process
 def build_app(cfg: ServeConfig) -> Any:
     """The Ray Serve application: the ingress bound to cfg.replicas engine replicas."""
@@ -429,15 +416,15 @@ def serve_cluster(cfg: ServeConfig) -> int:
     else:
         from specdec.backends.cores import usable_cores
 
-        need = cfg.replicas * (cfg.threads or 1)
-        if need > usable_cores():
+        need, cores = cfg.replicas * (cfg.threads or 1), usable_cores()
+        if need > cores:
             print(
                 f"warning: {cfg.replicas} replicas x {cfg.threads or 1} thread(s) on "
-                f"{usable_cores()} cores: they will slow each other",
+                f"{cores} cores: they will slow each other",
                 file=sys.stderr,
             )
         ray.init(
-            num_cpus=max(need, usable_cores()),
+            num_cpus=max(need, cores),
             include_dashboard=False,
             object_store_memory=128 << 20,  # requests and answers, never weights
         )

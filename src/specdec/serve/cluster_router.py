@@ -25,7 +25,7 @@ class AffinityRouter(RequestRouter):
     /v1/models) go anywhere: a replica takes LIGHT_REQUESTS of them beyond its slots
     (serve.cluster.build_app).
 
-    Slots are counted here, of the generations this router sent (`_busy`), with the choices
+    Slots are counted here, of the generations this router sent (`_sent`), with the choices
     made but not yet carried out (`_chosen`): Ray routes several requests at once, and each
     would otherwise see the same free replica."""
 
@@ -33,8 +33,7 @@ class AffinityRouter(RequestRouter):
         self._slots = slots  # --parallel: generations a replica runs at once, prompts it keeps
         # (key, prefix) -> the replica that answered it last, least recently routed first
         self._home: OrderedDict[str, ReplicaID] = OrderedDict()
-        self._busy: Counter[ReplicaID] = Counter()  # generations running, by replica
-        self._sent: dict[str, ReplicaID] = {}  # those generations, by Ray's request id
+        self._sent: dict[str, ReplicaID] = {}  # generations running, by Ray's request id
         self._chosen: dict[str, tuple[ReplicaID, float]] = {}  # first choices, by request id
 
     async def choose_replicas(
@@ -80,7 +79,8 @@ class AffinityRouter(RequestRouter):
         for rid, (_, at) in list(self._chosen.items()):
             if now - at > CHOSEN_S:  # never carried out (cancelled while it waited)
                 del self._chosen[rid]
-        return self._busy + Counter(replica for replica, _ in self._chosen.values())
+        chosen = (replica for replica, _ in self._chosen.values())
+        return Counter(self._sent.values()) + Counter(chosen)
 
     def _evicts(self) -> dict[ReplicaID, tuple[int, int]]:
         """Per replica, what a new prompt would cost its slots, which keep the last `slots`
@@ -105,14 +105,10 @@ class AffinityRouter(RequestRouter):
             self._home.popitem(last=False)
         rid = pending_request.metadata.internal_request_id
         self._chosen.pop(rid, None)
-        self._busy[replica_id] += 1
         self._sent[rid] = replica_id
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self._sent.pop(internal_request_id, None) is not None:
-            self._busy[replica_id] -= 1
-            if self._busy[replica_id] <= 0:
-                del self._busy[replica_id]
+        self._sent.pop(internal_request_id, None)
 
 
 def _mix(affinity: str, replica: str) -> bytes:
