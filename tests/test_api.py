@@ -4,6 +4,7 @@ every form a tokenizer hands out, with an error that names what to pass for anyt
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections import UserDict
 
@@ -27,9 +28,14 @@ def pair_spec() -> PairSpec:
 
 def test_generate_and_stream_take_prepares_arguments(pair) -> None:
     """One signature: generate and stream pass their options to prepare, which names every
-    keyword; an unknown one is a TypeError naming it, before any model work."""
+    keyword and takes the settings whole (spec=, warp=); the configs' fields as plain keywords
+    are the convenience layer's alone. An unknown keyword is a TypeError naming it, before any
+    model work."""
     p = inspect.signature(specdec.prepare)
     assert "options" not in p.parameters and "max_new_tokens" in p.parameters
+    assert {"spec", "warp"} <= set(p.parameters)
+    flat = {f.name for c in (SpecConfig, Warp) for f in dataclasses.fields(c)}
+    assert not flat & set(p.parameters)
     for f in (specdec.generate, specdec.stream):
         params = inspect.signature(f).parameters
         assert list(params) == ["target", "prompt_ids", "options"], f.__name__
@@ -49,6 +55,7 @@ def test_generate_and_stream_take_prepares_arguments(pair) -> None:
             {"spec": SpecConfig("lookup", "schedule", 6), "warp": Warp(0.8, 5, 0.8)},
         ),
         ({"p_min": 0.2, "temperature": 0}, {"spec": SpecConfig(p_min=0.2), "warp": Warp(0.0)}),
+        ({"min_p": 0.05, "typical_p": 0.9}, {"warp": Warp(min_p=0.05, typical_p=0.9)}),
         ({}, {"spec": SpecConfig(), "warp": Warp()}),  # the defaults: K = 4, temperature 0.8
     ],
 )
@@ -78,6 +85,7 @@ def test_a_config_and_its_keywords_together_are_an_error(pair) -> None:
     [
         ({"temperature": -1}, "temperature"),
         ({"top_p": 2.0}, "top_p"),
+        ({"typical_p": 0.0}, "typical_p"),
         ({"k": "fast"}, "'auto'"),
         ({"drafter": "ngram"}, "unknown drafter"),
         ({"k_max": 0}, "k_max"),

@@ -9,7 +9,9 @@ Public API (imported lazily, so `import specdec` stays cheap):
     load_model(spec, device=None, **kw) -> SpecModel       specdec.backends
     generate(target, prompt_ids, *, draft, drafter, k, temperature, ...) -> GenerationResult,
     stream(...) -> SpecStream, prepare(...) -> Generation    specdec.core.decode
-                 (one signature: prepare's; a Generation is stepped by the caller)
+                 (prepare takes the settings whole, spec=SpecConfig, warp=Warp; generate and
+                 stream take its keywords, or the configs' fields as plain keywords; a
+                 Generation is stepped by the caller)
     SpecConfig, Warp (the same settings as objects)          specdec.core.config
     AutoPolicies (k="auto" kept across generations), CurveFiles (its cost curves on disk)
                                                              specdec.core.policy, backends.costs

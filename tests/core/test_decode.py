@@ -115,6 +115,34 @@ def test_level2_has_power_against_a_broken_rule(pair, baseline_samples, monkeypa
     assert paired_permutation_p(broken, baseline_samples[: N_GEN // 2], n_perm=1000) < P_MIN
 
 
+@pytest.mark.stats
+def test_level2_speculative_matches_baseline_at_typical_p(pair) -> None:
+    """Locally typical sampling (Warp.typical_p) cuts p and q alike: speculative decoding
+    samples the typical-p-warped target, by the same test against target-only at typical_p."""
+    target, draft = pair
+    base = _sample_many(target, None, 4, range(30_000, 30_000 + N_GEN), typical_p=0.6)
+    spec = _sample_many(target, draft, 4, range(N_GEN), typical_p=0.6, debug=True)
+    _assert_distributed_as(spec, base)
+
+
+@pytest.mark.parametrize(
+    ("drafter", "k"), [("model", 3), ("model", "auto"), ("lookup", 4), ("composite", 2)]
+)
+def test_a_one_token_typical_set_decodes_as_target_only(pair, drafter, k) -> None:
+    """typical_p below any token's mass keeps one token a row, the one nearest the entropy:
+    sampling is then deterministic, and speculative decoding must give target-only's tokens
+    token for token, whatever the seed; they are not greedy's (the warp really cut p)."""
+    target, draft = pair
+    warp = Warp(1.0, typical_p=1e-9)
+    kw = dict(warp=warp, max_new_tokens=40, debug=True)
+    alone = generate(target, PROMPT, seed=0, **kw).tokens
+    for seed in (1, 2):
+        used = None if drafter == "lookup" else draft
+        run = generate(target, PROMPT, draft=used, spec=SpecConfig(drafter, k), seed=seed, **kw)
+        assert run.tokens == alone and run.stats.drafted > 0
+    assert alone != generate(target, PROMPT, warp=Warp(0.0), max_new_tokens=40).tokens
+
+
 def test_greedy_is_bit_identical_to_baseline_for_every_k(pair) -> None:
     target, draft = pair
     for prompt in ([1, 2, 3], [7], [40, 41, 5, 5, 9, 30]):

@@ -15,7 +15,7 @@ import pytest
 from stats_util import two_sample_chi2
 
 from specdec.backends.mock import MockModel
-from specdec.core.config import SpecConfig, Warp
+from specdec.core.config import SpecConfig, Warp, runs_as
 from specdec.core.decode import generate
 from specdec.core.drafters import (
     CompositeDrafter,
@@ -222,6 +222,37 @@ def test_bad_predictions_are_refused_before_any_work(target) -> None:
             prediction=[1],
         )
     assert target.n_cached == 0
+
+
+@pytest.mark.parametrize(
+    ("drafter", "has_prediction", "runs"),
+    [
+        ("prediction", False, "lookup"),  # the prediction, else prompt lookup
+        ("prediction", True, "prediction"),
+        ("lookup", True, "lookup"),
+        ("model", False, "model"),
+        ("composite", True, "composite"),
+        (None, True, None),  # no drafter: nothing drafted, not even a prediction
+    ],
+)
+def test_a_drafter_runs_as_runs_as_says(drafter, has_prediction, runs) -> None:
+    assert runs_as(drafter, has_prediction) == runs
+
+
+def test_prediction_with_a_prediction_is_lookup_with_it(target) -> None:
+    """Why the server and the bench may name "lookup" for "prediction" (runs_as without a
+    prediction) and pass a request's prediction beside it: decode builds the same drafter."""
+    pred = [8, 11, 12, 3, 4] * 6
+    runs = [
+        generate(target, PROMPT, spec=SpecConfig(name, 4), prediction=pred, seed=3)
+        for name in ("prediction", "lookup")
+    ]
+    a, b = (r.stats for r in runs)
+    assert runs[0].tokens == runs[1].tokens and a.drafted > 0
+    assert (a.drafted_by_source, a.accepted_by_source) == (
+        b.drafted_by_source,
+        b.accepted_by_source,
+    )
 
 
 # ------------------------------------------------------------------ learned rewrites (core.edits)

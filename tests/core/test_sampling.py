@@ -236,6 +236,9 @@ def test_shape_and_value_errors() -> None:
         probs_from_logits(torch.zeros(V), -0.5)
     with pytest.raises(ValueError, match="top_p"):
         probs_from_logits(torch.zeros(V), 1.0, top_p=0.0)
+    for bad_typical in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="typical_p"):
+            probs_from_logits(torch.zeros(V), 1.0, typical_p=bad_typical)
 
 
 @pytest.mark.stats
@@ -281,6 +284,56 @@ def test_top_k_and_top_p_warping() -> None:
         assert rows.tolist() == [[1.0, 0, 0, 0, 0], [0, 0, 0, 0, 1.0]]
     # temperature sharpens
     assert float(probs_from_logits(logits, 0.5)[0, 0]) > float(full[0])
+
+
+#: p = [0.4, 0.3, 0.2, 0.1] has entropy H = 1.2799 nats; |-ln p - H| = [0.364, 0.076, 0.329, 1.023],
+#: so locally typical sampling takes the tokens in the order 1, 2, 0, 3 (cumulative mass 0.3,
+#: 0.5, 0.9, 1.0) and keeps the shortest run of them reaching typical_p: not the likeliest first.
+TYPICAL = [0.4, 0.3, 0.2, 0.1]
+
+
+@pytest.mark.parametrize(
+    ("typical_p", "kept"),
+    [
+        (1e-300, [1]),  # the most typical token alone, not the argmax (token 0)
+        (0.25, [1]),
+        (0.45, [1, 2]),
+        (0.6, [0, 1, 2]),
+        (0.95, [0, 1, 2, 3]),
+        (1.0, [0, 1, 2, 3]),  # off: the identity
+    ],
+)
+def test_typical_p_keeps_the_tokens_nearest_the_entropy(typical_p: float, kept: list[int]) -> None:
+    logits = torch.tensor([TYPICAL]).log()
+    got = probs_from_logits(logits, 1.0, typical_p=typical_p)[0]
+    assert torch.nonzero(got).flatten().tolist() == kept
+    want = torch.zeros(4)
+    want[kept] = torch.tensor(TYPICAL)[kept] / sum(TYPICAL[i] for i in kept)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_typical_p_one_is_the_identity_and_follows_top_k() -> None:
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(
+        probs_from_logits(logits, 0.7, typical_p=1.0), probs_from_logits(logits, 0.7)
+    )
+    # top-k first (llama.cpp's order): H and the distances are those of the 3 tokens top-k kept,
+    # [4/9, 3/9, 2/9] (H = 1.0608; distances 0.250, 0.038, 0.443): 0.5 keeps tokens 1 and 0
+    got = probs_from_logits(torch.tensor([TYPICAL]).log(), 1.0, top_k=3, typical_p=0.5)[0]
+    assert torch.allclose(got, torch.tensor([4 / 7, 3 / 7, 0, 0]), atol=1e-6)
+
+
+def test_typical_p_is_transformers_typical_warper() -> None:
+    """The same kept set and probabilities as transformers' TypicalLogitsWarper (min 1 token)
+    on random rows and masses."""
+    warpers = pytest.importorskip("transformers.generation.logits_process")
+    g = torch.Generator().manual_seed(7)
+    for _ in range(100):
+        logits = 2 * torch.randn(3, V, generator=g)  # [3, V]
+        mass = 0.01 + 0.98 * float(torch.rand(1, generator=g))
+        theirs = torch.softmax(warpers.TypicalLogitsWarper(mass)(None, logits.clone()), -1)
+        ours = probs_from_logits(logits, 1.0, typical_p=mass)
+        assert torch.equal(theirs > 0, ours > 0) and torch.allclose(theirs, ours, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------ greedy

@@ -207,6 +207,9 @@ def test_cli_ctrl_c_exits_130_and_keeps_rows(tmp_path, monkeypatch) -> None:
         (["bench", "--config", "smoke", "-t", "-1"], "temperature must be"),
         (["bench", "--config", "smoke", "--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["bench", "--config", "smoke", "--top-k", "0"], "top_k must be an integer >= 1"),
+        (["bench", "--config", "smoke", "--min-p", "2"], "min_p must be in [0, 1]"),
+        (["bench", "--config", "smoke", "--typical-p", "1.5"], "typical_p must be in (0, 1]"),
+        (["bench", "--config", "smoke", "--typical-p", "0"], "typical_p must be in (0, 1]"),
         (
             ["bench", "--config", "smoke", "--max-new-tokens", "0"],
             "max_new_tokens must be an integer >= 1",
@@ -312,7 +315,9 @@ def test_the_config_block_is_flat_and_round_trips() -> None:
     }
     assert BenchConfig.from_json(json.loads(json.dumps(block))) == cfg
     # every setting has one key, and the key names its field in the record that holds it
-    assert {key for key, _ in bench_settings.CONFIG_KEYS} == set(OLD_CONFIG_KEYS)
+    later = {key for key, _ in bench_settings.LATER_WARP_KEYS}
+    assert later == {"min_p", "typical_p"}  # Warp's fields past the first three
+    assert {key for key, _ in bench_settings.CONFIG_KEYS} == set(OLD_CONFIG_KEYS) | later
     records = {"": BenchConfig, "spec": SpecConfig, "warp": Warp, "peers": Peers}
     for key, part in bench_settings.CONFIG_KEYS:
         assert key in {f.name for f in dataclasses.fields(records[part])}, (key, part)
@@ -322,6 +327,38 @@ def test_the_config_block_is_flat_and_round_trips() -> None:
     )
     with pytest.raises(ValueError, match="not a bench setting: kk"):
         BenchConfig.from_json({**block, "kk": 1})
+
+
+def test_warp_fields_without_an_old_key_are_written_when_set() -> None:
+    """min_p and typical_p (Warp's fields the first artifacts had no key for) follow the old
+    keys, only when set: a block without them ran with them off, and reads back so."""
+    cfg = _cfg(warp=Warp(0.7, typical_p=0.9, min_p=0.05))
+    block = cfg.to_json()
+    assert list(block) == [*OLD_CONFIG_KEYS, "min_p", "typical_p"]
+    assert (block["min_p"], block["typical_p"]) == (0.05, 0.9)
+    assert BenchConfig.from_json(json.loads(json.dumps(block))) == cfg
+    off = _cfg(warp=Warp(0.7, typical_p=0.9)).to_json()
+    assert "min_p" not in off and off["typical_p"] == 0.9
+
+
+def test_the_sampling_flags_are_warps_fields(tmp_path) -> None:
+    """`specdec bench` and `specdec generate` have one flag per Warp field (cli.args), named
+    after it: --min-p and --typical-p reach the bench's Warp, and the artifact."""
+    from specdec.cli.bench import _config_from
+    from specdec.cli.main import build_parser
+
+    for command in (["bench", *MOCK_CLI], ["generate", "--target", TARGET_SPEC, "hi"]):
+        args = build_parser().parse_args([*command, "--min-p", "0.05", "--typical-p", "0.9"])
+        assert (args.min_p, args.typical_p) == (0.05, 0.9)
+        for f in dataclasses.fields(Warp):
+            assert hasattr(args, f.name), (command[0], f.name)
+    args = build_parser().parse_args(["bench", *MOCK_CLI, "--typical-p", "0.9", "-t", "1"])
+    cfg = _config_from(args, args.k, None)
+    assert cfg.warp == Warp(1.0, typical_p=0.9)
+    argv = ["--prompts", "2", "--warmup", "0", "--max-new-tokens", "4", "--out", str(tmp_path)]
+    assert main(["bench", *MOCK_CLI, *argv, "-t", "1", "--typical-p", "0.9", "-k", "2"]) == 0
+    (path,) = tmp_path.glob("bench_*.json")
+    assert _load(path)["config"]["typical_p"] == 0.9
 
 
 def test_the_committed_artifacts_config_blocks_read_back_byte_for_byte() -> None:

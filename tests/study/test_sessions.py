@@ -136,7 +136,7 @@ def test_a_request_carries_the_conversation() -> None:
     ep = endpoint.Endpoint("http://127.0.0.1:1", model="m", extra={"cache_prompt": True})
     history = ({"role": "user", "content": "a"}, {"role": "assistant", "content": "b"})
     with endpoint.Client(ep) as c:
-        body = c.body(endpoint.Request("c", 8, 0.0, 0, history=history))
+        body = c.body(endpoint.Request("c", 8, Warp(0.0), 0, history=history))
     assert body["messages"] == [*map(dict, history), {"role": "user", "content": "c"}]
     assert body["cache_prompt"] is True
 

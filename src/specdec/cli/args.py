@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from specdec.core.config import DRAFTERS, NAMED_K
+from specdec.core.config import DRAFTERS, NAMED_K, WARP_FIELDS, Warp
 
 if TYPE_CHECKING:
     from specdec.core.model import SpecModel
@@ -60,9 +61,6 @@ DETERMINISTIC_HELP = (
 P_MIN_HELP = (
     "stop drafting when the draft's top probability is below this, in [0, 1) (float; default off)"
 )
-TEMPERATURE_HELP = "sampling temperature >= 0, 0 = greedy (float; default 0.8)"
-TOP_K_HELP = "keep the k most likely tokens, k >= 1 (int; default off)"
-TOP_P_HELP = "nucleus mass in (0, 1] (float; default off)"
 SEED_HELP = "random seed (int; default 0)"
 MAX_NEW_TOKENS_HELP = "generation budget >= 1 (int; default 128)"
 NO_PROGRESS_HELP = "hide the progress bar (flag; default off)"
@@ -150,13 +148,14 @@ def add_sampling_args(
     p: argparse.ArgumentParser,
     seed: bool = True,
     max_new_tokens: bool = True,
-    temperature_help: str = TEMPERATURE_HELP,
 ) -> None:
-    """-t/--temperature (default 0.8), --top-k, --top-p and, optionally, --seed (default 0) and
-    --max-new-tokens (default 128). Ranges are checked by the consumer (decode / BenchConfig)."""
-    p.add_argument("-t", "--temperature", type=float, default=0.8, help=temperature_help)
-    p.add_argument("--top-k", type=int, default=None, help=TOP_K_HELP)
-    p.add_argument("--top-p", type=float, default=None, help=TOP_P_HELP)
+    """One flag per core.config.Warp field, named after it (-t/--temperature, --top-k, --top-p,
+    --min-p, --typical-p), with its type, help and default, and optionally --seed (default 0)
+    and --max-new-tokens (default 128). Ranges are checked by the consumer (Warp)."""
+    for f in fields(Warp):
+        flag = "--" + f.name.replace("_", "-")
+        names = ("-t", flag) if f.name == "temperature" else (flag,)
+        p.add_argument(*names, type=f.metadata["type"], default=f.default, help=f.metadata["help"])
     if seed:
         p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     if max_new_tokens:
@@ -202,7 +201,7 @@ def spec_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def warp_options(args: argparse.Namespace) -> dict[str, Any]:
     """The flags of `add_sampling_args` as core.config.Warp's keywords (None: not given)."""
-    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    return {name: getattr(args, name) for name in WARP_FIELDS}
 
 
 def draft_spec(spec: str | None) -> str | None:
@@ -219,8 +218,8 @@ def load_pair(
 
     check_threads(args.threads)
     kw = {"device": args.device, "n_threads": args.threads, "deterministic": args.deterministic}
-    spec = draft_spec(draft)
-    return load_model(target, **kw), None if spec is None else load_model(spec, **kw)
+    draft_model = draft_spec(draft)
+    return load_model(target, **kw), None if draft_model is None else load_model(draft_model, **kw)
 
 
 def model_blocks(

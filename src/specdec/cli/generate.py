@@ -48,12 +48,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from specdec.backends import chat as prompting
     from specdec.backends.costs import CurveFiles
+    from specdec.core.config import SpecConfig, Warp
     from specdec.core.decode import stream
     from specdec.core.drafters import PredictionDrafter, PredictionIndex
     from specdec.core.policy import AutoPolicies
 
     cli_args.check_threads(args.threads)
     prediction_text = _read_prediction(args.prediction)  # before minutes of model loading
+    spec = SpecConfig(**cli_args.spec_options(args))  # checked before the loading too
+    warp = Warp(**cli_args.warp_options(args))
     target, draft = cli_args.load_pair(args, args.target, args.draft)
     tok = target.tokenizer if target.tokenizer is not None else getattr(draft, "tokenizer", None)
     prompt_ids = prompting.encode(tok, args.prompt, chat=not args.no_chat)
@@ -68,8 +71,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         target,
         prompt_ids,
         draft=draft,
-        **cli_args.spec_options(args),
-        **cli_args.warp_options(args),
+        spec=spec,
+        warp=warp,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         stop_ids=prompting.stop_ids(tok),

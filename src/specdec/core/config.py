@@ -1,8 +1,8 @@
 """What one generation is asked to do, validated once, on construction.
 
-    Warp        how logits become a distribution: temperature, top-k, top-p, min-p. Applied
-                identically to the draft and the target, so the output is exactly the warped
-                target.
+    Warp        how logits become a distribution: temperature, top-k, typical-p, top-p, min-p.
+                Applied identically to the draft and the target, so the output is exactly the
+                warped target.
     SpecConfig  how speculation runs: drafter, K (an int, "auto", "schedule" or a KPolicy),
                 k_max, p_min. Everything in it looks only at the draft side and at costs, so no
                 setting changes the output distribution.
@@ -15,9 +15,8 @@ CLI can declare its flags without importing torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal
 
 from specdec.core.checks import check_int
 
@@ -66,14 +65,61 @@ def check_k(k: Any) -> None:
     check_int("k (draft tokens per round)", k, 1, alternatives="'auto', 'schedule'")
 
 
+def _flag(kind: type, help: str, off: float | None = None) -> dict[str, Any]:
+    """A Warp field's metadata: its command-line flag's type and help (cli.args makes one flag
+    per field, `--top-p` for top_p) and the value that switches it off where a peer engine takes
+    no None (transformers' generate, llama.cpp)."""
+    return {"type": kind, "help": help, "off": off}
+
+
+def _check_fraction(name: str, v: Any, low_open: bool) -> None:
+    """v is None (off) or a number in [0, 1], (0, 1] when `low_open`."""
+    if v is None:
+        return
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not 0 <= v <= 1
+        or (low_open and v == 0)
+    ):
+        raise ValueError(f"{name} must be in {'(' if low_open else '['}0, 1], got {v!r}")
+
+
 @dataclass(frozen=True)
 class Warp:
-    """How logits become a distribution (see `core.sampling.probs_from_logits`)."""
+    """How logits become a distribution (`core.sampling.warped`): temperature, then the
+    truncations in llama.cpp's order, top-k, typical-p, top-p, min-p. One field per setting: the
+    CLI's flags (cli.args), the server's request fields (serve.protocol) and the bench's endpoint
+    requests (study.engines.endpoint) are these fields by name."""
 
-    temperature: float = 0.8
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
+    temperature: float = field(
+        default=0.8,
+        metadata=_flag(float, "sampling temperature >= 0, 0 = greedy (float; default 0.8)"),
+    )
+    top_k: int | None = field(
+        default=None,
+        metadata=_flag(int, "keep the k most likely tokens, k >= 1 (int; default off)", off=0),
+    )
+    top_p: float | None = field(
+        default=None, metadata=_flag(float, "nucleus mass in (0, 1] (float; default off)", off=1.0)
+    )
+    min_p: float | None = field(
+        default=None,
+        metadata=_flag(
+            float,
+            "keep tokens with p >= min_p x the likeliest token's, in [0, 1] (float; default off)",
+            off=0.0,
+        ),
+    )
+    typical_p: float | None = field(
+        default=None,
+        metadata=_flag(
+            float,
+            "locally typical sampling: keep the tokens whose -log p is nearest the entropy, "
+            "this much mass of them, in (0, 1], 1 = off (float; default off)",
+            off=1.0,
+        ),
+    )
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -81,21 +127,18 @@ class Warp:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if self.top_k is not None:
             check_int("top_k", self.top_k, 1)
-        p = self.top_p
-        if p is not None and (
-            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1
-        ):
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        m = self.min_p
-        if m is not None and (
-            isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1
-        ):
-            raise ValueError(f"min_p must be in [0, 1], got {m!r}")
+        _check_fraction("top_p", self.top_p, low_open=True)
+        _check_fraction("min_p", self.min_p, low_open=False)
+        _check_fraction("typical_p", self.typical_p, low_open=True)
 
     @property
     def greedy(self) -> bool:
         """Argmax decoding: temperature 0, or so close to 0 that dividing by it overflows."""
         return self.temperature < GREEDY_BELOW
+
+
+#: Warp's fields by name, in order: what the layers that carry the settings map by name.
+WARP_FIELDS = tuple(f.name for f in fields(Warp))
 
 
 @dataclass(frozen=True)
@@ -157,22 +200,16 @@ def default_drafter(
     return drafter
 
 
-Config = TypeVar("Config", SpecConfig, Warp)
-
-
-def config_from(
-    given: Config | None, cls: type[Config], name: str, keywords: Mapping[str, Any]
-) -> Config:
-    """`given` (a SpecConfig or Warp passed as `name`=), else one built from the `keywords` that
-    were passed (not None); ValueError when both are, since one would silently win."""
-    passed = {key: v for key, v in keywords.items() if v is not None}
-    if given is None:
-        return cls(**passed)
-    if not isinstance(given, cls):
-        raise ValueError(f"{name}= takes a {cls.__name__}, got {type(given).__name__}")
-    if passed:
-        raise ValueError(
-            f"pass either {name}= or its keywords ({', '.join(passed)}), not both: "
-            f"{name}={given} already sets them"
-        )
-    return given
+def runs_as(
+    drafter: DrafterName | Drafter | None, has_prediction: bool
+) -> DrafterName | Drafter | None:
+    """The drafter to name to core.decode for `drafter` where a prediction may or may not come
+    with a generation (a server's request, a bench's prompt, a replay's task): "prediction" is
+    the prediction, else prompt lookup (DRAFTER_RUNS), so without one it runs as "lookup"; with
+    one it is itself, which core.decode.make_drafter builds as "lookup" with the prediction
+    drafted first (a given prediction goes first whatever the drafter). Every other drafter
+    runs as itself. decode refuses "prediction" with no prediction: a caller who names it
+    directly has a prediction to pass."""
+    if drafter == "prediction" and not has_prediction:
+        return "lookup"
+    return drafter

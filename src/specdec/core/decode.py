@@ -15,9 +15,9 @@ randomness.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any, TypeVar
 
@@ -26,11 +26,9 @@ import torch
 from specdec.core.config import (
     MODEL_DRAFTERS,
     DrafterName,
-    KName,
     SpecConfig,
     Warp,
     check_int,
-    config_from,
 )
 from specdec.core.device import synchronize
 from specdec.core.drafters import (
@@ -72,6 +70,7 @@ PREFILL_CHUNK = 512
 #: several times over.
 FORCED_PER_ROUND = 32
 _T = TypeVar("_T")
+_C = TypeVar("_C", SpecConfig, Warp)
 
 
 class Clock:
@@ -352,14 +351,6 @@ def prepare(
     prompt_ids: TokenIds,
     *,
     draft: SpecModel | None = None,
-    drafter: DrafterName | Drafter | None = None,
-    k: int | KName | KPolicy | None = None,
-    k_max: int | None = None,
-    p_min: float | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
     spec: SpecConfig | None = None,
     warp: Warp | None = None,
     penalties: Penalties | None = None,
@@ -380,13 +371,10 @@ def prepare(
     """A generation set up and checked but not started (every argument is validated before
     any model work): `generate` runs it to the end, `stream` a round at a time, and a caller
     that steps several at once takes it as it is (serve.engine: `rounds_together`). The
-    arguments are documented at `generate`."""
-    spec = config_from(
-        spec, SpecConfig, "spec", dict(drafter=drafter, k=k, k_max=k_max, p_min=p_min)
-    )
-    warp = config_from(
-        warp, Warp, "warp", dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    )
+    settings come whole: `spec` (None: SpecConfig()) and `warp` (None: Warp()); the arguments
+    are documented at `generate`."""
+    spec = _config(spec, SpecConfig, "spec")
+    warp = _config(warp, Warp, "warp")
     prompt = as_token_list(prompt_ids, "prompt_ids")
     kind = spec.drafter_for(draft is not None)
     used = draft if kind in MODEL_DRAFTERS else None
@@ -430,8 +418,9 @@ def prepare(
 
 def generate(target: SpecModel, prompt_ids: TokenIds, **options: Any) -> GenerationResult:
     """Sample up to `max_new_tokens` tokens after `prompt_ids`, distributed exactly as `target`:
-    `prepare(target, prompt_ids, **options)` run to its end; the options are keywords of
-    `prepare`'s signature (one signature for generate, stream and prepare).
+    `prepare` run to its end. The options are `prepare`'s keywords, and, in their place, the
+    fields of its spec= and warp= as plain keywords (HF's generate's shape): `_with_configs`,
+    the one place they become the configs.
 
     prompt_ids   token ids: a list of ints, a 1-D tensor, or a tokenizer's output (a
                  BatchEncoding or a dict holding input_ids)
@@ -439,9 +428,9 @@ def generate(target: SpecModel, prompt_ids: TokenIds, **options: Any) -> Generat
     drafter, k, k_max, p_min   how speculation runs (core.config.SpecConfig: "model", "lookup",
                  "composite", "prediction" or a Drafter; K an int, "auto" or "schedule"), or
                  spec=SpecConfig(...)
-    temperature, top_k, top_p, min_p  how logits become a distribution (core.config.Warp;
-                 temperature 0 is greedy, default 0.8), or warp=Warp(...); a config and its
-                 keywords together are an error
+    temperature, top_k, top_p, min_p, typical_p   how logits become a distribution (core.
+                 config.Warp; temperature 0 is greedy, default 0.8), or warp=Warp(...); a config
+                 and its keywords together are an error
     penalties    presence, frequency, repetition penalties and logit bias (core.processing.
                  Penalties), applied to every row from its own prefix: exact under speculation
     constraint   a grammar (core.processing.Constraint, e.g. backends.grammar): p is masked to
@@ -483,8 +472,37 @@ def generate(target: SpecModel, prompt_ids: TokenIds, **options: Any) -> Generat
 
 
 def stream(target: SpecModel, prompt_ids: TokenIds, **options: Any) -> SpecStream:
-    """`generate`, one round's committed tokens at a time; the options are `prepare`'s."""
-    return SpecStream(prepare(target, prompt_ids, **options))
+    """`generate`, one round's committed tokens at a time; the options are generate's."""
+    return SpecStream(prepare(target, prompt_ids, **_with_configs(options)))
+
+
+def _with_configs(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` with the fields of SpecConfig and of Warp given as plain keywords (drafter=,
+    k=, ..., temperature=, top_p=, ...; None: not given) folded into `prepare`'s spec= and
+    warp=: the one place the flat keywords become the configs. ValueError when a config and its
+    keywords are both given, since one would silently win."""
+    out = dict(options)
+    for name, cls in (("spec", SpecConfig), ("warp", Warp)):
+        flat = {f.name: out.pop(f.name) for f in fields(cls) if f.name in out}
+        passed = {key: v for key, v in flat.items() if v is not None}
+        given = out.get(name)
+        if given is None:
+            out[name] = cls(**passed)
+        elif passed:
+            raise ValueError(
+                f"pass either {name}= or its keywords ({', '.join(passed)}), not both: "
+                f"{name}={given} already sets them"
+            )
+    return out
+
+
+def _config(given: _C | None, cls: type[_C], name: str) -> _C:
+    """`prepare`'s `name`= (a SpecConfig or a Warp): `given`, or the default config."""
+    if given is None:
+        return cls()
+    if not isinstance(given, cls):
+        raise ValueError(f"{name}= takes a {cls.__name__}, got {type(given).__name__}")
+    return given
 
 
 def _loop(gen: Generation) -> Iterator[list[int]]:

@@ -15,8 +15,8 @@ p_i(x_i) = 0 and is rejected without being sampled (core.sampling.rejection_samp
     Processor   one generation's adjustments: `rows` for a verify pass, `row` for a draft step,
                 `commit` as tokens are committed
 
-Order, vLLM's: grammar mask, logit bias, penalties; then the Warp (temperature, top-k, top-p,
-min-p). Logprobs are not taken from here: they are the model's own (see core.decode).
+Order, vLLM's: grammar mask, logit bias, penalties; then the Warp (core.sampling.warped).
+Logprobs are not taken from here: they are the model's own (see core.decode).
 """
 
 from __future__ import annotations

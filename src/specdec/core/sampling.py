@@ -16,6 +16,7 @@ the CPU in float32: bit-reproducible across devices and free of fp16 underflow i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,40 +35,40 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} contains {bad}; the model produced invalid numbers")
 
 
-def probs_from_logits(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-) -> torch.Tensor:
-    """Warp logits [..., V] into probabilities [..., V] float32 CPU: temperature, top-k, top-p,
-    min-p (llama.cpp's order; min-p keeps tokens with p >= min_p x the most likely one's).
+def probs_from_logits(logits: torch.Tensor, temperature: float, **warp: Any) -> torch.Tensor:
+    """`warped` with the Warp's fields as keywords: probs_from_logits(logits, 0.7, top_p=0.9)."""
+    return warped(logits, Warp(temperature, **warp))
+
+
+def warped(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
+    """Warp logits [..., V] into probabilities [..., V] float32 CPU: temperature, then top-k,
+    typical-p, top-p, min-p (the truncations in llama.cpp's order, its default chain's; min-p
+    keeps tokens with p >= min_p x the most likely one's).
 
     Apply the same warping to the target and the draft: the output of speculative decoding is
     then exactly the warped target distribution. temperature == 0 is greedy decoding, which is
     not a distribution: use `greedy_verify` / argmax for it.
     """
-    if Warp(temperature, top_k, top_p, min_p).greedy:  # Warp checks the three values
+    if warp.greedy:
         raise ValueError(
-            f"temperature {temperature} is greedy decoding: take the argmax, not a distribution"
+            f"temperature {warp.temperature} is greedy decoding: take the argmax, not a "
+            "distribution"
         )
-    x = logits.detach().to("cpu", torch.float32) / temperature  # [..., V]
+    x = logits.detach().to("cpu", torch.float32) / warp.temperature  # [..., V]
+    top_k, top_p, min_p, typical_p = warp.top_k, warp.top_p, warp.min_p, warp.typical_p
     if top_k is not None and top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [..., 1]
         x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th value are kept
     probs = torch.softmax(x, dim=-1)  # [..., V]
+    if typical_p is not None and typical_p < 1.0:
+        # Locally typical sampling (Meister et al.; llama.cpp's typ_p, transformers'
+        # TypicalLogitsWarper): the tokens by |-log p - H| ascending, H the row's entropy, then
+        # the shortest run of them holding typical_p of the mass. entr(0) = 0: a token top-k
+        # dropped adds nothing to H, and its distance is inf, last in the order.
+        entropy = torch.special.entr(probs).sum(-1, keepdim=True)  # [..., 1]
+        probs = _keep_mass(probs, (-torch.log(probs) - entropy).abs(), typical_p)
     if top_p is not None and top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
-        # Drop a token when the mass strictly before it already reaches top_p: the kept set is the
-        # smallest prefix with mass >= top_p, and the most likely token is always kept.
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        # ... even where top_p is below float32's least positive value: the comparison rounds
-        # it to 0, and 0 >= 0 would drop the most likely token too (every row empty: NaN).
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _keep_mass(probs, -probs, top_p)  # the likeliest first
     if min_p:  # the most likely token always stays: p_max >= min_p x p_max for min_p <= 1
         probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
@@ -80,9 +81,21 @@ def probs_from_logits(
     return probs
 
 
-def warped(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
-    """`probs_from_logits` with a Warp's settings."""
-    return probs_from_logits(logits, warp.temperature, warp.top_k, warp.top_p, warp.min_p)
+def _keep_mass(probs: torch.Tensor, order: torch.Tensor, mass: float) -> torch.Tensor:
+    """`probs` [..., V] cut to the shortest run of tokens, taken by `order` [..., V] ascending,
+    whose mass reaches `mass`, and renormalized (top-p's and typical-p's cut)."""
+    # stable: tied tokens in vocabulary order, so a row's cut never depends on the sort kernel
+    idx = torch.sort(order, dim=-1, stable=True).indices  # [..., V]
+    sorted_p = probs.gather(-1, idx)  # [..., V]
+    # Drop a token when the mass strictly before it already reaches `mass`: the kept set is the
+    # smallest run with mass >= `mass`, and its first token is always kept ...
+    drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= mass
+    # ... even where `mass` is below float32's least positive value: the comparison rounds it
+    # to 0, and 0 >= 0 would drop the first token too (every row empty: NaN).
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
 
 
 @dataclass(frozen=True)

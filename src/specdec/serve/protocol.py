@@ -2,9 +2,10 @@
 
 Nothing here needs an app, an engine or a model: `validate_request(req, n_ctx, vocab)` turns a
 parsed request into the `GenParams` the worker generates from, and raises `ApiError` (OpenAI's
-error body, serve.errors) for anything it cannot serve. The rules for temperature, top-k and
-top-p are `core.config.Warp`'s (one place for each check); what is added here is OpenAI's own
-bound on the temperature, [0, 2], and the server's limits on stop strings.
+error body, serve.errors) for anything it cannot serve. The sampling fields (temperature, top_k,
+top_p, min_p, typical_p) are `core.config.Warp`'s, by name, with its checks (one place for each);
+what is added here is OpenAI's own bound on the temperature, [0, 2], and the server's limits on
+stop strings.
 
 Extensions (docs/api-extensions.md has the user's view, with the same definitions):
     speculation           {"drafter", "k", "k_max"} per request, the server's start-up flags as
@@ -28,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specdec.backends.grammar import Grammar, schema_of
 from specdec.core.checks import shown
-from specdec.core.config import Warp
+from specdec.core.config import WARP_FIELDS, Warp
 from specdec.core.drafters import PredictionIndex
 from specdec.core.processing import Penalties
 from specdec.serve.errors import bad
@@ -276,6 +277,7 @@ class _Request(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's and transformers'
     min_p: float | None = None  # vLLM's and llama.cpp's
+    typical_p: float | None = None  # llama.cpp's and transformers'
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's structured-output fields: a JSON schema, a regex, one of some strings, a grammar
@@ -630,12 +632,15 @@ def _warp(req: ChatRequest | CompletionRequest, vocab: int) -> Warp:
     t = 1.0 if req.temperature is None else req.temperature
     # top_k >= V keeps every token: the same distribution, without a top-k over too many.
     top_k = req.top_k if req.top_k is None or req.top_k < vocab else vocab
+    # the request's other sampling fields are Warp's by name (core.config.WARP_FIELDS)
+    rest = {
+        name: getattr(req, name) for name in WARP_FIELDS if name not in ("temperature", "top_k")
+    }
     try:
-        warp = Warp(t, top_k, req.top_p, req.min_p)
+        warp = Warp(t, top_k, **rest)
     except ValueError as e:  # Warp's message starts with the field it rejects
         field = str(e).split()[0]
-        named = ("temperature", "top_k", "top_p", "min_p")
-        raise bad(str(e), field if field in named else None) from None
+        raise bad(str(e), field if field in WARP_FIELDS else None) from None
     if t > TEMPERATURE_MAX:
         raise bad(f"temperature must be in [0, {TEMPERATURE_MAX:g}], got {t}", "temperature")
     return warp

@@ -23,6 +23,7 @@ from specdec.core.config import (
     DrafterName,
     SpecConfig,
     default_drafter,
+    runs_as,
 )
 from specdec.serve.errors import bad
 
@@ -113,14 +114,12 @@ class Speculation:
         return drafter if isinstance(drafter, str) else type(drafter).__name__
 
     def run_config(self) -> SpecConfig:
-        """What `decode.stream` runs with. "prediction" runs as "lookup": stream drafts from a
-        given prediction first whatever the drafter, so "the prediction, else prompt lookup" is
-        lookup with the prediction passed, and lookup alone without one (stream refuses
-        drafter "prediction" without a prediction: that was `serve --drafter prediction`'s
-        start-up failure)."""
-        if self.config.drafter == "prediction":
-            return dataclasses.replace(self.config, drafter="lookup")
-        return self.config
+        """What `decode.stream` runs with: the drafter as it runs without a prediction
+        (core.config.runs_as: "prediction" is "lookup"). Right with one too: the request's
+        prediction is passed beside the config (the engine's stream_args), and lookup with a
+        prediction is the prediction drafter."""
+        drafter = runs_as(self.config.drafter, has_prediction=False)
+        return dataclasses.replace(self.config, drafter=drafter)
 
     def settings(self) -> dict[str, Any]:
         """drafter, k and the k_max in force (core.config's default when none was given), as

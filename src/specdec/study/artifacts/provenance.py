@@ -89,11 +89,11 @@ def reset_peak_vram() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def model_block(spec: str, model: Any) -> Model:
-    """The MODEL block of a loaded model: configs.model_record, plus a hash of local
-    (non-registry) model files and the HF dtype."""
-    record = model_record(spec, model)
-    backend, rest = parse_spec(spec)
+def model_block(model_spec: str, model: Any) -> Model:
+    """The MODEL block of a loaded model (`model_spec` BACKEND:NAME_OR_PATH):
+    configs.model_record, plus a hash of local (non-registry) model files and the HF dtype."""
+    record = model_record(model_spec, model)
+    backend, rest = parse_spec(model_spec)
     if record["sha256"] is None and backend != "mock":
         record["sha256"] = _sha256_path(Path(rest).expanduser())
     dtype = None

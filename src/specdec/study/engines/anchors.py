@@ -72,10 +72,11 @@ def check_modes(
         )
     drafted = any(split_peer(m)[0] == "draft" for m in modes)
     need = [("target", target)] + ([("draft", draft)] if drafted else [])
-    for role, spec in need:
-        if not spec.startswith("llamacpp:"):
+    for role, model_spec in need:
+        if not model_spec.startswith("llamacpp:"):
             raise ValueError(
-                f"llama-server loads GGUF files: the {role} must be a llamacpp: model, got {spec}"
+                f"llama-server loads GGUF files: the {role} must be a llamacpp: model, "
+                f"got {model_spec}"
             )
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from specdec.core.config import WARP_FIELDS, Warp
 from specdec.study.engines.stream import MAX_EVENT_BYTES, EndpointError, error_text, read_stream
 
 #: The environment variable an endpoint's API key is read from (`--endpoint-key-env` changes it).
@@ -107,10 +108,8 @@ class Request:
 
     prompt: str
     max_tokens: int
-    temperature: float
+    warp: Warp  # its fields are the request's sampling fields, by name (None: not sent)
     seed: int
-    top_p: float | None = None
-    top_k: int | None = None
     prediction: str | None = None  # OpenAI's Predicted Outputs; sent only when given
     # chat only: the conversation before this user turn ({"role", "content"} messages)
     history: tuple[Mapping[str, str], ...] = ()
@@ -184,7 +183,7 @@ class Client:
         body: dict[str, Any] = {
             "model": self.model(),
             "max_tokens": req.max_tokens,
-            "temperature": req.temperature,
+            **{name: v for name in WARP_FIELDS if (v := getattr(req.warp, name)) is not None},
             "seed": req.seed,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -193,10 +192,6 @@ class Client:
             body["messages"] = [*map(dict, req.history), {"role": "user", "content": req.prompt}]
         else:
             body["prompt"] = req.prompt
-        if req.top_p is not None:
-            body["top_p"] = req.top_p
-        if req.top_k is not None:
-            body["top_k"] = req.top_k
         if req.prediction is not None:
             body["prediction"] = {"type": "content", "content": req.prediction}
         return {**body, **e.extra}

@@ -11,8 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import fields
 from typing import Any
 
+from specdec.core.config import Warp
 from specdec.core.model import SpecModel
 
 
@@ -36,7 +38,7 @@ def _overrides(obj: Any, **values: Any) -> Iterator[None]:
 
 
 def _generate_kwargs(
-    target: SpecModel, input_ids: Any, max_new_tokens: int, warp: Any, stops: Sequence[int]
+    target: SpecModel, input_ids: Any, max_new_tokens: int, warp: Warp, stops: Sequence[int]
 ) -> dict[str, Any]:
     import torch
 
@@ -48,14 +50,18 @@ def _generate_kwargs(
         "pad_token_id": pad if pad is not None else (stops[0] if stops else None),
     }
     if warp.temperature > 0:
-        # top_k 0 / top_p 1.0 switch those warpers off explicitly (transformers' default top_k is
-        # 50, which our engine would not apply).
-        kwargs.update(
-            do_sample=True,
-            temperature=float(warp.temperature),
-            top_k=warp.top_k or 0,
-            top_p=warp.top_p or 1.0,
-        )
+        # transformers' generate takes Warp's fields by their names (a field it had no such
+        # argument for would be refused by generate, naming it). One that is off is passed
+        # as the value that switches it off (each field's "off": top_k 0, top_p 1.0, ...), not
+        # left out: transformers' default top_k is 50, and a model's generation_config may set
+        # top_p or top_k of its own, none of which our engine would apply. Its chain puts
+        # typical-p after top-p and min-p (ours: llama.cpp's order, before them), so with
+        # typical_p and one of those both set it samples a slightly different distribution.
+        kwargs.update(do_sample=True, temperature=float(warp.temperature))
+        for f in fields(warp):
+            if f.name != "temperature":
+                value = getattr(warp, f.name)
+                kwargs[f.name] = f.metadata["off"] if value is None else value
     else:
         kwargs.update(do_sample=False)
     return kwargs
@@ -68,7 +74,7 @@ def run(
     *,
     k: int | str,
     max_new_tokens: int,
-    warp: Any,
+    warp: Warp,
     seed: int,
     stops: Sequence[int],
 ) -> dict[str, Any]:

@@ -8,9 +8,10 @@ own flags for it), its bench method "<peer's stem>[-<base>]".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from specdec.backends import llamacpp_build
+from specdec.core.config import Warp
 
 PACKAGE = llamacpp_build.PACKAGE
 VERSION = llamacpp_build.VERSION
@@ -37,10 +38,14 @@ DEFAULT_MODES = ("none", "draft", "ngram-mod", "ngram-map-k")
 #: The numerics specdec's llama.cpp backend runs with (flash attention, a q8_0 K cache,
 #: backends/llamacpp.py), so that both engines do the same arithmetic.
 SAME_NUMERICS = ("-fa", "on", "-ctk", "q8_0")
-#: Request fields that make llama-server sample as specdec does (temperature alone): its
+#: Request fields that make llama-server sample as specdec does (temperature alone: every other
+#: Warp field at the value that switches it off, top_k 0, top_p 1, min_p 0, typical_p 1): its
 #: default chain adds top_k 40, top_p 0.95 and min_p 0.05. Its prompt cache is off, as
 #: specdec's bench prefills every prompt.
-NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "cache_prompt": False}
+NEUTRAL_SAMPLING = {
+    **{f.name: f.metadata["off"] for f in fields(Warp) if f.name != "temperature"},
+    "cache_prompt": False,
+}
 
 
 #: llama.cpp tools run once per prompt beside the servers (bench only): mode -> binary.

@@ -355,13 +355,13 @@ def fig_acceptance_by_position(study: Study, path: Path) -> Path | None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, b in enumerate(benches):
-        spec = b.aggregates.speculative
+        speculative = b.aggregates.speculative
         ax.plot(
-            range(1, len(spec.positional) + 1),
-            [100 * a for a in spec.positional],
+            range(1, len(speculative.positional) + 1),
+            [100 * a for a in speculative.positional],
             marker="o",
             color=f"C{i % 10}",
-            label=f"{b.label} (pooled {fmt.pct(spec.acceptance_rate)})",
+            label=f"{b.label} (pooled {fmt.pct(speculative.acceptance_rate)})",
         )
     ax.set_xticks(range(1, max(len(b.aggregates.speculative.positional) for b in benches) + 1))
     ax.set_xlabel("draft position i")

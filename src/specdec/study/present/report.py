@@ -198,12 +198,12 @@ def _sweep_row(p: SweepPoint, best: bool) -> list[str]:
     m = p.member
     b = "**" if best else ""
     base = fmt.pm(p.baseline_tok_s, p.baseline_tok_s_std)
-    spec = fmt.pm(p.speculative_tok_s, p.speculative_tok_s_std)
+    speculative = fmt.pm(p.speculative_tok_s, p.speculative_tok_s_std)
     where = _cite(m.src) if m else (f"`{p.artifact}` (not under DIR)" if p.artifact else "—")
     return [
         f"{b}{p.k}{b}",
         base,
-        f"{b}{spec}{b}",
+        f"{b}{speculative}{b}",
         fmt.pct(p.acceptance_rate),
         fmt.num(p.tokens_per_round, ".2f"),
         fmt.num(p.mean_acceptance_length, ".2f"),

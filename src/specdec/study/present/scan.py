@@ -243,8 +243,8 @@ def shared_settings(benches: Sequence[BenchArtifact]) -> str:
 def timed(b: BenchArtifact) -> tuple[Mapping[str, float], ...]:
     """(baseline, speculative) ms_per_token when both were timed, else () (the latency split
     in the figure and the report)."""
-    base, spec = b.aggregates.baseline.ms_per_token, b.aggregates.speculative.ms_per_token
-    return (base, spec) if base and spec else ()
+    base, speculative = b.aggregates.baseline.ms_per_token, b.aggregates.speculative.ms_per_token
+    return (base, speculative) if base and speculative else ()
 
 
 def gate_p_text(g: GateArtifact) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 from specdec.backends import parse_spec
 from specdec.backends.configs import CONFIGS as PAIRS
 from specdec.core.checks import check_int
-from specdec.core.config import DRAFTERS, SpecConfig, Warp, check_k, is_policy
+from specdec.core.config import DRAFTERS, WARP_FIELDS, SpecConfig, Warp, check_k, is_policy
 from specdec.study.artifacts import MAIN_METHODS
 from specdec.study.engines import anchors, endpoint
 from specdec.study.run import prompts as prompt_set
@@ -23,6 +23,11 @@ from specdec.study.run import prompts as prompt_set
 #: drafter given another task's file (the leg that shows a wrong prediction costs nothing).
 WRONG_PREDICTION = "wrong-prediction"
 BENCH_DRAFTERS = (*DRAFTERS, WRONG_PREDICTION)
+
+
+def core_drafter(drafter: str) -> str:
+    """The core drafter a bench drafter runs ("wrong-prediction" is the prediction drafter)."""
+    return "prediction" if drafter == WRONG_PREDICTION else drafter
 
 
 def parse_variant(text: str) -> tuple[str, int | str]:
@@ -96,7 +101,7 @@ class BenchConfig:
     # The speculative method: a named drafter (core.config.DRAFTERS) and K (an int >= 1, "auto"
     # or "schedule"), k_max, p_min; the variants reuse its k_max and p_min.
     spec: SpecConfig = field(default_factory=lambda: SpecConfig("model", 4))
-    warp: Warp = field(default_factory=Warp)  # temperature, top_k, top_p: every method's
+    warp: Warp = field(default_factory=Warp)  # temperature, top_k, ...: every method's
     n_prompts: int = 30
     warmup: int = 2
     max_new_tokens: int = 128
@@ -167,9 +172,15 @@ class BenchConfig:
 
     def to_json(self) -> dict[str, Any]:
         """The artifact's `config` block: every setting under its flag's name, flat, in
-        CONFIG_KEYS' order (tuples stay tuples; write_json makes them lists)."""
+        CONFIG_KEYS' order (tuples stay tuples; write_json makes them lists); those of
+        LATER_WARP_KEYS only when set."""
         records = {"": self, "spec": self.spec, "warp": self.warp, "peers": self.peers}
-        return {key: getattr(records[part], key) for key, part in CONFIG_KEYS}
+        block = {}
+        for key, part in CONFIG_KEYS:
+            value = getattr(records[part], key)
+            if value is not None or (key, part) not in LATER_WARP_KEYS:
+                block[key] = value
+        return block
 
     @classmethod
     def from_json(cls, config: Mapping[str, Any]) -> BenchConfig:
@@ -189,6 +200,12 @@ class BenchConfig:
         return cls(**kw[""], **parts)
 
 
+#: Warp's fields the first artifacts had no key for (min_p, typical_p, and any added since),
+#: after the others: written only when set, so that a block of a run from before them, which
+#: ran with them off, reads back byte for byte.
+LATER_WARP_KEYS = tuple(
+    (name, "warp") for name in WARP_FIELDS if name not in ("temperature", "top_k", "top_p")
+)
 #: The artifact's `config` keys (BenchConfig.to_json) in the order its files have always had,
 #: each with the record of a BenchConfig that holds it ("": the config itself). The report
 #: (study/present) and the committed results read these names: keep them.
@@ -217,6 +234,7 @@ CONFIG_KEYS: tuple[tuple[str, str], ...] = (
     ("endpoint_api", "peers"),
     ("llama_server", "peers"),
     ("served", "peers"),
+    *LATER_WARP_KEYS,
 )
 
 
@@ -226,6 +244,8 @@ def config_defaults() -> dict[str, Any]:
     own = _defaults()
     out = {}
     for key, part in CONFIG_KEYS:
+        if (key, part) in LATER_WARP_KEYS:  # off unless written
+            continue
         value = getattr(own[part], key) if part else own[key]
         if value is not MISSING:
             out[key] = value

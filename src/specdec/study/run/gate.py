@@ -155,7 +155,7 @@ def endpoint_methods(speculative: Any, baseline: Any, tokenizer: Any) -> Methods
 
     def run(method: str, prompt: tuple[str, Any], seed: int, t: float, n: int) -> Sample:
         client = speculative if method == "speculative" else baseline
-        reply = client.stream(endpoint.Request(prompt[1], n, t, seed))
+        reply = client.stream(endpoint.Request(prompt[1], n, Warp(t), seed))
         timings = reply.timings or {}
         return Sample(
             endpoint.tokenize(tokenizer, reply.text),
@@ -212,16 +212,16 @@ def sample_pairs(
         seeds = SEED_BASE + i, SEED_BASE + i + SPEC_SEED_OFFSET
         try:
             base = methods.run("baseline", prompt, seeds[0], t, n)
-            spec = methods.run("speculative", prompt, seeds[1], t, n)
+            speculative = methods.run("speculative", prompt, seeds[1], t, n)
         except methods.failures as e:
             out.failed.append({"prompt_id": prompt[0], "leg": "sampled", "error": str(e)})
             continue
         out.seeds_baseline.append(seeds[0])
         out.seeds_speculative.append(seeds[1])
         out.baseline.append(base.tokens)
-        out.speculative.append(spec.tokens)
-        out.drafted += spec.drafted
-        out.accepted += spec.accepted
+        out.speculative.append(speculative.tokens)
+        out.drafted += speculative.drafted
+        out.accepted += speculative.accepted
     return out
 
 

@@ -134,7 +134,7 @@ def probe_ids(vocab_size: int, n: int, seed: int = 0) -> list[int]:
 
 
 def run_setting(
-    spec: str, setting: str, contexts: Sequence[int], batch: int, n_threads: int | None
+    model_spec: str, setting: str, contexts: Sequence[int], batch: int, n_threads: int | None
 ) -> list[dict[str, Any]]:
     """Every context for one model under one setting, in this process. The process's
     GGML_CPU_TILED_MM and SPECDEC_MM must already be the setting's (see `SETTINGS`)."""
@@ -147,7 +147,7 @@ def run_setting(
     capture = OpCapture()
     n_ctx = max(contexts) + batch + 8
     model = load_model(
-        spec,
+        model_spec,
         n_ctx=max(512, n_ctx),
         n_threads=n_threads,
         repack=repack,
@@ -160,7 +160,7 @@ def run_setting(
         for c in contexts:
             row = probe(model, capture, ids[:c], ids[c : c + batch])
             probes.append(
-                {"model": spec, "setting": setting, "repacked_mib": model.repacked_mib, **row}
+                {"model": model_spec, "setting": setting, "repacked_mib": model.repacked_mib, **row}
             )
         return probes
     finally:

@@ -20,7 +20,7 @@ from typing import Any
 from specdec.backends import chat as prompting
 from specdec.backends import load_model
 from specdec.backends.costs import CurveFiles
-from specdec.core.config import DRAFTERS, MODEL_DRAFTERS
+from specdec.core.config import DRAFTERS, MODEL_DRAFTERS, runs_as
 from specdec.core.decode import generate
 from specdec.core.drafters import PredictionDrafter, PredictionIndex
 from specdec.core.metrics import Round
@@ -29,12 +29,12 @@ from specdec.core.policy import AutoPolicies
 from specdec.study.artifacts.runs import round_log
 from specdec.study.engines import anchors, endpoint
 from specdec.study.engines import hf_assisted as hf
-from specdec.study.run.bench_settings import WRONG_PREDICTION, BenchConfig, parse_variant
-
-
-def core_drafter(drafter: str) -> str:
-    """The core drafter a bench drafter runs ("wrong-prediction" is the prediction drafter)."""
-    return "prediction" if drafter == WRONG_PREDICTION else drafter
+from specdec.study.run.bench_settings import (
+    WRONG_PREDICTION,
+    BenchConfig,
+    core_drafter,
+    parse_variant,
+)
 
 
 def variant_name(drafter: str, k: int | str) -> str:
@@ -131,7 +131,8 @@ def specdec_servers(cfg: BenchConfig) -> dict[str, anchors.SpecdecServer]:
     if not cfg.peers.served:
         return {}
     spec = cfg.spec
-    drafter = "lookup" if spec.drafter == "prediction" else str(spec.drafter)
+    # the server's drafter as it runs without a prediction: each request brings its own
+    drafter = str(runs_as(spec.drafter, has_prediction=False))
     args = ["--drafter", drafter, "-k", str(spec.k)]
     if drafter in MODEL_DRAFTERS:
         args = ["--draft", cfg.draft, *args]
@@ -196,9 +197,7 @@ def runners(
 
         def run(t: Task) -> Mapping[str, Any]:
             pred = t.other_prediction if drafter == WRONG_PREDICTION else t.prediction
-            name = core_drafter(drafter)
-            if name == "prediction" and pred is None:
-                name = "lookup"  # a prompt without a prediction: what the drafter falls back to
+            name = runs_as(core_drafter(drafter), has_prediction=pred is not None)
             spec = replace(cfg.spec, drafter=name, k=k)  # the run's k_max and p_min
             kw = (
                 {"prediction": _with_hints(tokenizer, pred, t.text)} if name == "prediction" else {}
@@ -263,10 +262,8 @@ def endpoint_runner(
         req = endpoint.Request(
             t.text,
             cfg.max_new_tokens,
-            cfg.warp.temperature,
+            cfg.warp,
             t.seed,
-            top_p=cfg.warp.top_p,
-            top_k=cfg.warp.top_k,
             prediction=t.prediction_text if with_prediction else None,
             history=t.history,
         )

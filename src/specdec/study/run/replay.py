@@ -177,14 +177,14 @@ def _method_setting(art: BenchArtifact, method: str) -> tuple[str | None, Any]:
     return None, None
 
 
-def _tokenizer(spec: str, given: Any) -> tuple[Any, int]:
+def _tokenizer(model_spec: str, given: Any) -> tuple[Any, int]:
     """(the target's tokenizer, vocab size) without its weights; (None, V) for a mock target."""
     from specdec.backends import load_model, load_tokenizer_of, parse_spec
 
-    if parse_spec(spec)[0] == "mock":
-        model = load_model(spec)  # a mock is its vocabulary size: nothing to load
+    if parse_spec(model_spec)[0] == "mock":
+        model = load_model(model_spec)  # a mock is its vocabulary size: nothing to load
         return None, model.vocab_size
-    tok = given if given is not None else load_tokenizer_of(spec)
+    tok = given if given is not None else load_tokenizer_of(model_spec)
     return tok, len(tok)
 
 
@@ -267,7 +267,7 @@ def record(
 
     from specdec.backends import chat
     from specdec.backends.costs import CurveFiles
-    from specdec.core.config import SpecConfig, Warp
+    from specdec.core.config import SpecConfig, Warp, runs_as
     from specdec.core.decode import generate
     from specdec.core.policy import AutoPolicies
     from specdec.study.run import bench
@@ -279,8 +279,8 @@ def record(
         ids, pred = bench.task_ids(target.tokenizer, prompt, target.vocab_size)
         kw: dict[str, Any] = {}
         if drafter is not None:
-            kw = {"spec": SpecConfig(drafter if pred is not None else "lookup", "auto")}
-            kw.update({"prediction": pred} if pred is not None else {})
+            spec = SpecConfig(runs_as(drafter, has_prediction=pred is not None), "auto")
+            kw = {"spec": spec, **({"prediction": pred} if pred is not None else {})}
         res = generate(
             target,
             ids,
@@ -447,7 +447,8 @@ def reproduce_bench(path: str | Path, curve: Curve, tokenizer: Any = None) -> li
     per drafter kind shared across prompts and methods (decode._policy's key), a fresh one per
     generation otherwise. Each auto policy starts empty, as in a process without a cost store:
     a run whose store held a curve started elsewhere, and parts from its replay (reported)."""
-    from specdec.core.config import SpecConfig
+    from specdec.core.config import SpecConfig, runs_as
+    from specdec.study.run.bench_settings import core_drafter
 
     path = Path(path)
     art = read(json.loads(path.read_text()), str(path), path)
@@ -462,7 +463,8 @@ def reproduce_bench(path: str | Path, curve: Curve, tokenizer: Any = None) -> li
             task = logged[m][i]
             drafter = task.drafter or "lookup"
             pred = task.other_prediction if drafter == "wrong-prediction" else task.prediction
-            kind = "lookup" if drafter == "lookup" or pred is None else "prediction"
+            # decode._policy's key: what the bench's drafter ran as (lookup was given none)
+            kind = runs_as(core_drafter(drafter), has_prediction=pred is not None)
             if task.k == "auto":
                 policy = shared.setdefault(kind, CostModelK(k_max))
             else:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from specdec.backends.replay import Charged, CostFn, ModelledClock, ReplayTarget
-from specdec.core.config import DrafterName, Warp
+from specdec.core.config import DrafterName, Warp, runs_as
 from specdec.core.cost import curve_at
 from specdec.core.decode import make_drafter, stream
 from specdec.core.drafters import CompositeDrafter, Drafter, PredictionDrafter, PredictionIndex
@@ -70,7 +70,8 @@ def task_drafter(kind: str, task: Recorded) -> Drafter:
         raise ValueError(f"unknown replay drafter {kind!r}; choose from {', '.join(DRAFTERS)}")
     pred = task.other_prediction if kind == "wrong-prediction" else task.prediction
     start = len(task.prompt)
-    if kind == "lookup" or pred is None:
+    # every replay drafter but lookup is the prediction drafter, as it runs with(out) one
+    if kind == "lookup" or runs_as("prediction", has_prediction=pred is not None) == "lookup":
         return _made("lookup", None, start)
     hints = task.hints if kind in ("prediction", "wrong-prediction") else ()
     index = PredictionIndex(list(pred), PredictionDrafter.N_MAX, hints)

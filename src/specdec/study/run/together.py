@@ -48,6 +48,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from specdec.core.config import Warp
 from specdec.study.artifacts import TogetherArtifact, write_json
 from specdec.study.artifacts.provenance import meta_block
 from specdec.study.engines import anchors, endpoint
@@ -136,7 +137,7 @@ def run_together(
                 ep = replace(srv.endpoint(), label=name, timeout_s=3600.0)
                 settings[name] = {**ep.describe(), **srv.describe()}
                 with endpoint.Client(ep) as client:
-                    client.stream(endpoint.Request(prompts[0].text, 8, 0.0, 0))  # warm-up
+                    client.stream(endpoint.Request(prompts[0].text, 8, Warp(0.0), 0))  # warm-up
                     for g, group in enumerate(groups):
                         replies = _at_once(client, group, g * concurrency, cfg, pred)
                         rows.append(_row(name, rep, g, replies))
@@ -167,7 +168,7 @@ def _at_once(
         req = endpoint.Request(
             p.text,
             cfg.max_new_tokens,
-            cfg.warp.temperature,
+            cfg.warp,
             first + j,
             prediction=p.prediction if prediction else None,
         )
