@@ -173,13 +173,13 @@ def expected(
     srv: Server, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0
 ) -> Any:
     """What `specdec generate` gives for this request, on the server's own models."""
-    e = srv.engine
-    with e.lock:
+    e = srv.engine.models
+    with srv.engine.lock:
         return generate(
             e.target,
             prompt_ids,
             draft=e.draft,
-            spec=e.spec,
+            spec=e.defaults.spec,
             warp=Warp(temperature),
             max_new_tokens=max_tokens,
             seed=seed,

@@ -362,11 +362,12 @@ def _solo(e, body: dict) -> list[int]:
     its `speculation` (the server's default, composite at k="auto", when it has none)."""
     sp = body.get("speculation", {"drafter": "composite"})
     drafter = None if sp["drafter"] == "none" else sp["drafter"]
-    draft = e.draft if drafter in ("model", "composite") else None
+    m = e.models
+    draft = m.draft if drafter in ("model", "composite") else None
     with e.lock:
-        return generate(e.target, body["prompt"], draft=draft, warp=GREEDY,
+        return generate(m.target, body["prompt"], draft=draft, warp=GREEDY,
                         spec=SpecConfig(drafter=drafter, k=sp.get("k", "auto")),
-                        max_new_tokens=body["max_tokens"], stop_ids=e.stop_ids).tokens  # fmt: skip
+                        max_new_tokens=body["max_tokens"], stop_ids=m.stop_ids).tokens  # fmt: skip
 
 
 def test_a_parallel_server_answers_each_request_as_if_alone() -> None:

@@ -43,6 +43,7 @@ from serverkit import (
     expected,
     metric,
     mock_server,
+    wait_for,
 )
 
 from specdec.core.config import Warp
@@ -354,9 +355,11 @@ def test_queue_overflow_returns_429_with_retry_after() -> None:
     try:
         body = {"model": MOCK_SPEC, "prompt": [1, 2], "max_tokens": 16, "temperature": 0}
         with ThreadPoolExecutor(max_workers=6) as pool:
-            results = list(
-                pool.map(lambda _: srv.request("POST", "/v1/completions", body), range(6))
-            )
+            send = lambda: srv.request("POST", "/v1/completions", body)  # noqa: E731
+            first = pool.submit(send)
+            wait_for(lambda: srv.engine.busy)  # generating: the burst finds its one place free
+            burst = list(pool.map(lambda _: send(), range(5)))
+            results = [first.result(), *burst]
         statuses = sorted(r[0] for r in results)
         # one generating + one waiting fit; the rest of a burst of 6 must be turned away
         assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
@@ -411,7 +414,7 @@ def test_drafter_and_k_options_pass_through_greedy_exact(engine_kwargs: dict) ->
             extra_body={"return_token_ids": True},
         )
         target_only = generate(
-            srv.engine.target,
+            srv.engine.models.target,
             prompt,
             max_new_tokens=16,
             warp=Warp(temperature=0),

@@ -56,7 +56,7 @@ def _chat_stream(srv: Server, text: str, **kw: Any) -> tuple[str, list, str | No
 
 
 def _assert_greedy_chat_equals_generate(smoke: Server, text: str) -> Any:
-    tok = smoke.engine.tokenizer
+    tok = smoke.engine.models.tokenizer
     prompt_ids = prompting.encode(tok, text)  # the path `specdec generate` takes
     want = expected(smoke, prompt_ids, SMOKE_MAX_TOKENS)
     r = _chat(
@@ -107,7 +107,7 @@ def test_chat_stream_concatenates_to_nonstreamed_text(smoke: Server, temperature
 
 
 def test_completions_text_prompt_stream_and_not(smoke: Server) -> None:
-    tok = smoke.engine.tokenizer
+    tok = smoke.engine.models.tokenizer
     prompt = "The capital of France is"
     want = expected(smoke, prompting.encode(tok, prompt, chat=False), SMOKE_MAX_TOKENS)
     client = smoke.client()
@@ -170,7 +170,7 @@ def test_disconnect_mid_stream_frees_the_engine_without_leaking(smoke: Server) -
 
 
 def test_concurrent_chat_clients_get_their_own_answers(smoke: Server) -> None:
-    tok = smoke.engine.tokenizer
+    tok = smoke.engine.models.tokenizer
     texts = ["Say hi.", "Name a fruit.", "What is 2+2?", "Name a planet."]
     wants = [
         prompting.decode(tok, expected(smoke, prompting.encode(tok, t), 4).tokens) for t in texts
@@ -189,7 +189,7 @@ def test_prediction_is_drafted_from_exact_and_counted_in_usage(smoke: Server) ->
     """OpenAI's Predicted Outputs on a real model: a prediction that the answer repeats is
     drafted from (accepted prediction tokens in usage, streamed and not), and the answer is
     exactly generate()'s without it; a prediction too long for the context is a 400."""
-    tok = smoke.engine.tokenizer
+    tok = smoke.engine.models.tokenizer
     text = "Repeat exactly: the quick brown fox jumps over the lazy dog."
     prompt_ids = prompting.encode(tok, text)
     want = expected(smoke, prompt_ids, SMOKE_MAX_TOKENS)

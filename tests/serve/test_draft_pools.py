@@ -114,7 +114,7 @@ def _complete(
     **body: Any,
 ) -> dict[str, Any]:
     req = {
-        "model": srv.engine.model_id,
+        "model": srv.engine.models.model_id,
         "prompt": prompt,
         "max_tokens": ANSWER,
         "temperature": 0,
@@ -150,8 +150,8 @@ def _pool(text: str, name: str) -> float:
 
 
 def _target_only(srv: Server, prompt: list[int], n: int) -> list[int]:
-    e = srv.engine
-    with e.lock:
+    e = srv.engine.models
+    with srv.engine.lock:
         return generate(
             e.target, prompt, max_new_tokens=n, warp=Warp(0.0), stop_ids=e.stop_ids
         ).tokens
@@ -202,7 +202,7 @@ def test_a_repeated_request_drafts_from_the_pool_and_accepts_more(k: int | str) 
 def _origins(srv: Server, prompt: list[int], key: str | None = None) -> list[dict[str, Any]]:
     """A streamed request's per-round speculation records (stream_options.include_speculation)."""
     body = {
-        "model": srv.engine.model_id,
+        "model": srv.engine.models.model_id,
         "prompt": prompt,
         "max_tokens": ANSWER,
         "temperature": 0,
@@ -250,7 +250,7 @@ def test_the_prompt_cache_is_kept_for_the_same_scope_only(srv_ab: Server) -> Non
         r = _complete(srv_ab, key, prompt, max_tokens=4)
         return r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    assert srv_ab.engine.prompt_cache  # the mock is batch-invariant: on by default
+    assert srv_ab.engine.cycle.prompt_cache  # the mock is batch-invariant: on by default
     assert [cached(KEY_A), cached(KEY_A), cached(KEY_B), cached(KEY_B)] == [0, 512, 0, 512]
 
 
@@ -297,7 +297,7 @@ def test_off_is_off() -> None:
         for name in ("scopes", "tokens", "memory_bytes", "memory_limit_bytes", "documents_total"):
             assert _pool(m, name) == 0, name
         lookup = Speculation(SpecConfig("lookup", 8))
-        assert srv.engine.stream_args(lookup, None)["pool"] is None
+        assert srv.engine.models.stream_args(lookup, None)["pool"] is None
         card = srv.request("GET", "/v1/models")[2]["data"][0]["speculation"]["draft_pool"]
         assert card == {"scope": "off", "tokens": 0}
     finally:
@@ -320,7 +320,7 @@ def test_the_drafters_that_run_prompt_lookup_get_the_pool(drafter: str, reads_po
     engine = Engine(SlowMock(V), draft_pool=PoolConfig())
     pool = DraftPool(MIN_POOL_TOKENS)
     sp = resolve_speculation({"drafter": drafter}, SpecDefaults(has_draft=True), False)
-    got = engine.stream_args(sp, [1], pool)
+    got = engine.models.stream_args(sp, [1], pool)
     assert (got["pool"] is pool) == reads_pool
 
 

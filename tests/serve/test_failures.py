@@ -224,7 +224,7 @@ def test_shutdown_fails_the_queue_cancels_the_running_request_and_is_bounded() -
         assert "shutting_down" in rest and "[DONE]" not in rest
         conn.close()
     # The models are fine: a new server on them is exact.
-    fresh = serve_models(srv.engine.target)
+    fresh = serve_models(srv.engine.models.target)
     try:
         assert_good_request_exact(fresh)
     finally:
@@ -272,17 +272,17 @@ def test_a_delivery_that_raises_fails_that_request_alone(monkeypatch) -> None:
     """Issue 53: an exception while one request's round was handed over (its text, its stop
     strings) failed every request of the round; now it fails that one with a 500 at once, and
     its neighbour in the same passes ends with exactly `generate()`'s tokens."""
-    from specdec.serve.engine import Engine
+    from specdec.serve.cycle import Cycle
 
     srv = mock_server(delay=0.002, parallel=2)
-    real = Engine._deliver
+    real = Cycle._deliver
 
-    def deliver(self, a, ids):
-        if a.gen.prompt[:3] == [7, 7, 7] and len(a.gen.tokens) > 3:
+    def deliver(self, r, ids):
+        if r.gen.prompt[:3] == [7, 7, 7] and len(r.gen.tokens) > 3:
             raise RuntimeError("a delivery bug")
-        return real(self, a, ids)
+        return real(self, r, ids)
 
-    monkeypatch.setattr(Engine, "_deliver", deliver)
+    monkeypatch.setattr(Cycle, "_deliver", deliver)
     try:
         poisoned = {**LONG, "prompt": [7, 7, 7], "max_tokens": 400}
         good = {"model": MOCK_SPEC, "prompt": [1, 2, 3], "max_tokens": 60, "temperature": 0.0}
@@ -304,16 +304,16 @@ def test_an_admission_that_raises_is_told_to_its_client_at_once(monkeypatch) -> 
     """Issue 53: the worker's last-resort catch around admission logged an unexpected error and
     sent the job nothing, so its client waited for its request timeout. Now it gets a 500 at
     once, and the next request is served exactly."""
-    from specdec.serve.engine import Engine
+    from specdec.serve.cycle import Cycle
 
-    real = Engine._admit
+    real = Cycle._admit
 
-    def admit(self, job):
-        if job.params.prompt_ids[:3] == [7, 7, 7]:
+    def admit(self, r):
+        if r.params.prompt_ids[:3] == [7, 7, 7]:
             raise RuntimeError("an admission bug")
-        return real(self, job)
+        return real(self, r)
 
-    monkeypatch.setattr(Engine, "_admit", admit)
+    monkeypatch.setattr(Cycle, "_admit", admit)
     srv = mock_server(request_timeout=60)
     try:
         t0 = time.monotonic()

@@ -195,7 +195,7 @@ def test_admission_comes_before_tokenizing() -> None:
             calls.append(text[:8])
             return real(text, add_special_tokens)
 
-    s.engine.tokenizer = Counting()
+    s.engine.models.tokenizer = Counting()
     try:
         # busy for 20 x 0.05 s each: the flood below is answered in milliseconds
         ids = {"model": MOCK_SPEC, "prompt": [1, 2], "max_tokens": 20}
@@ -229,7 +229,7 @@ def test_the_prediction_index_is_built_outside_the_engine_lock(monkeypatch) -> N
         real(self, prediction, n_max, hints)
 
     monkeypatch.setattr(drafters.PredictionIndex, "__init__", spy)
-    s.engine.tokenizer = FakeTokenizer()
+    s.engine.models.tokenizer = FakeTokenizer()
     try:
         body = {"model": MOCK_SPEC, "prompt": "abc", "max_tokens": 4, "temperature": 0}
         body["prediction"] = {"type": "content", "content": "0123456789" * 50}
@@ -300,13 +300,13 @@ def test_a_500_names_the_error_type_and_not_its_text(monkeypatch) -> None:
 
 def test_the_prompt_cache_is_on_by_default_only_where_output_cannot_depend_on_it() -> None:
     invariant = SlowMock(V, seed=0)
-    assert Engine(invariant).prompt_cache  # mock: batch-invariant by construction
+    assert Engine(invariant).cycle.prompt_cache  # mock: batch-invariant by construction
 
     class Varying(SlowMock):
         batch_invariant = False  # as HF, or llama.cpp outside --deterministic
 
-    assert not Engine(Varying(V, seed=0)).prompt_cache
-    assert Engine(Varying(V, seed=0), prompt_cache=True).prompt_cache  # asked for: on
+    assert not Engine(Varying(V, seed=0)).cycle.prompt_cache
+    assert Engine(Varying(V, seed=0), prompt_cache=True).cycle.prompt_cache  # asked for: on
     assert ServeConfig(target=MOCK_SPEC).prompt_cache is None  # serve: the engine decides
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.backends import chat as prompting
-from specdec.serve.app import _instruction
+from specdec.serve.models import _instruction
 from specdec.serve.protocol import ChatRequest, CompletionRequest
 
 
@@ -56,9 +56,9 @@ def test_a_served_prediction_carries_the_hints(smol_llamacpp) -> None:
 
     engine = Engine(smol_llamacpp, spec=SpecConfig(drafter="prediction", k="auto"))
     pred = prompting.encode_prediction(smol_llamacpp.tokenizer, "class Inventory:\n    pass\n")
-    index = engine.tokens.prediction_index(pred, "Rename `Inventory` to `Stock`.")
+    index = engine.models.tokens.prediction_index(pred, "Rename `Inventory` to `Stock`.")
     assert index.tokens == pred
     assert index.hints == prompting.prediction_hints(
         smol_llamacpp.tokenizer, "Rename `Inventory` to `Stock`."
     )
-    assert engine.tokens.prediction_index(pred, "Fix the bug.").hints == []
+    assert engine.models.tokens.prediction_index(pred, "Fix the bug.").hints == []

@@ -12,7 +12,7 @@ from serverkit import MOCK_SPEC, SlowMock, V, metric, serve_models
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
-from specdec.serve.engine import PROMPT_CACHE_BLOCK
+from specdec.serve.cycle import PROMPT_CACHE_BLOCK
 
 
 class CountingMock(MockModel):

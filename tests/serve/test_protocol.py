@@ -11,11 +11,10 @@ import pytest
 
 from specdec.backends.mock import MockModel
 from specdec.cli.serve import API_KEY_ENV, resolve_api_key
-from specdec.core.config import K_MAX_FREE, K_MAX_MODEL, SpecConfig
+from specdec.core.config import K_MAX_FREE, K_MAX_MODEL, WARP_FIELDS, SpecConfig
 from specdec.core.metrics import Round
 from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError
-from specdec.serve.jobs import Job
 from specdec.serve.metrics import Metrics
 from specdec.serve.origins import OriginTracker
 from specdec.serve.protocol import (
@@ -27,6 +26,7 @@ from specdec.serve.protocol import (
     parse_request,
     validate_request,
 )
+from specdec.serve.requests import Request
 from specdec.serve.speculation import (
     NO_DRAFTER,
     SpecDefaults,
@@ -156,6 +156,21 @@ def test_new_sampling_fields_are_validated_into_params() -> None:
         _refused(fields, param)
 
 
+def test_every_warp_field_is_a_request_field_checked_by_warp() -> None:
+    """The sampling fields are core.config.Warp's by name: typical_p (llama.cpp's and
+    transformers') reaches GenParams.warp as sent, and out of (0, 1] it is Warp's 400, naming
+    it; every Warp field is a request field, so a new one is served once it is declared."""
+    p = validate_request(_completion(typical_p=0.9, min_p=0.05, top_p=0.8), N_CTX, V)
+    assert (p.warp.typical_p, p.warp.min_p, p.warp.top_p) == (0.9, 0.05, 0.8)
+    assert validate_request(_completion(), N_CTX, V).warp.typical_p is None  # off
+    for bad_value in (0, 1.5, -0.1):
+        _refused({"typical_p": bad_value}, "typical_p")
+    with pytest.raises(ApiError, match=r"typical_p must be in \(0, 1\]"):
+        validate_request(_completion(typical_p=0), N_CTX, V)
+    for name in WARP_FIELDS:
+        assert name in ChatRequest.model_fields and name in CompletionRequest.model_fields
+
+
 def test_chat_logprobs_and_tool_choice_rules() -> None:
     def chat(**fields: object) -> ChatRequest:
         msgs = [{"role": "user", "content": "hi"}]
@@ -271,7 +286,7 @@ def test_submit_to_an_engine_whose_worker_is_not_running_is_503_at_once() -> Non
     engine = Engine(MockModel(V), max_queue=2)  # never started
     loop = asyncio.new_event_loop()
     try:
-        job = Job(validate_request(_completion(), N_CTX, V), loop, 0.0, math.inf)
+        job = Request(validate_request(_completion(), N_CTX, V), loop, 0.0, math.inf)
         with pytest.raises(ApiError) as ei:
             engine.submit(job)
     finally:

@@ -83,7 +83,7 @@ def test_health_answers_while_busy_and_503_while_draining() -> None:
         assert head["x-request-id"] == "abc-1"
         _, head, _ = srv.request("GET", "/health", headers={"X-Request-Id": "bad id\x01"})
         assert head["x-request-id"] != "bad id\x01" and len(head["x-request-id"]) == 32
-        wait_for(lambda: srv.engine.kv_usage > 0, 10, "the prompt never reached the KV")
+        wait_for(lambda: srv.engine.models.kv_usage > 0, 10, "the prompt never reached the KV")
         text = srv.metrics()
         assert metric(text, "specdec:num_requests_running") == 1
         assert 0 < metric(text, "specdec:kv_cache_usage_perc") <= 1

@@ -92,8 +92,8 @@ def _events(srv: Server, path: str, body: dict[str, Any]) -> list[dict[str, Any]
 
 def _expected(srv: Server, prompt: list[int], spec: SpecConfig, draft: bool, **kw: Any) -> Any:
     """generate() on the server's own models with these settings (the engine's lock held)."""
-    e = srv.engine
-    with e.lock:
+    e = srv.engine.models
+    with srv.engine.lock:
         return generate(
             e.target,
             prompt,
@@ -249,7 +249,7 @@ def test_openai_client_sets_speculation_and_reads_its_metrics(
     spec = r.usage.model_extra["speculation"]
     assert spec["drafter"] == speculation["drafter"] and spec["k"] == speculation["k"]
     assert spec["k_max"] == speculation.get("k_max")
-    prompt = prompting.encode_messages(srv.engine.tokenizer, _messages())
+    prompt = prompting.encode_messages(srv.engine.models.tokenizer, _messages())
     kind = "lookup" if speculation["drafter"] == "lookup" else speculation["drafter"]
     cfg = SpecConfig(kind, speculation["k"], speculation.get("k_max"))
     want = _expected(srv, prompt, cfg, draft, warp=Warp(0.0), max_new_tokens=24, seed=5)
@@ -441,9 +441,9 @@ def test_origins_with_a_stop_string_still_add_up(srv: Server, recorded_rounds: l
 def test_a_prediction_shows_as_the_source_of_its_drafts(free_srv: Server) -> None:
     """No drafter flag: a request's prediction is drafted from (source prediction*), and the
     answer is exactly the target's."""
-    prompt = prompting.encode_messages(free_srv.engine.tokenizer, _messages("copy"))
+    prompt = prompting.encode_messages(free_srv.engine.models.tokenizer, _messages("copy"))
     want = _expected(free_srv, prompt, SpecConfig(), False, warp=Warp(0.0), max_new_tokens=30)
-    answer = prompting.decode(free_srv.engine.tokenizer, want.tokens)
+    answer = prompting.decode(free_srv.engine.models.tokenizer, want.tokens)
     events = _events(
         free_srv,
         CHAT,

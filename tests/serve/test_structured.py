@@ -152,7 +152,7 @@ def test_a_named_function_and_a_tool_result_sent_back(srv: Server) -> None:
         msg.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "18 C, sunny"},
     ]
-    prompt_ids = srv.engine.tokens.encode_chat(
+    prompt_ids = srv.engine.models.tokens.encode_chat(
         [{**m, "content": m.get("content") or ""} for m in back if "tool_calls" not in m]
     )
     r2 = _chat(srv, back, tools=TOOLS, tool_choice="none", max_tokens=30)
@@ -309,7 +309,7 @@ def test_a_grammar_past_its_limits_is_an_error_naming_it_and_the_server_goes_on(
     fails with a 400 naming the limit, and the next request is answered."""
     import llguidance
 
-    grammars = srv.engine._grammars_for_model()
+    grammars = srv.engine.models.grammars()
     monkeypatch.setattr(grammars, "_limits", llguidance.LLParserLimits(max_lexer_states=50))
     msgs = [{"role": "user", "content": TEXT}]
     schema = {"name": "Person", "schema": Person.model_json_schema(), "strict": True}

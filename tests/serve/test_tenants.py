@@ -243,13 +243,13 @@ def test_a_flooding_key_gets_its_share_and_another_key_goes_next() -> None:
     target.delay = 0.02
     srv = _keyed_server(target, max_queue=6)
     served: list[int] = []
-    real = srv.engine._admit
+    real = srv.engine.cycle._admit
 
     def spy(job: Any) -> None:
         served.append(job.params.prompt_ids[0])  # 1: key A's, 2: key B's
         real(job)
 
-    srv.engine._admit = spy
+    srv.engine.cycle._admit = spy
     try:
         with ThreadPoolExecutor(8) as pool:
 
@@ -280,7 +280,7 @@ def test_one_key_holds_at_most_its_share_of_the_slots() -> None:
     target.delay = 0.01
     srv = _keyed_server(target, parallel=2)
     e = srv.engine
-    assert e.running_per_key == 1
+    assert e.cycle.running_per_key == 1
     seen: list[list[str]] = []
     try:
         with ThreadPoolExecutor(6) as pool:
@@ -293,7 +293,7 @@ def test_one_key_holds_at_most_its_share_of_the_slots() -> None:
             wait_for(lambda: e.running == 1 and e.queue_depth == 3)
             futs.append(send(KEY_B, 2))
             while not all(f.done() for f in futs):
-                seen.append([a.job.params.prompt_ids[0] for a in list(e._active)])
+                seen.append([r.params.prompt_ids[0] for r in list(e.cycle.running)])
                 time.sleep(0.005)
             assert [f.result()[0] for f in futs] == [200] * 5
         assert all(ids.count(1) <= 1 for ids in seen), "key A held both slots"

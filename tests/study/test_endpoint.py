@@ -9,6 +9,7 @@ passes; when the server under test samples from the draft instead of the target 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.server
 import json
 import socket
@@ -21,6 +22,8 @@ import pytest
 import torch
 from serverkit import MOCK_SPEC, FakeTokenizer, SlowMock, V, serve_models
 
+from specdec.core.config import Warp
+from specdec.serve.protocol import CompletionRequest, parse_request, validate_request
 from specdec.study.artifacts import BenchArtifact
 from specdec.study.engines import endpoint, stream
 from specdec.study.run import together
@@ -44,7 +47,7 @@ def _serve(target: SlowMock, draft: SlowMock | None = None) -> Any:
     """A server reading text with FakeTokenizer (given to the engine, not the models, so the
     pair check still sees two mock vocabularies)."""
     srv = serve_models(target, draft)
-    srv.engine.tokenizer = FakeTokenizer()
+    srv.engine.models.tokenizer = FakeTokenizer()
     return srv
 
 
@@ -83,7 +86,7 @@ def test_base_url_normalizes_and_refuses_non_urls() -> None:
 def test_stream_reads_text_usage_and_timing_and_matches_the_non_streamed_answer(servers) -> None:
     srv = servers["spec"]
     with _client(srv) as c:
-        reply = c.stream(endpoint.Request("abc", 12, 0.0, seed=0))
+        reply = c.stream(endpoint.Request("abc", 12, Warp(0.0), seed=0))
     assert reply.model == MOCK_SPEC  # found through /v1/models
     assert reply.usage["completion_tokens"] == len(FakeTokenizer()(reply.text)["input_ids"])
     assert reply.finish_reason in ("length", "stop")
@@ -96,6 +99,25 @@ def test_stream_reads_text_usage_and_timing_and_matches_the_non_streamed_answer(
     # specdec serve's own counters reach the record, as llama-server's `timings` do
     assert rec["drafted"] == reply.spec["drafted"] > 0
     assert rec["accepted"] == reply.spec["accepted"]
+
+
+@pytest.mark.parametrize(
+    "warp",
+    [Warp(0.0), Warp(0.7, top_k=5, top_p=0.9), Warp(1.0, min_p=0.05, typical_p=0.8)],
+    ids=["greedy", "top", "min-typical"],
+)
+def test_a_request_sends_its_warp_and_the_server_reads_back_the_same(warp: Warp) -> None:
+    """The client sends every Warp field that is set under its own name, the server's request
+    fields are those names (serve.protocol): what specdec serve samples with is the bench's
+    Warp, whichever fields it sets."""
+    ep = endpoint.Endpoint("http://127.0.0.1:1", model="m", api="completions")
+    with endpoint.Client(ep) as c:
+        body = c.body(endpoint.Request("c", 8, warp, 0))
+    sent = {f.name for f in dataclasses.fields(Warp) if getattr(warp, f.name) is not None}
+    assert sent <= set(body) and not ({f.name for f in dataclasses.fields(Warp)} - sent) & set(body)
+    body = {**body, "prompt": [1, 2, 3]}  # the server's ids for the text
+    params = validate_request(parse_request(CompletionRequest, body), 64, V)
+    assert params.warp == warp
 
 
 # ------------------------------------------------------------------------------ the gate
@@ -362,7 +384,7 @@ def _hostile_stream(script: Any, timeout_s: float = 2.0) -> tuple[endpoint.Endpo
         with endpoint.Client(ep) as c:
             t0 = time.perf_counter()
             with pytest.raises(endpoint.EndpointError) as info:
-                c.stream(endpoint.Request("hi", 4, 0.0, 0))
+                c.stream(endpoint.Request("hi", 4, Warp(0.0), 0))
             return info.value, time.perf_counter() - t0
     finally:
         srv.close()

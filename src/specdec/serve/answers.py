@@ -1,7 +1,8 @@
-"""From a validated request to its response: its samples' jobs, their events, the response
-records (whole or streamed).
+"""From a validated request to its response: its samples, their events, the response records
+(whole or streamed).
 
-A request asks for n samples (OpenAI's `n`): each is a job of its own in the engine, sample i
+A request asks for n samples (OpenAI's `n`): each is a request of its own in the engine
+(serve.requests.Request, `Sample` here, as FastAPI's Request is the HTTP one), sample i
 seeded with seed + i, so the samples are independent draws (the same answers at temperature 0).
 With free slots they run side by side, each slot prefilling the prompt itself; one after
 another, a later sample keeps the prompt's KV through the prompt cache (whole blocks). Each
@@ -28,8 +29,9 @@ from specdec.core.metrics import GenerationStats
 from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError, timeout_error
 from specdec.serve.job_queue import Reservation
-from specdec.serve.jobs import Delta, Done, Event, Failed, Job
 from specdec.serve.protocol import SEED_RANGE, ChatRequest, CompletionRequest, GenParams
+from specdec.serve.requests import Delta, Done, Event, Failed, Status
+from specdec.serve.requests import Request as Sample
 from specdec.serve.speculation import Speculation
 from specdec.serve.tokens import TokenEntry
 from specdec.serve.tools import Call, ToolParser
@@ -134,9 +136,7 @@ class Choice:
         rest = self.parser.flush() if self.parser is not None else ""
         self.text.append(rest)
         self.stats = ev.stats
-        self.finish = (
-            "tool_calls" if self.calls and ev.finish_reason == "stop" else ev.finish_reason
-        )
+        self.finish = (ev.status.with_calls() if self.calls else ev.status).finish_reason
         return rest
 
 
@@ -295,7 +295,7 @@ class Reply:
         return body
 
 
-# ------------------------------------------------------------------------------ the jobs
+# ------------------------------------------------------------------------------ the samples
 def sample_params(params: GenParams, i: int) -> GenParams:
     """Sample i's parameters: seeded with seed + i (wrapped into torch's seed range)."""
     if i == 0:
@@ -304,56 +304,56 @@ def sample_params(params: GenParams, i: int) -> GenParams:
     return dataclasses.replace(params, seed=(params.seed + i - lo) % (hi - lo) + lo)
 
 
-async def _next_event(engine: Engine, job: Job) -> Event:
-    remaining = job.deadline - time.perf_counter()
+async def _next_event(engine: Engine, sample: Sample) -> Event:
+    remaining = sample.deadline - time.perf_counter()
     try:
-        return await asyncio.wait_for(job.events.get(), timeout=max(remaining, 0.0))
+        return await asyncio.wait_for(sample.events.get(), timeout=max(remaining, 0.0))
     except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-        engine.withdraw(job, "timeout")
+        engine.withdraw(sample, Status.TIMED_OUT)
         raise timeout_error() from None
 
 
-async def _watch_disconnect(request: Request, engine: Engine, jobs: list[Job]) -> None:
-    """Withdraw the jobs when the client goes away. After the body is read, the next ASGI
+async def _watch_disconnect(request: Request, engine: Engine, samples: list[Sample]) -> None:
+    """Withdraw the samples when the client goes away. After the body is read, the next ASGI
     message on this connection is `http.disconnect`, so this waits on an event, it does not
     poll."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            for job in jobs:
-                engine.withdraw(job, "cancelled")
+            for sample in samples:
+                engine.withdraw(sample, Status.CANCELLED)
             return
 
 
-async def _event_or_failure(engine: Engine, job: Job) -> Event:
-    """The job's next event; a timeout is its Failed event."""
+async def _event_or_failure(engine: Engine, sample: Sample) -> Event:
+    """The sample's next event; a timeout is its Failed event."""
     try:
-        return await _next_event(engine, job)
+        return await _next_event(engine, sample)
     except ApiError as e:
         return Failed(e)
 
 
-async def _events(engine: Engine, jobs: list[Job]) -> AsyncIterator[tuple[int, Event]]:
-    """Every job's events, each tagged with its job's index, as they come; a job's timeout is
-    its Failed event. Ends once every job has ended."""
-    if len(jobs) == 1:  # no task per event for the common case
+async def _events(engine: Engine, samples: list[Sample]) -> AsyncIterator[tuple[int, Event]]:
+    """Every sample's events, each tagged with its sample's index, as they come; a sample's
+    timeout is its Failed event. Ends once every sample has ended."""
+    if len(samples) == 1:  # no task per event for the common case
         while True:
-            ev = await _event_or_failure(engine, jobs[0])
+            ev = await _event_or_failure(engine, samples[0])
             yield 0, ev
             if isinstance(ev, (Done, Failed)):
                 return
     merged: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-    async def pump(i: int, job: Job) -> None:
+    async def pump(i: int, sample: Sample) -> None:
         while True:
-            ev = await _event_or_failure(engine, job)
+            ev = await _event_or_failure(engine, sample)
             await merged.put((i, ev))
             if isinstance(ev, (Done, Failed)):
                 return
 
-    tasks = [asyncio.create_task(pump(i, j)) for i, j in enumerate(jobs)]
+    tasks = [asyncio.create_task(pump(i, j)) for i, j in enumerate(samples)]
     try:
-        left = len(jobs)
+        left = len(samples)
         while left:
             i, ev = await merged.get()
             left -= isinstance(ev, (Done, Failed))
@@ -363,34 +363,34 @@ async def _events(engine: Engine, jobs: list[Job]) -> AsyncIterator[tuple[int, E
             t.cancel()
 
 
-async def generate(
+async def respond(
     request: Request,
     engine: Engine,
     reply: Reply,
     params: GenParams,
-    jobs: list[Job],
+    samples: list[Sample],
     reservations: list[Reservation],
 ) -> Response:
-    """Queue the request's jobs in their reserved places, then answer with the whole completion or
-    an SSE stream (whose generator then owns the jobs)."""
-    for job, reservation in zip(jobs, reservations, strict=True):
-        engine.submit(job, reservation)
-    watcher = asyncio.create_task(_watch_disconnect(request, engine, jobs))
+    """Queue the request's samples in their reserved places, then answer with the whole
+    completion or an SSE stream (whose generator then owns the samples)."""
+    for sample, reservation in zip(samples, reservations, strict=True):
+        engine.submit(sample, reservation)
+    watcher = asyncio.create_task(_watch_disconnect(request, engine, samples))
     streaming = False
     try:
-        first = await _next_event(engine, jobs[0])  # Start, or Failed while queued or in stream()
+        first = await _next_event(engine, samples[0])  # Start, or Failed while queued or at start
         if isinstance(first, Failed):
             raise first.error
         choices = [
             Choice(i, ToolParser(params.tools) if params.tools is not None else None)
-            for i in range(len(jobs))
+            for i in range(len(samples))
         ]
         if reply.req.streaming:
             streaming = True
-            events = _sse_events(engine, jobs, watcher, reply, choices)
+            events = _sse_events(engine, samples, watcher, reply, choices)
             headers = {"Cache-Control": "no-cache"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        async for i, ev in _events(engine, jobs):
+        async for i, ev in _events(engine, samples):
             if isinstance(ev, Failed):
                 raise ev.error
             if isinstance(ev, Delta):
@@ -401,14 +401,18 @@ async def generate(
         # answers with top_logprobs are hundreds of MB of objects, seconds of work
         return await asyncio.to_thread(lambda: JSONResponse(reply.completion(choices)))
     finally:
-        if not streaming:  # the SSE generator owns the jobs from here on
-            for job in jobs:
-                engine.withdraw(job, "cancelled")  # a no-op for a finished job
+        if not streaming:  # the SSE generator owns the samples from here on
+            for sample in samples:
+                engine.withdraw(sample, Status.CANCELLED)  # a no-op for a finished sample
             watcher.cancel()
 
 
 async def _sse_events(
-    engine: Engine, jobs: list[Job], watcher: asyncio.Task, reply: Reply, choices: list[Choice]
+    engine: Engine,
+    samples: list[Sample],
+    watcher: asyncio.Task,
+    reply: Reply,
+    choices: list[Choice],
 ) -> AsyncIterator[str]:
     n = len(choices)
     offsets = [len(reply.echo)] * n  # completions' text_offset
@@ -419,7 +423,7 @@ async def _sse_events(
         elif reply.echo:
             for c in choices:
                 yield _sse(reply.chunk(c.index, reply.echo))
-        async for i, ev in _events(engine, jobs):
+        async for i, ev in _events(engine, samples):
             c = choices[i]
             if isinstance(ev, Delta):
                 text, calls = c.take(ev)
@@ -449,8 +453,8 @@ async def _sse_events(
             yield _sse(reply.usage_chunk(choices))
         yield "data: [DONE]\n\n"
     finally:  # normal end, or the client went away (this generator is then cancelled)
-        for job in jobs:
-            engine.withdraw(job, "cancelled")
+        for sample in samples:
+            engine.withdraw(sample, Status.CANCELLED)
         watcher.cancel()
 
 

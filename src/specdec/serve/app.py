@@ -17,8 +17,8 @@ Endpoints
 
 Request fields honoured by both POST endpoints: model, max_tokens (chat also accepts
 max_completion_tokens), temperature (default 1, in [0, 2]; below 1e-5 it is greedy), top_p,
-top_k and min_p (extensions), presence/frequency/repetition penalties, logit_bias, stop (a
-string or a list of up to 16, each up to 256 characters), seed, n (up to 16: serve.answers),
+top_k, min_p and typical_p (extensions), presence/frequency/repetition penalties, logit_bias,
+stop (a string or a list of up to 16, each up to 256 characters), seed, n (up to 16: serve.answers),
 response_format (json_object, json_schema: a grammar, backends.grammar), logprobs, stream,
 stream_options.include_usage and return_token_ids (extension, after vLLM: each choice also
 carries its generated token ids, so a client can check exactness token for token); chat adds
@@ -127,17 +127,9 @@ from specdec.serve.answers import Reply, sample_params
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError, bad
-from specdec.serve.jobs import Job
 from specdec.serve.keys import KeyRing, unauthorized
-from specdec.serve.protocol import (
-    MAX_N,
-    ChatRequest,
-    CompletionRequest,
-    parse_json,
-    parse_request,
-    validate_request,
-)
-from specdec.serve.tools import ToolFormat
+from specdec.serve.protocol import MAX_N, ChatRequest, CompletionRequest, parse_json, parse_request
+from specdec.serve.requests import Request as EngineRequest
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -339,38 +331,7 @@ async def _completion(
         # 429 / 503 now, before any tokenizing: a place for each of the n samples
         reservations = [held.enter_context(engine.reserve(tenant)) for _ in range(_samples(req))]
         # Templating and tokenizing up to --max-body-bytes of text takes a while: in a thread.
-        echo = ""
-        if isinstance(req, ChatRequest):
-            tools = _rendered_tools(req)
-            # the messages too: an earlier tool call's `arguments` is parsed there, a string
-            # the body's own depth bound does not reach
-            prompt = await _off_loop(lambda: engine.tokens.encode_chat(req.chat_messages(), tools))
-        else:
-            prompt = req.single_prompt()
-            if isinstance(prompt, str):
-                echo = prompt
-                prompt = await _off_loop(engine.tokens.encode_text, prompt)
-            elif req.echo:
-                echo = await _off_loop(engine.tokens.text_of, prompt)
-        pred = None
-        if req.prediction is not None:
-            pred = await _off_loop(engine.tokens.encode_prediction, req.prediction.text())
-        vocab = engine.target.vocab_size
-        params = await _off_loop(
-            validate_request,
-            req,
-            engine.n_ctx,
-            vocab,
-            prompt,
-            pred,
-            engine.defaults,
-            _tool_format(engine, req),
-        )
-        if params.structure is not None:  # checked now, a 400 before the queue
-            grammar = await _off_loop(engine.grammar, params.structure)
-            params = dataclasses.replace(params, grammar=grammar)
-        if params.prediction:  # its hints, and its index if it may be built ahead (engine)
-            params = await _off_loop(engine.tokens.prepare_prediction, params, _instruction(req))
+        params, echo = await _off_loop(engine.models.prepare, req)
         reply = Reply(
             ctx.public_id,
             isinstance(req, ChatRequest),
@@ -378,16 +339,16 @@ async def _completion(
             params.prompt_ids,
             params.speculation,
             logprobs=params.logprobs is not None,
-            echo=echo if params.echo else "",
+            echo=echo,
             replica=ctx.replica,
         )
         loop = asyncio.get_running_loop()
         deadline = arrived + ctx.cfg.request_timeout
-        jobs = [
-            Job(sample_params(params, i), loop, arrived, deadline, tenant=tenant)
+        samples = [
+            EngineRequest(sample_params(params, i), loop, arrived, deadline, tenant=tenant)
             for i in range(params.n)
         ]
-        response = await answers.generate(request, engine, reply, params, jobs, reservations)
+        response = await answers.respond(request, engine, reply, params, samples, reservations)
         engine.metrics.count_request(request.url.path, 200)
         return response
 
@@ -396,28 +357,6 @@ def _samples(req: ChatRequest | CompletionRequest) -> int:
     """The samples a request asks for (validate_request checks the range; a place is held for
     at most MAX_N)."""
     return req.n if isinstance(req.n, int) and 1 <= req.n <= MAX_N else 1
-
-
-def _rendered_tools(req: ChatRequest) -> list[dict[str, Any]] | None:
-    """The tools the chat template renders: none with tool_choice "none" (the model is not to
-    call them, so it is not told of them)."""
-    if not req.tools or req.tool_choice == "none":
-        return None
-    return [t.model_dump(exclude_none=True) for t in req.tools]
-
-
-def _tool_format(engine: Engine, req: ChatRequest | CompletionRequest) -> ToolFormat | None:
-    return engine.tokens.tool_format if isinstance(req, ChatRequest) and req.tools else None
-
-
-def _instruction(req: ChatRequest | CompletionRequest) -> str:
-    """The text that may name the request's edits ("rename `X` to `Y`"): the last user message,
-    or a text prompt."""
-    if isinstance(req, ChatRequest):
-        users = [m for m in req.messages if m.role == "user"]
-        return users[-1].text() if users else ""
-    prompt = req.single_prompt()
-    return prompt if isinstance(prompt, str) else ""
 
 
 async def models(request: Request) -> Any:
@@ -430,9 +369,9 @@ async def models(request: Request) -> Any:
         "created": 0,
         "owned_by": "specdec",
         "draft": public_model_name(ctx.cfg.draft) if ctx.cfg.draft else None,
-        "n_ctx": ctx.engine.n_ctx,
+        "n_ctx": ctx.engine.models.n_ctx,
         "speculation": _speculation_card(ctx.engine),
-        "weights": _weights_card(ctx.engine.target),
+        "weights": _weights_card(ctx.engine.models.target),
     }
     return {"object": "list", "data": [card]}
 
@@ -455,7 +394,7 @@ def _speculation_card(engine: Engine) -> dict[str, Any]:
     earlier requests prompt lookup drafts from (serve.draft_pools)."""
     pool = engine.pools.cfg
     return {
-        **engine.defaults.card(),
+        **engine.models.defaults.card(),
         "draft_pool": {"scope": pool.mode, "tokens": 0 if pool.mode == "off" else pool.tokens},
     }
 
@@ -507,7 +446,7 @@ async def prometheus(request: Request) -> Response:
         "specdec_queue_capacity": engine.max_queue,
         "specdec:num_requests_waiting": engine.queue_depth,
         "specdec:num_requests_running": engine.running,
-        "specdec:kv_cache_usage_perc": engine.kv_usage,
+        "specdec:kv_cache_usage_perc": engine.models.kv_usage,
         **engine.pools.gauges(),
         **pace().gauges(),
     }
@@ -534,7 +473,8 @@ def create_app(engine: Engine, cfg: ServeConfig, replica: str | None = None) -> 
         title="specdec", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     public_id = public_model_name(cfg.target)
-    names = {cfg.target, engine.target.name, engine.target.name.split(":", 1)[-1], public_id}
+    target = engine.models.target.name
+    names = {cfg.target, target, target.split(":", 1)[-1], public_id}
     keys = KeyRing(cfg.keys())
     operator = KeyRing([cfg.metrics_key]) if cfg.metrics_key else None
     # The keys stay in the rings alone, as digests (serve.keys), not in the routes' config.

@@ -42,7 +42,7 @@ from specdec.serve.errors import ApiError, unavailable_error
 #: The Ray release this module is written against (pyproject's cluster extra pins it).
 RAY_VERSION = "2.60.0"
 #: The prompt's first characters that, with the API key, name where its cache is: about one
-#: prompt-cache block (serve.engine.PROMPT_CACHE_BLOCK tokens) of code.
+#: prompt-cache block (serve.cycle.PROMPT_CACHE_BLOCK tokens) of code.
 AFFINITY_CHARS = 1024
 #: (key, prefix) pairs remembered by the router, the least recently routed forgotten first.
 AFFINITY_MEMORY = 4096

@@ -76,7 +76,8 @@ def serve(cfg: ServeConfig) -> int:
         + f" at http://{cfg.host}:{cfg.port}/v1; {engine.pools.cfg.describe()}",
         file=sys.stderr,
     )
-    kv = sum(getattr(m, "kv_bytes", 0) for m in (engine.target, engine.draft) if m is not None)
+    models = (engine.models.target, engine.models.draft)
+    kv = sum(getattr(m, "kv_bytes", 0) for m in models if m is not None)
     if kv:  # what --parallel costs, said once (the backend refused what would not fit)
         print(
             f"specdec: {cfg.parallel} slot(s), KV caches {kv / (1 << 20):.0f} MiB", file=sys.stderr

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import enum
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
@@ -47,14 +46,6 @@ PREFILL_WASTE = 2.0
 PREFILL_MIN = 16
 
 _K = TypeVar("_K", bound=Hashable)
-
-
-class State(enum.Enum):
-    """Where a running request is; the engine's cycle moves it along."""
-
-    PREFILLING = "prefilling"  # its prompt goes into its slot's cache, a budget a cycle
-    DECODING = "decoding"  # a round each cycle, in the cycle's joint pass
-    ENDED = "ended"  # finished, failed or abandoned: its slot is free at the cycle's end
 
 
 @dataclass(frozen=True)
