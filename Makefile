@@ -56,8 +56,9 @@ test-models: $(STAMP)
 	$(BIN)/specdec models fetch --no-progress $(TEST_MODELS)
 
 # On a fresh machine the set-up runs side by side: the llama.cpp build is bound by the CPU, the
-# model fetch and Chromium's install by the network, so it takes about the longest of them.
-test: $(STAMP)
+# model fetch and Chromium's install by the network, so it takes about the longest of them
+# (Chromium's install does not wait for the pip install either: nothing of it needs the venv).
+test:
 	$(MAKE) -j3 --no-print-directory venv browser test-models
 	$(BIN)/python -m pytest -q --durations=25
 

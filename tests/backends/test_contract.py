@@ -68,7 +68,10 @@ def seq(backend: str, request: pytest.FixtureRequest) -> list[int]:
     if backend in ("mock", "replay"):
         rng = random.Random(123)
         return [rng.randrange(MOCK_V) for _ in range(300)]
-    return request.getfixturevalue("smol_prompt_ids")
+    ids = request.getfixturevalue("smol_prompt_ids")
+    # torch has no kernel that changes past position 256 (llama.cpp's f16 K cache did): HF walks
+    # the first 96 ids, a third of the single steps (~10 s each test on 2 cores)
+    return ids[:96] if backend == "hf" else ids
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -130,7 +133,7 @@ def test_batch_shape_does_not_change_logits(model: SpecModel, seq: list[int], ba
     """One prefill, token by token, and chunks of 2..8 give the same logits (within TOL).
 
     This is what makes greedy speculative decoding (verify batches of K+1) reproduce greedy plain
-    decoding (one token per step) exactly. The real sequence runs past position 256.
+    decoding (one token per step) exactly. llama.cpp's real sequence runs past position 256.
     """
     prefill = model.extend(seq)  # [n, V]
     model.reset()
