@@ -58,9 +58,16 @@ test-models: $(STAMP)
 # On a fresh machine the set-up runs side by side: the llama.cpp build is bound by the CPU, the
 # model fetch and Chromium's install by the network, so it takes about the longest of them
 # (Chromium's install does not wait for the pip install either: nothing of it needs the venv).
+# Then two phases. The tests that load no real model and run nothing slow (mocks, statistics,
+# the HTTP server: Python-bound, one core each) run in TEST_WORKERS processes (pytest-xdist),
+# torch on one thread each; the model and slow tests then run one at a time, as llama.cpp's
+# threads spin at barriers and stall while anything else holds a core.
+TEST_WORKERS ?= 2
 test:
 	$(MAKE) -j3 --no-print-directory venv browser test-models
-	$(BIN)/python -m pytest -q --durations=25
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not model and not slow" \
+	  --durations=10
+	$(BIN)/python -m pytest -q -m "model or slow" --durations=25
 
 # The edit-test loop: the suite without real models, statistical tests and slow runs (the
 # markers in pyproject.toml; under 2 minutes on the 2-core box). `make test` runs them all.
