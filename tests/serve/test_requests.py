@@ -128,3 +128,35 @@ def test_a_served_request_moves_through_its_statuses_and_ends_with_a_finish_reas
         engine.stop()
         worker.join(5)
         loop.close()
+
+
+def test_a_request_refused_at_admission_leaves_the_lock_free(monkeypatch) -> None:
+    """decode.prepare refusing a request's arguments (a 400 at admission) ends it, and an idle
+    worker then holds no lock: code outside the worker (a warm-up, a test's generate) takes it."""
+    from specdec.serve.models import ServedModels
+
+    def refuse(self, r, *args):
+        raise ValueError("a bad argument found at admission")
+
+    monkeypatch.setattr(ServedModels, "generation", refuse)
+    engine = Engine(MockModel(V))
+    loop = asyncio.new_event_loop()
+    worker = threading.Thread(target=engine.run, daemon=True)
+    engine.runs_in_caller = True
+    worker.start()
+    try:
+        r = _request(loop, [1, 2, 3], max_tokens=4)
+        engine.submit(r)
+        for _ in range(200):
+            if r.status.finished:
+                break
+            threading.Event().wait(0.01)
+        assert r.status is Status.FAILED
+        (ev,) = _events(loop, r)
+        assert isinstance(ev, Failed) and ev.error.status == 400
+        assert engine.lock.acquire(timeout=2), "the idle worker kept the engine's lock"
+        engine.lock.release()
+    finally:
+        engine.stop()
+        worker.join(5)
+        loop.close()

@@ -6,17 +6,18 @@ serve.scheduler decides (which slot, how many prompt tokens); serve.models build
 generations; serve.delivery turns a round's tokens into the request's events. The cycle moves
 each request's Status (serve.requests) along: PREFILLING, DECODING, then a final one by
 `finish`, which hands its text to its draft pool, counts it in /metrics, emits its last event
-and frees its slot (taken out of the running list at the cycle's end).
+and frees its slot (taken out of the running list before the next admission).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 
-from specdec.core.decode import rounds_together
+from specdec.core.decode import Generation, rounds_together
 from specdec.core.processing import GrammarError
 from specdec.serve import scheduler
 from specdec.serve.delivery import Output
@@ -91,18 +92,18 @@ class Cycle:
         """The worker is going away: every running request fails, the lock is let go."""
         for r in self.running:
             err = ApiError(500, "the engine stopped", type="server_error", code="engine_error")
-            try:
+            with contextlib.suppress(Exception):  # its Failed goes out whatever its end raised
                 self.finish(r, Status.FAILED, err)
-            except Exception:  # it still fails, uncounted: its client must hear
-                r.emit(Failed(err))
         self.running.clear()
         self._hold(False)
 
     def finish(self, r: Request, status: Status, error: ApiError | None = None) -> None:
-        """End `r` with a final `status` (FAILED: with `error`): the one place a request ends. Its
-        text goes to its draft pool, its numbers to /metrics, then its last event (a client that
-        has its answer finds it in /metrics); its slot is free at the cycle's end."""
-        assert status.finished, status
+        """End `r` with a final `status` (FAILED: with `error`): the one place a request ends,
+        on the worker, or on the event loop for a request still in the queue (the queue hands a
+        request to one side only). Its text goes to its draft pool, its numbers to /metrics,
+        then its last event (a client that has its answer finds it in /metrics), which goes out
+        even if the bookkeeping raises; its slot is free from the next admission on."""
+        assert status.finished and (status is not Status.FAILED or error is not None), status
         if r.status.finished:
             return
         r.status = status
@@ -110,25 +111,31 @@ class Cycle:
         # now, so an evicted draft pool or a prediction index is freed at once, not at a GC
         # (the generation's cancellation check refers back to the record).
         gen, use, r.gen, r.use = r.gen, r.use, None, None
-        if use is not None:  # after the generation, never during it: drafts from earlier only
-            self._pools.end(use, [*r.params.prompt_ids, *r.out.ids] if gen and r.out else ())
-        if gen is None:  # ended before its generation began
-            self._metrics.inc("specdec_generations_total", outcome=status.outcome)
-        else:
-            gen.finish()
-            if status is Status.FAILED:  # a pass that raised may have left it half-written
-                self.models.reset_slot(r.slot)
-            wall = time.perf_counter() - r.started
-            self.service_s = _SERVICE_EMA * self.service_s + (1 - _SERVICE_EMA) * wall
-            rounds = r.out.rounds if r.out else []
-            self._metrics.record_generation(gen.stats, status.outcome, r.arrived, r.started, rounds)
-            drafter = r.params.speculation.drafter_name
-            self._metrics.inc("specdec_generations_by_drafter_total", drafter=drafter)
-        if status.finish_reason is not None:
-            assert gen is not None
-            r.emit(Done(status, gen.stats))
-        else:
-            r.emit(Failed(error if status is Status.FAILED and error else status.error()))
+        try:
+            if use is not None:  # after the generation, never during it: drafts from earlier
+                self._pools.end(use, [*r.params.prompt_ids, *r.out.ids] if gen and r.out else ())
+            if gen is None:  # ended before its generation began
+                self._metrics.inc("specdec_generations_total", outcome=status.outcome)
+            else:
+                self._settle(r, gen, status)
+        finally:
+            if status.finish_reason is not None and gen is not None:
+                r.emit(Done(status, gen.stats))
+            else:
+                r.emit(Failed(error if error is not None else status.error()))
+
+    def _settle(self, r: Request, gen: Generation, status: Status) -> None:
+        """A generation's end: its K policy's learning kept, its slot reset if it failed, its
+        numbers to /metrics."""
+        gen.finish()
+        if status is Status.FAILED:  # a pass that raised may have left it half-written
+            self.models.reset_slot(r.slot)
+        wall = time.perf_counter() - r.started
+        self.service_s = _SERVICE_EMA * self.service_s + (1 - _SERVICE_EMA) * wall
+        rounds = r.out.rounds if r.out else []
+        self._metrics.record_generation(gen.stats, status.outcome, r.arrived, r.started, rounds)
+        drafter = r.params.speculation.drafter_name
+        self._metrics.inc("specdec_generations_by_drafter_total", drafter=drafter)
 
     # -------------------------------------------------------------------------- admission
     def _admit_free(self) -> bool:
@@ -138,6 +145,7 @@ class Cycle:
             self.running = [r for r in self.running if not r.status.finished]
             if len(self.running) >= self.parallel:
                 return True
+            self._hold(bool(self.running))  # not while idle, waiting below
             tenants = (r.tenant for r in self.running)
             busy = scheduler.busy_tenants(tenants, self.running_per_key)
             r = self._queue.get(block=not self.running, busy=busy)
@@ -253,6 +261,9 @@ class Cycle:
 
     def _fail(self, r: Request, e: Exception) -> None:
         """End `r` for `e`, raised by its generation: 400 when its grammar gave up, else 500."""
+        if r.status.finished:  # raised by its own end's bookkeeping: its client was told
+            log.error("ending a request failed", exc_info=e)
+            return
         if isinstance(e, GrammarError):  # the request's grammar, not the server, gave up
             log.warning("grammar failed: %s", e)
             err = ApiError(400, f"{e}; simplify the schema or grammar", code="grammar_error")

@@ -21,6 +21,7 @@ from specdec.core.decode import Generation, prepare, stream
 from specdec.core.model import SpecModel
 from specdec.core.pool import DraftPool
 from specdec.serve.errors import bad
+from specdec.serve.keys import ANONYMOUS
 from specdec.serve.protocol import ChatRequest, CompletionRequest, GenParams, Structure
 from specdec.serve.protocol import validate_request as validate
 from specdec.serve.requests import Request
@@ -153,7 +154,7 @@ class ServedModels:
         sp: Speculation,
         prediction: object,
         pool: DraftPool | None = None,
-        tenant: str = "anonymous",
+        tenant: str = ANONYMOUS,
         slot: int = 0,
     ) -> dict[str, Any]:
         """`decode.prepare`'s draft, spec, prediction, pool and policies for a request's

@@ -2,9 +2,10 @@
 events the worker hands it.
 
 A request is WAITING in the queue, PREFILLING its prompt into a slot, DECODING a round each
-cycle, then one of the final statuses. Only the worker's `finish` (serve.cycle.Cycle.finish)
-moves a request to a final status, and that transition is the one place that emits its last
-event, counts it in /metrics and frees its slot; what the client sees (`finish_reason`, the
+cycle, then one of the final statuses. Only `finish` (serve.cycle.Cycle.finish: called by the
+worker, or by the engine on the event loop for a request still in the queue) moves a request to
+a final status, and that transition is the one place that emits its last event, counts it in
+/metrics and frees its slot; what the client sees (`finish_reason`, the
 error) and the metric's label are read off the status (vLLM v1's RequestStatus and its map to
 finish reasons are the model).
 
@@ -56,7 +57,7 @@ class Status(enum.Enum):
     FINISHED_TOOL_CALLS = "finished_tool_calls"  # stopped, with tool calls (serve.answers)
     CANCELLED = "cancelled"  # its client went away
     TIMED_OUT = "timed_out"  # past its deadline (serve --request-timeout)
-    FAILED = "failed"  # bad arguments found at start, or its generation raised
+    FAILED = "failed"  # bad arguments found at start, its generation raised, the engine stopped
     SHUT_DOWN = "shut_down"  # the server stopped first
 
     @property
@@ -132,7 +133,8 @@ Event = Start | Delta | Done | Failed  # Delta: serve.delivery's
 class Request:
     """One request (one sample of it: OpenAI's `n` makes n of them) from the queue to its end.
 
-    The event loop writes the first block and `abandon`s; the worker owns the rest."""
+    The event loop writes the first block and `abandon`s; the rest is the worker's once the
+    queue has handed the request over (before, `Engine.withdraw` and `drain` end it)."""
 
     params: GenParams
     loop: asyncio.AbstractEventLoop
