@@ -33,6 +33,21 @@ def check_int(
     raise error(f"{what} must be {either}an integer {bound}, got {shown(value)}")
 
 
+def check_fraction(
+    what: str, value: Any, *, low_open: bool = False, high_open: bool = False
+) -> float | None:
+    """`value` if it is None (off) or a number in [0, 1], an end left out where `low_open` /
+    `high_open` say; otherwise ValueError "WHAT must be in [0, 1], got VALUE" with the interval
+    written as checked. A bool is refused, as by check_int."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if (0 < value if low_open else 0 <= value) and (value < 1 if high_open else value <= 1):
+            return value
+    interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
+    raise ValueError(f"{what} must be in {interval}, got {shown(value)}")
+
+
 def shown(value: Any, quote: bool = True) -> str:
     """A value for an error message (its repr, or str without `quote`), at most 60 characters:
     a client's value may be anything up to the request body's cap."""

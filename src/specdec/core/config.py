@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
-from specdec.core.checks import check_int
+from specdec.core.checks import check_fraction, check_int
 
 if TYPE_CHECKING:  # annotations only: the protocols module imports torch
     from specdec.core.protocols import Drafter, KPolicy
@@ -72,19 +72,6 @@ def _flag(kind: type, help: str, off: float | None = None) -> dict[str, Any]:
     return {"type": kind, "help": help, "off": off}
 
 
-def _check_fraction(name: str, v: Any, low_open: bool) -> None:
-    """v is None (off) or a number in [0, 1], (0, 1] when `low_open`."""
-    if v is None:
-        return
-    if (
-        isinstance(v, bool)
-        or not isinstance(v, (int, float))
-        or not 0 <= v <= 1
-        or (low_open and v == 0)
-    ):
-        raise ValueError(f"{name} must be in {'(' if low_open else '['}0, 1], got {v!r}")
-
-
 @dataclass(frozen=True)
 class Warp:
     """How logits become a distribution (`core.sampling.warped`): temperature, then the
@@ -127,9 +114,18 @@ class Warp:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if self.top_k is not None:
             check_int("top_k", self.top_k, 1)
-        _check_fraction("top_p", self.top_p, low_open=True)
-        _check_fraction("min_p", self.min_p, low_open=False)
-        _check_fraction("typical_p", self.typical_p, low_open=True)
+        check_fraction("top_p", self.top_p, low_open=True)
+        check_fraction("min_p", self.min_p)
+        check_fraction("typical_p", self.typical_p, low_open=True)
+
+    def explicit(self) -> dict[str, Any]:
+        """Every field by name, one that is off given as the value that switches it off (its
+        "off": top_k 0, top_p 1.0, ...): for a peer engine whose own defaults are not off
+        (transformers' top_k 50, llama-server's chain)."""
+        return {
+            f.name: f.metadata["off"] if (v := getattr(self, f.name)) is None else v
+            for f in fields(self)
+        }
 
     @property
     def greedy(self) -> bool:
@@ -168,11 +164,7 @@ class SpecConfig:
         check_k(self.k)
         if self.k_max is not None:
             check_int("k_max", self.k_max, 1)
-        p = self.p_min
-        if p is not None and (
-            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1
-        ):
-            raise ValueError(f"p_min must be in [0, 1), got {p!r}")
+        check_fraction("p_min", self.p_min, high_open=True)
 
     def resolved_k_max(self, uses_model: bool) -> int:
         """k_max, or its default for a drafter that does (not) run a draft model."""

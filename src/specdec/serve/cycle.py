@@ -84,9 +84,7 @@ class Cycle:
             self._guarded(ready, lambda: self._round(ready))
             round_s = self._clock() - t0
         self._prefill_newcomers(round_s)
-        self.running = [r for r in self.running if not r.status.finished]
-        self._hold(bool(self.running))
-        return True
+        return True  # the requests that ended leave `running` at the next admission
 
     def stop_all(self) -> None:
         """The worker is going away: every running request fails, the lock is let go."""

@@ -115,8 +115,6 @@ class Engine:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if max_queue_per_key is not None and max_queue_per_key < 1:
             raise ValueError(f"max_queue_per_key must be >= 1, got {max_queue_per_key}")
-        self.parallel = parallel
-        self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         policies = policies if policies is not None else TenantPolicies(CurveFiles())
         self.models = ServedModels(target, draft, model_id or target.name, spec, parallel, policies)
@@ -204,6 +202,16 @@ class Engine:
         self._queue.close()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    @property
+    def parallel(self) -> int:
+        """Slots: requests generated at once."""
+        return self.cycle.parallel
+
+    @property
+    def max_queue(self) -> int:
+        """Requests waiting, at most."""
+        return self._queue.maxsize
 
     @property
     def alive(self) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import fields
 from typing import Any
 
 from specdec.core.config import Warp
@@ -57,11 +56,7 @@ def _generate_kwargs(
         # top_p or top_k of its own, none of which our engine would apply. Its chain puts
         # typical-p after top-p and min-p (ours: llama.cpp's order, before them), so with
         # typical_p and one of those both set it samples a slightly different distribution.
-        kwargs.update(do_sample=True, temperature=float(warp.temperature))
-        for f in fields(warp):
-            if f.name != "temperature":
-                value = getattr(warp, f.name)
-                kwargs[f.name] = f.metadata["off"] if value is None else value
+        kwargs.update(warp.explicit(), do_sample=True, temperature=float(warp.temperature))
     else:
         kwargs.update(do_sample=False)
     return kwargs

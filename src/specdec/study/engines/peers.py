@@ -8,7 +8,7 @@ own flags for it), its bench method "<peer's stem>[-<base>]".
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from specdec.backends import llamacpp_build
 from specdec.core.config import Warp
@@ -43,7 +43,7 @@ SAME_NUMERICS = ("-fa", "on", "-ctk", "q8_0")
 #: default chain adds top_k 40, top_p 0.95 and min_p 0.05. Its prompt cache is off, as
 #: specdec's bench prefills every prompt.
 NEUTRAL_SAMPLING = {
-    **{f.name: f.metadata["off"] for f in fields(Warp) if f.name != "temperature"},
+    **{name: off for name, off in Warp().explicit().items() if name != "temperature"},
     "cache_prompt": False,
 }
 
