@@ -35,6 +35,7 @@ from specdec.core.decode import generate
 from specdec.serve.app import create_app
 from specdec.serve.config import ServeConfig
 from specdec.serve.connections import uvicorn_server
+from specdec.serve.edge import LocalReplicas, create_edge_app
 from specdec.serve.engine import Engine
 from specdec.study.engines.stream import read_stream
 
@@ -92,13 +93,14 @@ class FakeTokenizer:
 class Server:
     """uvicorn serving `create_app(engine, cfg)` on a fresh loopback port, in a thread."""
 
-    def __init__(self, engine: Engine, cfg: ServeConfig) -> None:
+    def __init__(self, engine: Engine, cfg: ServeConfig, app: Any = None) -> None:
         self.engine = engine
         self.api_key = cfg.api_key
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        self.uv = uvicorn_server(create_app(engine, cfg), log_level="warning", lifespan="on")
+        app = create_app(engine, cfg) if app is None else app
+        self.uv = uvicorn_server(app, log_level="warning", lifespan="on")
         self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -141,10 +143,63 @@ class Server:
         self.thread.join(30)
 
 
+class EdgeServer(Server):
+    """The cluster's front door (serve.edge) over `engines`, each a replica in this process
+    (serve.edge.LocalReplicas, named r0, r1, ...): the cluster's HTTP path without Ray."""
+
+    def __init__(self, engines: list[Engine], cfg: ServeConfig) -> None:
+        self.engines = engines
+        apps = {}
+        for i, engine in enumerate(engines):
+            engine.start()
+            apps[f"r{i}"] = create_app(engine, cfg, replica=f"r{i}")
+        self.replicas = LocalReplicas(apps)
+        super().__init__(engines[0], cfg, create_edge_app(self.replicas, cfg))
+        door = lambda: self.uv.config.app.state.specdec.door  # noqa: E731
+        wait_for(lambda: door() is not None and len(door().known) == len(engines), 10, "replicas")
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        for e in self.engines:
+            wait_for(lambda e=e: not (e.busy or e.queue_depth), timeout, "engine still busy")
+
+    def close(self) -> None:
+        super().close()
+        for engine in self.engines:
+            engine.stop(timeout=5.0)
+
+
 def mock_server(**cfg_kw: Any) -> Server:
     """A mock target (and, unless `with_draft=False`, a draft near it) behind a warmed-up
-    engine. Besides ServeConfig's fields: `delay` per forward pass, the target's `n_ctx`, and
-    `engine_kwargs` for the engine's SpecConfig."""
+    engine. Besides ServeConfig's fields: `delay` per forward pass, the target's `n_ctx`,
+    `engine_kwargs` for the engine's SpecConfig, and `edge=N`: N such engines behind the
+    cluster's front door (`EdgeServer`) instead of one server."""
+    replicas = cfg_kw.pop("edge", 0)
+    if replicas:
+        engines = [_mock_engine(dict(cfg_kw))[0] for _ in range(replicas)]
+        return EdgeServer(engines, ServeConfig(target=MOCK_SPEC, replicas=replicas, **_cfg(cfg_kw)))
+    engine, cfg = _mock_engine(cfg_kw)
+    return Server(engine, cfg)
+
+
+#: The two HTTP front ends every hostile test runs against: one `specdec serve`, and the
+#: cluster's edge over two in-process replicas (`specdec serve --replicas 2` without Ray).
+FRONTS = ("single", "edge")
+
+
+def front_server(front: str, **cfg_kw: Any) -> Server:
+    """mock_server behind the front end `front` (one of FRONTS)."""
+    assert front in FRONTS, front
+    return mock_server(**cfg_kw, edge=2 if front == "edge" else 0)
+
+
+_MOCK_KW = ("delay", "n_ctx", "with_draft", "engine_kwargs")
+
+
+def _cfg(cfg_kw: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in cfg_kw.items() if k not in _MOCK_KW}
+
+
+def _mock_engine(cfg_kw: dict[str, Any]) -> tuple[Engine, ServeConfig]:
     delay = cfg_kw.pop("delay", 0.0)
     n_ctx = cfg_kw.pop("n_ctx", 4096)
     with_draft = cfg_kw.pop("with_draft", True)
@@ -158,7 +213,7 @@ def mock_server(**cfg_kw: Any) -> Server:
     cfg = ServeConfig(target=MOCK_SPEC, **cfg_kw)
     engine = Engine.from_config(cfg, target, draft, spec=spec, draft_pool=None)
     engine.warm_up()
-    return Server(engine, cfg)
+    return engine, cfg
 
 
 def serve_models(target: MockModel, draft: MockModel | None = None, **cfg_kw: Any) -> Server:

@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 from serverkit import (
+    FRONTS,
     JSON,
     MOCK_SPEC,
     FakeTokenizer,
     SlowMock,
     V,
+    front_server,
     metric,
     mock_server,
     serve_models,
@@ -46,9 +48,10 @@ def _health_ms(srv: Any) -> float:
     return 1000 * (time.perf_counter() - t0)
 
 
-@pytest.fixture(scope="module")
-def srv() -> Any:
-    s = mock_server(delay=0.002, api_key=KEY, max_body_bytes=2 << 20)
+@pytest.fixture(scope="module", params=FRONTS)
+def srv(request: pytest.FixtureRequest) -> Any:
+    """One server, then the cluster's edge (serverkit.FRONTS): each hostile input meets both."""
+    s = front_server(request.param, delay=0.002, api_key=KEY, max_body_bytes=2 << 20)
     yield s
     s.close()
 
@@ -97,10 +100,11 @@ def test_numbers_and_item_types_are_checked_on_the_raw_json(srv, body, code) -> 
     assert status == 400 and err["error"]["code"] == code, err
 
 
-def test_a_stalled_body_gets_408_and_the_connection_is_closed() -> None:
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_stalled_body_gets_408_and_the_connection_is_closed(front: str) -> None:
     """150 connections sending 1 of a declared 1.001 MB stayed open for good (the fix pinned
     here with one connection and a 1 s deadline)."""
-    s = mock_server(body_timeout=1.0)
+    s = front_server(front, body_timeout=1.0)
     try:
         with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
             c.sendall(
@@ -116,9 +120,12 @@ def test_a_stalled_body_gets_408_and_the_connection_is_closed() -> None:
         s.close()
 
 
-def test_headers_sent_a_byte_at_a_time_are_cut_at_the_header_deadline(monkeypatch) -> None:
+@pytest.mark.parametrize("front", FRONTS)
+def test_headers_sent_a_byte_at_a_time_are_cut_at_the_header_deadline(
+    monkeypatch: pytest.MonkeyPatch, front: str
+) -> None:
     monkeypatch.setattr(serve_connections, "HEADER_TIMEOUT_S", 1.0)
-    s = mock_server()
+    s = front_server(front)
     try:
         with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
             t0 = time.perf_counter()

@@ -1,22 +1,21 @@
-"""What a worker owes any router in front of it (a Ray Serve ingress, llm-d's scheduler, nginx),
+"""What a worker owes any router in front of it (the cluster's edge, llm-d's scheduler, nginx),
 on a mock server: /health answering while every slot is busy and 503 once draining, the router's
-gauges in /metrics, x-request-id echoed, 503s with Retry-After; and serve.cluster's pure parts
-(the affinity key, the merged /metrics) without Ray. The cluster itself: test_cluster.py."""
+gauges in /metrics, x-request-id echoed, 503s with Retry-After; and the cluster's pure parts
+(the affinity key, the merged /metrics) without Ray. The edge's routing: test_front_door.py;
+the cluster itself: test_cluster.py."""
 
 from __future__ import annotations
 
-import itertools
 import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
-from typing import Any
 
 from serverkit import metric, mock_server, wait_for
 
-from specdec.serve.cluster import AFFINITY_CHARS, affinity_key, merge_metrics
+from specdec.serve.edge import merge_metrics
 from specdec.serve.errors import unavailable_error
+from specdec.serve.front_door import AFFINITY_CHARS, affinity_key
 
 
 def _chat(content: str) -> bytes:
@@ -109,104 +108,3 @@ def test_a_single_server_never_imports_ray() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
-
-
-class _FakeId:
-    def __init__(self, name: str) -> None:
-        self.unique_id = name
-
-
-class _FakeReplica:
-    def __init__(self, name: str) -> None:
-        self.replica_id = _FakeId(name)
-
-
-def _router(slots: int) -> Any:
-    from specdec.serve.cluster_router import AffinityRouter
-
-    router = AffinityRouter.__new__(AffinityRouter)  # its policy alone, without Ray's loop
-    router.initialize_state(slots=slots)
-    return router
-
-
-_IDS = itertools.count()
-
-
-def _route(
-    router: Any, replicas: list, affinity: str | None, pin: str | None = None, routed: bool = True
-) -> list[str]:
-    import asyncio
-
-    from specdec.serve.cluster import Forwarded
-
-    fwd = Forwarded("POST", "/v1/chat/completions", b"", [], b"", affinity, replica=pin)
-
-    pending = SimpleNamespace(
-        args=[fwd],
-        routing_context=SimpleNamespace(should_backoff=False),
-        metadata=SimpleNamespace(internal_request_id=f"req-{next(_IDS)}"),
-    )
-    ranks = asyncio.run(router.choose_replicas(replicas, pending))
-    assert pending.routing_context.should_backoff
-    if affinity is None and pin is None:
-        return sorted(r.replica_id.unique_id for r in ranks[0])
-    assert all(len(rank) == 1 for rank in ranks)
-    if ranks and pin is None and routed:
-        router.on_request_routed(pending, ranks[0][0].replica_id, None)
-    return [rank[0].replica_id.unique_id for rank in ranks]
-
-
-def _done(router: Any) -> None:
-    """Every generation routed so far ends."""
-    for rid, replica in list(router._sent.items()):
-        router.on_request_completed(replica, rid)
-
-
-def test_the_router_keeps_a_pair_home_and_spreads_new_pairs_over_free_slots() -> None:
-    a, b = _FakeReplica("a"), _FakeReplica("b")
-    for slots in (1, 2):
-        router = _router(slots)
-        first = []
-        for i in range(2 * slots):
-            first.append(_route(router, [a, b], f"pair{i}")[0])
-            _done(router)
-        assert sorted(first) == ["a"] * slots + ["b"] * slots, (slots, first)  # no slot shared
-        for i in range(2 * slots):  # each pair goes home first, the other replica next
-            ranks = _route(router, [a, b], f"pair{i}")
-            _done(router)
-            assert ranks[0] == first[i] and len(ranks) == 2
-        # a new pair evicts the least recently used prompt: pair0's, routed longest ago
-        assert _route(router, [a, b], "new")[0] == first[0]
-
-
-def test_the_router_counts_slots_leaves_a_full_home_for_a_free_replica_then_waits() -> None:
-    a, b = _FakeReplica("a"), _FakeReplica("b")
-    router = _router(1)
-    home = _route(router, [a, b], "p")[0]  # running: its home's one slot is taken
-    other = "b" if home == "a" else "a"
-    assert _route(router, [a, b], "p") == [other]  # a free slot elsewhere
-    assert _route(router, [a, b], "p") == []  # every slot taken: it waits at the router
-    _done(router)
-    assert not router._sent and _route(router, [a, b], "p") == [other, home]  # home: last
-    # a choice counts before Ray carries it out: requests routed at once spread
-    _done(router)
-    chosen = [_route(router, [a, b], f"burst{i}", routed=False)[0] for i in range(2)]
-    assert sorted(chosen) == ["a", "b"]
-    # requests without an affinity (/health, /v1/models) are not counted, go anywhere
-    assert sorted(_route(router, [a, b], None)) == ["a", "b"]
-    # pinned: that replica alone, or nothing while it is gone
-    assert _route(router, [a, b], None, pin="a") == ["a"]
-    assert _route(router, [b], None, pin="a") == []
-
-
-def test_full_replicas_are_a_429_and_a_dead_one_a_503_each_with_retry_after() -> None:
-    from ray.exceptions import ActorDiedError
-    from ray.serve.exceptions import BackPressureError
-
-    from specdec.serve.cluster import _replica_error
-
-    full = _replica_error(BackPressureError(num_queued_requests=8, max_queued_requests=8))
-    assert full.status == 429 and full.body()["error"]["code"] == "queue_full"
-    dead = _replica_error(ActorDiedError())
-    assert dead.status == 503 and "ActorDiedError" in dead.body()["error"]["message"]
-    assert full.headers["Retry-After"] and dead.headers["Retry-After"]

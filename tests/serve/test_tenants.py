@@ -32,13 +32,14 @@ from typing import Any
 
 import pytest
 from serverkit import (
+    FRONTS,
     MOCK_SPEC,
     FakeTokenizer,
     Server,
     SlowMock,
     V,
     bearer,
-    mock_server,
+    front_server,
     open_stream,
     wait_for,
 )
@@ -162,11 +163,12 @@ def _first_line(c: socket.socket) -> bytes:
 
 
 @pytest.mark.slow  # seconds of a live server's traffic: `make test` runs it
-def test_clients_that_never_read_leave_others_their_places() -> None:
+@pytest.mark.parametrize("front", FRONTS)
+def test_clients_that_never_read_leave_others_their_places(front: str) -> None:
     """Finding 2: six clients that never read and one stream against --max-connections 8:
     another client's /health got 503. Now one address holds at most half the places (the rest
     get 503 at once), and /health answers while the six hold theirs."""
-    srv = mock_server(delay=0.01, max_connections=8)
+    srv = front_server(front, delay=0.01, max_connections=8)
     socks: list[socket.socket] = []
     try:
         socks = [_non_reader(srv.port, 1) for _ in range(6)]
@@ -186,11 +188,12 @@ def test_clients_that_never_read_leave_others_their_places() -> None:
         srv.close()
 
 
-def test_a_client_that_stops_reading_is_cut_at_the_write_deadline() -> None:
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_client_that_stops_reading_is_cut_at_the_write_deadline(front: str) -> None:
     """Finding 2: a stalled send had no deadline: six clients that pipelined 400 GETs
     (~6 MB of answers) and never read stayed connected for good, their writes paused. Now a
     client that takes no bytes for --write-timeout seconds is reset."""
-    srv = mock_server(write_timeout=1.0)
+    srv = front_server(front, write_timeout=1.0)
     socks: list[socket.socket] = []
     try:
         socks = [_non_reader(srv.port, 400) for _ in range(6)]

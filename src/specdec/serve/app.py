@@ -127,6 +127,7 @@ from specdec.serve.answers import Reply, sample_params
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError, bad
+from specdec.serve.front_door import DEADLINE_HEADER
 from specdec.serve.keys import KeyRing, unauthorized
 from specdec.serve.protocol import MAX_N, ChatRequest, CompletionRequest, parse_json, parse_request
 from specdec.serve.requests import Request as EngineRequest
@@ -146,6 +147,10 @@ class _Context:
     model_ids: frozenset[str]  # the names a request's `model` may use
     public_id: str  # the id responses carry: the target spec without directories
     replica: str | None = None  # this replica's name in a cluster (serve.cluster)
+
+    def drain(self) -> None:
+        """Shutting down (serve.connections.uvicorn_server): the engine fails what waits."""
+        self.engine.drain()
 
 
 def _ctx(request: Request) -> _Context:
@@ -343,7 +348,7 @@ async def _completion(
             replica=ctx.replica,
         )
         loop = asyncio.get_running_loop()
-        deadline = arrived + ctx.cfg.request_timeout
+        deadline = arrived + _time_left(request, ctx)
         samples = [
             EngineRequest(sample_params(params, i), loop, arrived, deadline, tenant=tenant)
             for i in range(params.n)
@@ -351,6 +356,17 @@ async def _completion(
         response = await answers.respond(request, engine, reply, params, samples, reservations)
         engine.metrics.count_request(request.url.path, 200)
         return response
+
+
+def _time_left(request: Request, ctx: _Context) -> float:
+    """Seconds this request may take: --request-timeout, or in a cluster's replica what the
+    edge says is left of it (serve.edge: deadlines run from arrival at the edge, which alone
+    reaches a replica and sets this header)."""
+    left = request.headers.get(DEADLINE_HEADER.decode()) if ctx.replica is not None else None
+    try:
+        return min(ctx.cfg.request_timeout, max(0.0, float(left)))
+    except (TypeError, ValueError):
+        return ctx.cfg.request_timeout
 
 
 def _samples(req: ChatRequest | CompletionRequest) -> int:
@@ -489,7 +505,8 @@ def create_app(engine: Engine, cfg: ServeConfig, replica: str | None = None) -> 
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
     playground.add_routes(app)
-    hosts = cfg.host_names()
+    # a replica is reached only through the cluster's edge, which checks the Host (serve.edge)
+    hosts = cfg.host_names() if replica is None else None
     if hosts is not None:
         app.add_middleware(_HostCheck, names=hosts)
     app.add_middleware(_ResponseHeaders, replica=replica)

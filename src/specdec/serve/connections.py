@@ -26,6 +26,10 @@ framing         A request with both Content-Length and Transfer-Encoding gets 40
                 connection is closed (RFC 9112 6.1: its body's end is ambiguous, the lever of
                 request smuggling behind a proxy that reads the other header). h11 would
                 serve it chunked and keep the connection.
+head size       A request target past MAX_TARGET_BYTES gets 414, a request line and headers
+                past MAX_HEAD_BYTES 431, each with the server's JSON error, and the connection
+                is closed. h11 bounds only a head still arriving (16 KiB), so a whole one of any
+                size came through in one read.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ import h11
 #: sending its body: --body-timeout); then it is cut. 1 MiB takes well under a second on any
 #: link a model server is reached over.
 HEADER_TIMEOUT_S = 10.0
+#: The most bytes of a request's target (its path and query), and of its whole head.
+MAX_TARGET_BYTES = 8 * 1024
+MAX_HEAD_BYTES = 16 * 1024
 #: Seconds a response may wait for its client to take any of it (see the module docstring).
 DEFAULT_WRITE_TIMEOUT_S = 30.0
 #: Seconds uvicorn waits for open connections at shutdown. The engine fails waiting requests
@@ -79,7 +86,7 @@ def uvicorn_server(app: Any, **config: Any) -> Any:
 
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
-            app.state.specdec.engine.drain()
+            app.state.specdec.drain()
             await super().shutdown(sockets)
 
     cfg = app.state.specdec.cfg
@@ -95,6 +102,8 @@ def uvicorn_server(app: Any, **config: Any) -> Any:
     return _Server(uvicorn.Config(app, **config))
 
 
+_TOO_LONG = f"the request target exceeds the server's limit of {MAX_TARGET_BYTES} bytes"
+_TOO_LARGE = f"the request line and headers exceed the server's limit of {MAX_HEAD_BYTES} bytes"
 _AMBIGUOUS = (
     "a request may not have both Content-Length and Transfer-Encoding (RFC 9112 section 6.1)"
 )
@@ -106,10 +115,22 @@ class _FramedConnection(h11.Connection):
     answers 400 (send_400_response) before any application runs."""
 
     ambiguous = False  # the last request was refused for its framing
+    hint = 400  # the status h11 suggested for the last request it refused
 
     def next_event(self) -> Any:
-        event = super().next_event()
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as e:
+            self.hint = e.error_status_hint
+            raise
         if isinstance(event, h11.Request):
+            head = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
+            if len(event.target) > MAX_TARGET_BYTES:
+                self.hint = 414
+                raise h11.RemoteProtocolError(_TOO_LONG, error_status_hint=414)
+            if head > MAX_HEAD_BYTES:
+                self.hint = 431
+                raise h11.RemoteProtocolError(_TOO_LARGE, error_status_hint=431)
             names = {name for name, _ in event.headers}  # h11 lowercases header names
             if b"content-length" in names and b"transfer-encoding" in names:
                 self.ambiguous = True
@@ -167,19 +188,28 @@ class _ReadAhead:
 
     def send_400_response(self, msg: str) -> None:
         conn = self.conn
-        if not (isinstance(conn, _FramedConnection) and conn.ambiguous):
+        framed = isinstance(conn, _FramedConnection)
+        if framed and conn.ambiguous:
+            status, reason = 400, b"Bad Request"
+            body = _error_body(_AMBIGUOUS, "invalid_request_error", "ambiguous_framing")
+        elif framed and conn.hint == 414:
+            status, reason = 414, b"URI Too Long"
+            body = _error_body(_TOO_LONG, "invalid_request_error", "uri_too_long")
+        elif framed and conn.hint == 431:
+            status, reason = 431, b"Request Header Fields Too Large"
+            body = _error_body(_TOO_LARGE, "invalid_request_error", "header_too_large")
+        else:
             super().send_400_response(msg)
             return
         # The server's JSON error rather than uvicorn's text; the connection is closed
-        # after it (RFC 9112 6.1: the rest of the stream cannot be framed).
-        body = _error_body(_AMBIGUOUS, "invalid_request_error", "ambiguous_framing")
+        # after it (the rest of the stream cannot be framed).
         headers = [
             *self.server_state.default_headers,
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
         ]
-        reply = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
+        reply = h11.Response(status_code=status, headers=headers, reason=reason)
         for event in (reply, h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(conn.send(event) or b"")
         self.transport.close()

@@ -63,7 +63,13 @@ from specdec.serve import scheduler
 from specdec.serve.cycle import Cycle
 from specdec.serve.draft_pools import PoolConfig, ServedPools
 from specdec.serve.errors import ApiError, unavailable_error
-from specdec.serve.job_queue import DEFAULT_MAX_QUEUE, JobQueue, QueueFull, Reservation
+from specdec.serve.job_queue import (
+    DEFAULT_MAX_QUEUE,
+    JobQueue,
+    QueueFull,
+    Reservation,
+    queue_full_error,
+)
 from specdec.serve.keys import ANONYMOUS
 from specdec.serve.metrics import Metrics
 from specdec.serve.models import ServedModels
@@ -275,15 +281,4 @@ class Engine:
     def _queue_full(self, scope: str) -> ApiError:
         lo, hi = RETRY_AFTER_RANGE_S
         retry = min(hi, max(lo, math.ceil(self.cycle.service_s)))
-        what = (
-            f"the request queue is full ({self.max_queue} waiting)"
-            if scope == "queue"
-            else f"this API key has {self._queue.per_tenant} requests waiting, its most"
-        )
-        return ApiError(
-            429,
-            f"{what}; retry after {retry} s",
-            type="rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": str(retry)},
-        )
+        return queue_full_error(scope, self.max_queue, self._queue.per_tenant, retry)

@@ -19,6 +19,8 @@ import itertools
 import threading
 from typing import Generic, Protocol, TypeVar
 
+from specdec.serve.errors import ApiError
+
 #: Requests waiting, at most, unless --max-queue says (beyond: 429).
 DEFAULT_MAX_QUEUE = 64
 
@@ -41,6 +43,23 @@ class QueueFull(Exception):
     def __init__(self, scope: str) -> None:
         super().__init__(scope)
         self.scope = scope
+
+
+def queue_full_error(scope: str, maxsize: int, per_tenant: int, retry_s: int) -> ApiError:
+    """The 429 for QueueFull(`scope`), with when to retry (the engine's and the cluster's
+    edge's)."""
+    what = (
+        f"the request queue is full ({maxsize} waiting)"
+        if scope == "queue"
+        else f"this API key has {per_tenant} requests waiting, its most"
+    )
+    return ApiError(
+        429,
+        f"{what}; retry after {retry_s} s",
+        type="rate_limit_error",
+        code="queue_full",
+        headers={"Retry-After": str(retry_s)},
+    )
 
 
 class JobQueue(Generic[J]):
