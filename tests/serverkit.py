@@ -83,6 +83,8 @@ class FakeTokenizer:
         return {"input_ids": [ord(c) % V for c in text]}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if any(i < 0 for i in ids):  # as the Rust tokenizers refuse them
+            raise OverflowError("can't convert negative int to unsigned")
         return "".join(chr(ord("0") + i) for i in ids)
 
     def get_vocab(self) -> dict[str, int]:
@@ -192,7 +194,7 @@ def front_server(front: str, **cfg_kw: Any) -> Server:
     return mock_server(**cfg_kw, edge=2 if front == "edge" else 0)
 
 
-_MOCK_KW = ("delay", "n_ctx", "with_draft", "engine_kwargs")
+_MOCK_KW = ("delay", "n_ctx", "with_draft", "engine_kwargs", "tokenizer")
 
 
 def _cfg(cfg_kw: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +207,7 @@ def _mock_engine(cfg_kw: dict[str, Any]) -> tuple[Engine, ServeConfig]:
     with_draft = cfg_kw.pop("with_draft", True)
     spec = SpecConfig(**cfg_kw.pop("engine_kwargs", {}))
     target = SlowMock(V, seed=0, n_ctx=n_ctx, name=MOCK_SPEC)
+    target.tokenizer = cfg_kw.pop("tokenizer", None)
     target.delay = delay
     draft = None
     if with_draft:

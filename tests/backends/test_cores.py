@@ -36,7 +36,7 @@ class _Machine:
             clock=lambda: self.t,
             busy=lambda: self.ticks,
             own=lambda: self.cpu,
-            waited=lambda: self.wait,
+            waited=lambda: {1: (self.cpu, self.wait)},  # the pool's threads, as one
             tick_s=0.01,
         )
         return ThreadGovernor(cores, window_s=0.5, mark=mark)
@@ -108,14 +108,62 @@ def test_a_big_machine_gives_up_as_many_threads_as_others_hold() -> None:
 
 
 def test_without_proc_the_pool_keeps_its_size() -> None:
-    g = ThreadGovernor(2, window_s=0.0, mark=Mark(busy=lambda: None, waited=lambda: 9.0))
+    g = ThreadGovernor(
+        2, window_s=0.0, mark=Mark(busy=lambda: None, waited=lambda: {1: (9.0, 9.0)})
+    )
     assert g.threads() == 2 and g.threads() == 2 and g.others is None
     g = ThreadGovernor(2, window_s=0.0, mark=Mark(waited=lambda: None))
     assert g.threads() == 2 and g.waited is None
 
 
-def test_this_process_threads_wait_is_read() -> None:
-    assert cores.wait_s() is not None and cores.wait_s() >= 0.0  # Linux: schedstat is there
+def test_this_process_threads_are_read_and_none_read_is_unknown(monkeypatch) -> None:
+    times = cores.thread_times()  # Linux: schedstat is there
+    assert times and all(ran >= 0 and waited >= 0 for ran, waited in times.values())
+    # issue 65: where no thread's schedstat can be read, the wait was 0.0, not unknown
+    monkeypatch.setattr(cores.os, "listdir", lambda _: ["999999999"])
+    assert cores.thread_times() is None
+
+
+def test_only_the_pools_threads_wait_counts() -> None:
+    """Issue 65: every thread's run-queue wait counted, an HTTP server's too; under HTTP load
+    the pool flipped 2 <-> 1 threads every window. The pool is the threads that ran most."""
+    now = {"t": 0.0, "http": 0.0, "pool": 0.0}
+
+    def times() -> dict[int, tuple[float, float]]:
+        t = now["t"]
+        # two pool threads ran the whole window and hardly waited; the HTTP thread (runnable
+        # beside them under load) ran little and waited long
+        return {1: (t, now["pool"]), 2: (t, now["pool"]), 3: (0.1 * t, now["http"])}
+
+    mark = Mark(clock=lambda: now["t"], busy=lambda: 0, own=lambda: 0.0, waited=times, tick_s=0.01)
+    g = ThreadGovernor(2, window_s=0.5, mark=mark)
+    for _ in range(6):
+        now["t"] += 0.5
+        now["http"] += 0.4
+        now["pool"] += 0.005
+        assert g.threads() == 2
+    assert g.waited == pytest.approx(0.02) and g.changes == 0
+    now["t"] += 0.5  # the pool's own threads wait: now it gives one up
+    now["pool"] += 0.3
+    assert g.threads() == 1
+
+
+def test_proc_and_cgroup_files_no_kernel_writes_never_raise(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "self").write_text("0::/box\n")
+    box = tmp_path / "fs" / "box"
+    box.mkdir(parents=True)
+    (box / "cpu.max").write_text("100000 0\n")  # raised ZeroDivisionError through every decode
+    assert cgroup_cores(tmp_path / "self", tmp_path / "fs") is None
+
+    def broken() -> int:
+        raise ZeroDivisionError
+
+    monkeypatch.setattr(cores, "_governor", None)
+    monkeypatch.setattr(cores, "usable_cores", broken)
+    assert cores.governor().threads() >= 1  # a pool of the affinity's cores, kept
+    g = ThreadGovernor(2, window_s=0.0, mark=Mark(waited=lambda: {1: (0.0, 0.0)}))
+    monkeypatch.setattr(g._mark, "since", lambda pool: 1 / 0)
+    assert g.threads() == 2 and g.threads() == 2
 
 
 def test_busy_ticks_counts_the_given_cores_and_not_idle(tmp_path: Path) -> None:

@@ -6,7 +6,11 @@ served by one plain `specdec serve`.
     affinity   2 keys x 2 files: each pair on one replica every time, its later requests served
                from that replica's prompt cache (cached_tokens >= 80% of the prompt)
     worker     x-request-id echoed, /health, /metrics merged with a replica label and the
-               router's gauges (serve.cluster.merge_metrics is unit-tested in test_app.py)
+               edge's gauges (serve.edge.merge_metrics is unit-tested in test_router_surface.py)
+    front door no Ray proxy runs, Ray's request headers do nothing; 256 keyless slow bodies
+               leave /health and a keyed user alone; a storm of fast 404s with 70 KB prompts
+               leaves nothing running or counted (test_hostile.py runs these and more
+               against the edge without Ray)
     failure    a replica killed (SIGKILL) during a burst of 8: none hangs, each completes or
                names the failure; the next burst completes
     disconnect a client that goes away mid-stream frees its replica's slot
@@ -90,10 +94,15 @@ class Proc:
             time.sleep(0.5)
 
     def request(
-        self, method: str, path: str, body: dict | None = None, key: int | str = 0
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        key: int | str = 0,
+        extra: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, str], Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        headers = _headers(key)
+        headers = {**_headers(key), **(extra or {})}
         if body is not None and body.get("model") == "m":  # the name this server answers to
             body = {**body, "model": self.target}
         conn.request(method, path, json.dumps(body) if body is not None else None, headers)
@@ -283,6 +292,57 @@ def test_worker_surface_through_the_cluster(cluster: Proc) -> None:
     assert len(replicas) == 2, replicas
     status, _, r = cluster.request("POST", "/v1/chat/completions", {"model": "m"})
     assert status == 400 and r["error"]["param"] == "messages"
+
+
+def test_no_ray_proxy_and_no_client_header_reaches_ray(cluster: Proc) -> None:
+    assert not _processes("ProxyActor"), "Ray's HTTP proxy runs"
+    # Ray's proxy took these from any client: the first turned its timeout off
+    headers = {"x-request-timeout-seconds": "0", "x-request-disconnect-disabled": "1"}
+    headers.update({"x-specdec-deadline-s": "0"})  # the edge's own, to a replica: dropped
+    status, _, r = cluster.request("POST", "/v1/completions", _completion("x", 2), 0, headers)
+    assert status == 200, r
+
+
+def test_slow_bodies_and_a_storm_of_4xx_leave_the_cluster_serving(cluster: Proc) -> None:
+    t0 = time.monotonic()
+    status, _, _ = cluster.request("POST", "/v1/completions", _completion("def f(x):", 8))
+    usual = time.monotonic() - t0
+    assert status == 200
+    slow = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+    )
+    socks = []
+    try:
+        for _ in range(256):  # from another address: half of them get places, the rest 503
+            c = socket.create_connection(
+                ("127.0.0.1", cluster.port), timeout=10, source_address=("127.0.0.2", 0)
+            )
+            c.sendall(slow)
+            socks.append(c)
+        for _ in range(3):
+            t0 = time.monotonic()
+            status, _, health = cluster.request("GET", "/health")
+            assert status == 200 and time.monotonic() - t0 < 1.0, health
+            t0 = time.monotonic()
+            status, _, r = cluster.request("POST", "/v1/completions", _completion("def f(x):", 8))
+            assert status == 200 and time.monotonic() - t0 < usual + 2.0, r
+    finally:
+        for c in socks:
+            c.close()
+    wrong = {**_completion("x" * 70_000, 4), "model": "nope"}
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        asks = [pool.submit(cluster.request, "POST", "/v1/completions", wrong) for _ in range(64)]
+        statuses = [a.result()[0] for a in asks]
+    assert set(statuses) <= {404, 429} and statuses.count(404) >= 16, statuses
+    t0 = time.monotonic()
+    status, _, r = cluster.request("POST", "/v1/completions", _completion("def g(y):", 4), 1)
+    assert status == 200 and time.monotonic() - t0 < usual + 2.0, r
+    status, _, text = cluster.request("GET", "/metrics", key=OPERATOR)
+    running = [ln for ln in text.splitlines() if ln.startswith("specdec:num_requests_running{")]
+    held = [ln for ln in text.splitlines() if ln.startswith("specdec_edge_slots_held{")]
+    assert len(running) == 2 and len(held) == 2, text[-2000:]
+    assert all(ln.endswith(" 0") for ln in running + held), running + held
 
 
 def test_a_client_that_goes_away_frees_its_replicas_slot(cluster: Proc) -> None:

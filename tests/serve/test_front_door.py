@@ -217,3 +217,16 @@ def test_a_failed_replica_is_a_503_with_retry_after() -> None:
     dead = replica_error(ActorDiedError())
     assert dead.status == 503 and "ActorDiedError" in dead.body()["error"]["message"]
     assert dead.headers["Retry-After"]
+
+
+def test_a_configs_repr_holds_no_key() -> None:
+    cfg = ServeConfig(target="m", api_key="sk-one", api_keys=("sk-two",), metrics_key="sk-op")
+    assert "sk-" not in repr(cfg) and cfg.keys() == ("sk-one", "sk-two")
+
+
+def test_replicas_without_threads_share_the_cores() -> None:
+    from specdec.serve.cluster import replica_threads
+
+    assert replica_threads(ServeConfig(target="m", replicas=2), cores=8) == 4
+    assert replica_threads(ServeConfig(target="m", replicas=3), cores=2) == 1
+    assert replica_threads(ServeConfig(target="m", replicas=2, threads=3), cores=8) == 3

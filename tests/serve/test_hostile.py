@@ -24,6 +24,8 @@ from serverkit import (
     FRONTS,
     GOOD,
     JSON,
+    EdgeServer,
+    FakeTokenizer,
     Server,
     bearer,
     front_server,
@@ -196,5 +198,38 @@ def test_a_request_past_its_deadline_at_the_edge_gets_the_json_504() -> None:
             raw = c.getresponse().read()
             assert b'"code": "timeout"' in raw or b'"code":"timeout"' in raw, raw[-300:]
             c.close()
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_echo_of_a_token_id_out_of_the_vocabulary_is_a_400(front: str) -> None:
+    """Issue 65: echo decoded the prompt's ids before they were checked: -1 was a 500
+    (OverflowError) with a traceback."""
+    srv = front_server(front, tokenizer=FakeTokenizer(), with_draft=False)
+    try:
+        for ids in ([-1], [1, 10**6]):
+            status, _, err = srv.request(
+                "POST", "/v1/completions", {**GOOD, "prompt": ids, "echo": True}
+            )
+            assert status == 400 and err["error"]["param"] == "prompt", err
+        assert srv.request("POST", "/v1/completions", {**GOOD, "echo": True})[0] == 200
+    finally:
+        srv.close()
+
+
+def test_a_dead_replica_leaves_the_edge_and_its_metrics_and_the_other_serves() -> None:
+    """Issue 65: /metrics kept a dead replica's name for 10 s after Ray restarted it."""
+    srv = front_server("edge")
+    try:
+        assert isinstance(srv, EdgeServer)
+        srv.replicas.kill("r0")
+        door = srv.uv.config.app.state.specdec.door
+        wait_for(lambda: list(door.known) == ["r1"], 10, "the dead replica is still known")
+        text = srv.metrics()
+        assert 'replica="r0"' not in text and 'replica="r1"' in text
+        for _ in range(4):
+            status, head, _ = srv.request("POST", "/v1/completions", GOOD)
+            assert status == 200 and head["x-specdec-replica"] == "r1"
     finally:
         srv.close()

@@ -301,7 +301,7 @@ def test_structured_output_drafted_by_a_draft_model(srv_drafted: Server) -> None
 
 
 def test_a_grammar_past_its_limits_is_an_error_naming_it_and_the_server_goes_on(
-    srv: Server, monkeypatch: pytest.MonkeyPatch
+    srv: Server, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A matcher past its lexer states (backends.grammar.LIMITS, here cut to 50: the schema
     compiles, then the answer's third token needs more) used to allow only the end of text:
@@ -318,6 +318,8 @@ def test_a_grammar_past_its_limits_is_an_error_naming_it_and_the_server_goes_on(
     status, _, err = srv.request("POST", "/v1/chat/completions", body)
     assert status == 400 and err["error"]["code"] == "grammar_error", err
     assert "too many states" in err["error"]["message"] and "simplify" in err["error"]["message"]
+    # the error quotes the tenant's text: told to its client, never logged (issue 65)
+    assert caplog.records and not any("states" in r.getMessage() for r in caplog.records)
     monkeypatch.undo()
     r = _chat(srv, msgs, response_format=body["response_format"], max_tokens=100)
     assert Person.model_validate_json(r.choices[0].message.content).year == 1815

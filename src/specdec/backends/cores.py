@@ -7,9 +7,11 @@ other work"). But other work is not always competition: a build under `nice` in 
 session (autogroup) takes only the cycles this process leaves. So the pool follows what the
 kernel says its threads went through, each half-second window:
 
-  * the time this process's threads waited on a run queue (/proc/self/task/*/schedstat): they
+  * the time the pool's threads waited on a run queue (/proc/self/task/*/schedstat): they
     wait when others compete for their cores as equals; a niced neighbour makes them wait not
-    at all. A quarter of a second waited per second takes a thread away.
+    at all. A quarter of a second waited per second takes a thread away. The pool's threads
+    are the n that ran the most in the window (ggml's spin at barriers): an HTTP server's
+    threads beside them, runnable under load, are not the pool and do not count.
   * the busy time of this process's cores less its own CPU time (/proc/stat): a core nobody
     uses gives a thread back at once; a core someone uses is tried (one window with a thread
     more): kept if no thread waited, else given up and tried again after twice as long.
@@ -83,7 +85,7 @@ def _v2_quota(d: Path) -> float | None:
     try:
         quota, period = (d / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
+    except (OSError, ValueError, ZeroDivisionError):
         return None
 
 
@@ -93,7 +95,7 @@ def _v1_quota(d: Path) -> float | None:
         period = int((d / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
         return None
-    return None if quota <= 0 else quota / period
+    return None if quota <= 0 or period <= 0 else quota / period
 
 
 def usable_cores() -> int:
@@ -128,21 +130,34 @@ def busy_ticks(
     return total
 
 
-def wait_s() -> float | None:
-    """Seconds this process's threads have waited on a run queue (their schedstat's second
-    field), live threads only; None where the kernel does not say."""
-    total = 0
+def thread_times() -> dict[int, tuple[float, float]] | None:
+    """Per live thread of this process: (seconds it ran, seconds it waited on a run queue), its
+    schedstat's first two fields; None where the kernel says nothing of any thread."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return None
+    times = {}
     for t in tasks:
         try:
             with open(f"/proc/self/task/{t}/schedstat") as f:
-                total += int(f.read().split()[1])
-        except (OSError, ValueError, IndexError):
+                ran, waited = f.read().split()[:2]
+            times[int(t)] = (int(ran) / 1e9, int(waited) / 1e9)
+        except (OSError, ValueError):
             continue  # a thread that ended meanwhile
-    return total / 1e9
+    return times or None
+
+
+def pool_wait(
+    before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]], pool: int
+) -> float:
+    """Seconds waited between two thread_times() by the `pool` threads that ran the most."""
+    deltas = [
+        (ran - before.get(t, (0.0, 0.0))[0], waited - before.get(t, (0.0, 0.0))[1])
+        for t, (ran, waited) in after.items()
+    ]
+    busiest = sorted(deltas, reverse=True)[: max(1, pool)]
+    return sum(max(0.0, waited) for _, waited in busiest)
 
 
 class Mark:
@@ -154,7 +169,7 @@ class Mark:
         clock: Callable[[], float] = time.monotonic,
         busy: Callable[[], int | None] | None = None,
         own: Callable[[], float] = time.process_time,
-        waited: Callable[[], float | None] = wait_s,
+        waited: Callable[[], dict[int, tuple[float, float]] | None] = thread_times,
         tick_s: float | None = None,
     ) -> None:
         if busy is None:  # this process's cores, as they are now
@@ -168,9 +183,10 @@ class Mark:
         """Seconds since this mark."""
         return self._clock() - self.t
 
-    def since(self) -> tuple[float | None, float | None, Mark]:
-        """(other processes' work on this process's cores, in cores; this process's threads'
-        run-queue wait, in threads; a mark for now); None where it cannot be read."""
+    def since(self, pool: int = 1) -> tuple[float | None, float | None, Mark]:
+        """(other processes' work on this process's cores, in cores; the run-queue wait of the
+        `pool` threads that ran the most, in threads; a mark for now); None where it cannot be
+        read."""
         now = Mark(self._clock, self._busy, self._own, self._waited, self._tick)
         wall = now.t - self.t
         if wall <= 0:
@@ -180,7 +196,7 @@ class Mark:
             busy_s = (now.ticks - self.ticks) * self._tick
             others = max(0.0, (busy_s - (now.cpu - self.cpu)) / wall)
         if self.wait is not None and now.wait is not None:
-            waited = max(0.0, now.wait - self.wait) / wall  # an ended thread's wait leaves
+            waited = pool_wait(self.wait, now.wait, pool) / wall
         return others, waited, now
 
 
@@ -209,12 +225,20 @@ class ThreadGovernor:
             if self._mark.age() < self._window:
                 return self.n
             # a longer span too (a long prefill, an idle server) is one window: its average
-            others, waited, self._mark = self._mark.since()
+            try:
+                others, waited, self._mark = self._mark.since(self.n)
+            except Exception as e:  # /proc as no kernel writes it: keep the pool, say so once
+                self._unreadable(e)
+                return self.n
             if others is None or waited is None:
                 return self.n  # the kernel does not say (not Linux): the pool keeps its size
             self.others, self.waited = others, waited
             self._set(self._decide(others, waited, self._mark.t))
             return self.n
+
+    def _unreadable(self, e: Exception) -> None:
+        self._mark = Mark(busy=lambda: None, waited=lambda: None)  # measures nothing from now
+        log.warning("the thread pool keeps %d thread(s): /proc unreadable (%r)", self.n, e)
 
     def _decide(self, others: float, waited: float, now: float) -> int:
         n, trial = self.n, self._trying
@@ -308,5 +332,9 @@ def governor() -> ThreadGovernor:
     global _governor
     with _governor_lock:
         if _governor is None:
-            _governor = ThreadGovernor(usable_cores())
+            try:
+                _governor = ThreadGovernor(usable_cores())
+            except Exception as e:  # a /proc or cgroup file as no kernel writes it
+                _governor = ThreadGovernor(affinity_cores(), mark=Mark(busy=lambda: None))
+                _governor._unreadable(e)
         return _governor

@@ -19,6 +19,7 @@ the edge refuses new requests, running answers finish (up to DRAIN_S), then the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -82,10 +83,20 @@ class RayReplicas:
 
 
 # ------------------------------------------------------------------------------ the process
+def replica_threads(cfg: ServeConfig, cores: int) -> int:
+    """Threads (and Ray CPUs) per replica: --threads, else this machine's cores shared out, so
+    that replicas without --threads do not each start a pool of every core."""
+    return cfg.threads or max(1, cores // cfg.replicas)
+
+
 def build_app(cfg: ServeConfig) -> Any:
     """The Ray Serve application: cfg.replicas engine replicas (no ingress: serve.edge is)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
+
+    from specdec.backends.cores import usable_cores
+
+    cfg = dataclasses.replace(cfg, threads=replica_threads(cfg, usable_cores()))
 
     engines = serve.deployment(
         Replica,
@@ -94,7 +105,7 @@ def build_app(cfg: ServeConfig) -> Any:
         # its slots (the edge counts them: serve.front_door) and the edge's other requests
         max_ongoing_requests=cfg.parallel + BEYOND_SLOTS,
         max_queued_requests=-1,  # requests wait at the edge (serve.front_door), not here
-        ray_actor_options={"num_cpus": cfg.threads or 1},
+        ray_actor_options={"num_cpus": cfg.threads},
         request_router_config=RequestRouterConfig(
             request_router_class="specdec.serve.cluster_router.EdgeChoice",
             max_backoff_s=0.1,
@@ -132,10 +143,12 @@ def serve_cluster(cfg: ServeConfig) -> int:
     else:
         from specdec.backends.cores import usable_cores
 
-        need, cores = cfg.replicas * (cfg.threads or 1), usable_cores()
+        cores = usable_cores()
+        threads = replica_threads(cfg, cores)
+        need = cfg.replicas * threads
         if need > cores:
             print(
-                f"warning: {cfg.replicas} replicas x {cfg.threads or 1} thread(s) on "
+                f"warning: {cfg.replicas} replicas x {threads} thread(s) on "
                 f"{cores} cores: they will slow each other",
                 file=sys.stderr,
             )

@@ -9,7 +9,7 @@ the process, and cli.serve the flags.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdec.core.config import SpecConfig
 from specdec.serve.connections import DEFAULT_WRITE_TIMEOUT_S
@@ -46,9 +46,10 @@ class ServeConfig:
     threads: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # a key /v1 and /metrics accept (Bearer); none: no key needed
-    api_keys: tuple[str, ...] = ()  # more accepted keys, each a tenant (--api-keys-file)
-    metrics_key: str | None = None  # the operator's key for /metrics (_check_operator)
+    # the keys stay out of the repr: a config is printed in logs and tracebacks
+    api_key: str | None = field(default=None, repr=False)  # /v1's and /metrics' key (Bearer)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # more keys, a tenant each
+    metrics_key: str | None = field(default=None, repr=False)  # the operator's, for /metrics
     allowed_hosts: tuple[str, ...] = ()  # empty: loopback names when bound to loopback, else any
     max_queue: int = DEFAULT_MAX_QUEUE
     parallel: int = 1  # requests generated at once, a slot (KV cache) each: serve.engine

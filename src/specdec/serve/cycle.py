@@ -263,7 +263,8 @@ class Cycle:
             log.error("ending a request failed", exc_info=e)
             return
         if isinstance(e, GrammarError):  # the request's grammar, not the server, gave up
-            log.warning("grammar failed: %s", e)
+            # its message quotes the tenant's schema and text: theirs alone, not the log's
+            log.warning("a request's grammar gave up; its client is told why (400)")
             err = ApiError(400, f"{e}; simplify the schema or grammar", code="grammar_error")
         else:
             log.error("generation failed", exc_info=e)

@@ -75,16 +75,12 @@ class ServedModels:
         ("" without). ApiError 400 naming the problem. Call off the event loop and off the
         worker: a prompt up to --max-body-bytes is templated and tokenized here, a grammar
         compiled (the first builds llguidance's token trie, ~2 s for 150k tokens)."""
-        tokens, echo = self.tokens, ""
+        tokens, given = self.tokens, None
         if isinstance(req, ChatRequest):
             prompt = tokens.encode_chat(req.chat_messages(), _rendered_tools(req))
         else:
             given = req.single_prompt()
             prompt = tokens.encode_text(given) if isinstance(given, str) else given
-            if isinstance(given, str):
-                echo = given
-            elif req.echo:
-                echo = tokens.text_of(given)
         pred = None
         if req.prediction is not None:
             pred = tokens.encode_prediction(req.prediction.text())
@@ -95,7 +91,10 @@ class ServedModels:
             params = dataclasses.replace(params, grammar=self.grammar(params.structure))
         if params.prediction:  # its hints, and its index if it may be built ahead
             params = tokens.prepare_prediction(params, _instruction(req))
-        return params, echo if params.echo else ""
+        if not params.echo or given is None:
+            return params, ""
+        # token ids are decoded only once validate has checked them against the vocabulary
+        return params, given if isinstance(given, str) else tokens.text_of(given)
 
     def grammar(self, structure: Structure) -> Grammar:
         """The grammar of a request's structure, compiled and checked against the model's
