@@ -51,7 +51,7 @@ def test_a_pair_stays_home_new_pairs_spread_and_a_full_home_sends_it_elsewhere()
             door.answered("t", pair, sent.replica)
             first.append(sent.replica)
             sent.free()
-        assert sorted(first) == ["a", "b"]  # the fewest pairs first: no replica holds both
+        assert sorted(first) == ["a", "b"]  # an empty slot first: no replica holds both
         again = await _admit(door, "t", 1, "p0")
         assert again.replica == first[0]  # home
         elsewhere = await _admit(door, "t", 1, "p0")
@@ -60,6 +60,27 @@ def test_a_pair_stays_home_new_pairs_spread_and_a_full_home_sends_it_elsewhere()
         elsewhere.free()
         assert (await waiting).replica == first[1]
         assert door.running == {"a": 1, "b": 1}
+
+    asyncio.run(run())
+
+
+def test_a_new_pair_evicts_the_least_recently_used_prompt() -> None:
+    async def run() -> None:
+        for slots in (1, 2):
+            door = _door(parallel=slots)
+            homes = {}
+            for i in range(2 * slots):  # each replica keeps `slots` prompts
+                sent = await _admit(door, "t", 1, f"p{i}")
+                door.answered("t", f"p{i}", sent.replica)
+                homes[f"p{i}"] = sent.replica
+                sent.free()
+            assert sorted(homes.values()) == ["a"] * slots + ["b"] * slots
+            again = await _admit(door, "t", 1, "p0")  # p0's replica now used it last
+            door.answered("t", "p0", again.replica)
+            again.free()
+            new = await _admit(door, "t", 1, "new")
+            assert new.replica == homes["p1"], (slots, homes)  # p1's is the oldest prompt kept
+            new.free()
 
     asyncio.run(run())
 

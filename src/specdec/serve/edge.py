@@ -64,7 +64,8 @@ class _EdgeContext:
     operator: KeyRing | None
 
     def drain(self) -> None:
-        self.door.drain()
+        if self.door is not None:  # None: shut down before it started (a port in use)
+            self.door.drain()
 
 
 def _door_ctx(request: Request) -> _EdgeContext:
@@ -191,8 +192,9 @@ async def _relay(door: FrontDoor, fwd: Forwarded, cut_at: float, sent: Sent | No
     freed when the answer ends, however it ends."""
     from starlette.responses import Response
 
-    answer = door.replicas.call(fwd)
+    answer: Answer | None = None
     try:
+        answer = door.replicas.call(fwd)
         async with asyncio.timeout(max(0.0, cut_at - time.perf_counter())):
             status, head = await answer.__anext__()
             replica = replica_of(head)
@@ -206,21 +208,16 @@ async def _relay(door: FrontDoor, fwd: Forwarded, cut_at: float, sent: Sent | No
                 if sent is not None:
                     sent.free()
                 return _raw(Response(whole, status_code=status), head)
-    except TimeoutError:
-        answer.cancel()
+    except BaseException as e:
+        if answer is not None:  # the client went away, or the answer failed: end it there
+            answer.cancel()
         if sent is not None:
             sent.free()
-        return _error(timeout_error())
-    except Exception as e:  # the replica died or could not be reached
-        answer.cancel()
-        if sent is not None:
-            sent.free()
-        door.suspect()
-        return _error(replica_error(e))
-    except BaseException:  # cancelled: the client went away; so does its generation
-        answer.cancel()
-        if sent is not None:
-            sent.free()
+        if isinstance(e, TimeoutError):
+            return _error(timeout_error())
+        if isinstance(e, Exception):  # the replica died or could not be reached
+            door.suspect()
+            return _error(replica_error(e))
         raise
     return _raw(_Stream(answer, status, cut_at, door, sent), head)
 
@@ -234,31 +231,37 @@ class _Stream(StreamingResponse):
         self, answer: Answer, status: int, cut_at: float, door: FrontDoor, sent: Sent | None
     ) -> None:
         self.answer, self.cut_at, self.door, self.sent = answer, cut_at, door, sent
+        self.ended = False  # the answer was read to its end, or ended in an error event
         super().__init__(self._chunks(), status_code=status)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        ended = False
         try:
             await super().__call__(scope, receive, send)
-            ended = True
         finally:
-            if not ended:
+            if not self.ended:  # the client went away (Starlette stops the body quietly)
                 self.answer.cancel()
             if self.sent is not None:
                 self.sent.free()
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         error: ApiError | None = None
-        try:
-            async with asyncio.timeout(max(0.0, self.cut_at - time.perf_counter())):
-                async for chunk in self.answer:
-                    yield chunk
-        except TimeoutError:
-            self.answer.cancel()
-            error = timeout_error()
-        except Exception as e:
-            error = replica_error(e)
-            self.door.suspect()
+        chunks = self.answer.__aiter__()
+        while True:
+            left = max(0.0, self.cut_at - time.perf_counter())
+            try:  # the deadline bounds each wait for a chunk, never the client's reading
+                chunk = await asyncio.wait_for(chunks.__anext__(), left)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                self.answer.cancel()
+                error = timeout_error()
+                break
+            except Exception as e:
+                error = replica_error(e)
+                self.door.suspect()
+                break
+            yield chunk
+        self.ended = True
         if error is not None:
             yield f"data: {json.dumps(error.body())}\n\n".encode()
 

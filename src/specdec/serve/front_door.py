@@ -13,7 +13,8 @@ edge's), so a count is changed only where a request is sent and where its answer
                 frees its place at once.
     affinity    a (key, prompt prefix) pair goes to the replica that answered it last while
                 that one has room (its prompt cache and the key's draft pool live there), else
-                to the least loaded replica, the one holding the fewest pairs first. Each key's
+                to the least loaded replica, where the new prompt evicts the least recently
+                used one first (a replica keeps its last `--parallel` prompts). Each key's
                 memory of pairs is bounded apart (a key evicts only its own).
     replicas    found and checked by `/health` probes (`watch`); one that fails PROBE_MISSES
                 probes in a row, or cannot be reached, is forgotten until it answers again
@@ -23,8 +24,10 @@ edge's), so a count is changed only where a request is sent and where its answer
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
+import itertools
 import json
 import time
 from collections import Counter, OrderedDict
@@ -171,6 +174,8 @@ class FrontDoor:
         self.running: Counter[str] = Counter()  # slots held per replica
         self.by_tenant: Counter[str] = Counter()  # slots held per tenant
         self.homes: dict[str, OrderedDict[str, str]] = {}  # tenant -> affinity -> replica
+        self.kept: dict[str, collections.deque[int]] = {}  # replica -> its last answers' turns
+        self._turn = itertools.count()
         self._next: Waiter | None = None  # taken from the queue, waiting for room
         self.draining = False
         self._light = asyncio.Semaphore(LIGHT_PER_REPLICA * self.want)
@@ -242,7 +247,8 @@ class FrontDoor:
 
     def _place(self, waiter: Waiter) -> str | None:
         """The replica for `waiter`: its pair's home while that has room, else the least loaded
-        with room, the one that holds the fewest pairs first; None: none has room."""
+        with room, where its prompt evicts the least recently used one first; None: none has
+        room."""
         room = [r for r in self.known if self.running[r] + waiter.need <= self.slots]
         if not room:
             return None
@@ -250,12 +256,19 @@ class FrontDoor:
         home = homes.get(waiter.affinity) if waiter.affinity else None
         if home in room:
             return home
-        pairs = Counter(r for tenant_homes in self.homes.values() for r in tenant_homes.values())
         mix = waiter.affinity or ""
-        return min(room, key=lambda r: (self.running[r], pairs[r], _mix(mix, r)))
+        return min(room, key=lambda r: (self.running[r], self._evicts(r), _mix(mix, r)))
+
+    def _evicts(self, replica: str) -> tuple[int, int]:
+        """What a new prompt costs `replica`, which keeps the prompts of its last `slots`
+        answers: (0, 0) while it keeps fewer, else (1, the turn of the oldest it keeps)."""
+        kept = self.kept.get(replica, ())
+        return (0, 0) if len(kept) < self.slots else (1, kept[0])
 
     def answered(self, tenant: str, affinity: str | None, replica: str) -> None:
-        """`replica` answered this pair: it is the pair's home (bounded per tenant)."""
+        """`replica` answered a generation: its prompt is kept there, and it is its pair's home
+        (bounded per tenant)."""
+        self.kept.setdefault(replica, collections.deque(maxlen=self.slots)).append(next(self._turn))
         if not affinity:
             return
         homes = self.homes.setdefault(tenant, OrderedDict())
@@ -320,11 +333,11 @@ class FrontDoor:
             except TimeoutError:
                 missed = True
             except Exception:  # gone (Ray names its replacement anew)
-                self.known.pop(name, None)
+                self._forget(name)
                 continue
             self.known[name] = self.known.get(name, 0) + 1 if missed else 0
             if self.known[name] >= PROBE_MISSES:
-                del self.known[name]
+                self._forget(name)
         while len(self.known) < self.want:
             fwd = Forwarded("GET", "/health", b"", [], b"", avoid=tuple(self.known))
             try:
@@ -336,6 +349,10 @@ class FrontDoor:
                 break
             self.known[name] = 0
         self._dispatch()
+
+    def _forget(self, replica: str) -> None:
+        self.known.pop(replica, None)
+        self.kept.pop(replica, None)
 
     def gauges(self) -> str:
         """The edge's own state, in Prometheus text (with serve.cluster.merge_metrics's)."""
