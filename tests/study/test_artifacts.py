@@ -38,6 +38,7 @@ SCRIPT_KINDS = (
     "specdec.arrivals/1",
     "specdec.cluster_check/1",
     "specdec.extraction/1",
+    "specdec.front_door_check/1",
     "specdec.kernel_classes/1",
     "specdec.llama_bench/1",
     "specdec.loadtest_hostile/1",
