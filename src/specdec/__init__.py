@@ -15,6 +15,8 @@ Public API (imported lazily, so `import specdec` stays cheap):
     SpecConfig, Warp (the same settings as objects)          specdec.core.config
     AutoPolicies (k="auto" kept across generations), CurveFiles (its cost curves on disk)
                                                              specdec.core.policy, backends.costs
+    complete(model, prefix, suffix, extra, current, **generate's) -> GenerationResult: the
+                 middle a FIM code model fills in, as an editor asks  specdec.backends.fim
     check_pair(draft, target) -> int                         specdec.core.pair
     rejection_sample, greedy_verify, probs_from_logits       specdec.core.sampling
 """
@@ -37,6 +39,7 @@ _LAZY = {
     "rejection_sample": "specdec.core.sampling",
     "greedy_verify": "specdec.core.sampling",
     "generate": "specdec.core.decode",
+    "complete": "specdec.backends.fim",
     "stream": "specdec.core.decode",
     "prepare": "specdec.core.decode",
     "Generation": "specdec.core.decode",

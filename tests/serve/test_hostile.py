@@ -233,3 +233,18 @@ def test_a_dead_replica_leaves_the_edge_and_its_metrics_and_the_other_serves() -
             assert status == 200 and head["x-specdec-replica"] == "r1"
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_infill_is_a_generation_on_both_fronts(front: str) -> None:
+    """/infill reaches the engine through either front (the edge counts it as a generation);
+    the mock's vocabulary has no FIM tokens: 501 naming it, as llama.cpp's server answers."""
+    srv = front_server(front, tokenizer=FakeTokenizer(), with_draft=False)
+    try:
+        body = {"input_prefix": "a", "input_suffix": "b"}
+        status, _, err = srv.request("POST", "/infill", body)
+        assert status == 501 and "fill-in-the-middle" in err["error"]["message"], err
+        status, _, err = srv.request("POST", "/infill", {"input_prefix": "a"})
+        assert status == 400 and err["error"]["param"] == "input_suffix", err
+    finally:
+        srv.close()

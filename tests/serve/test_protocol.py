@@ -96,7 +96,6 @@ def test_stop_strings_are_capped() -> None:
     "fields",
     [
         {"best_of": 2},
-        {"suffix": "tail"},
         {"functions": [{"name": "f"}]},  # deprecated for tools, which are served
         {"audio": {"voice": "x"}},
     ],
@@ -109,6 +108,16 @@ def test_unsupported_openai_fields_are_refused(fields: dict) -> None:
         _completion(**fields)
     assert ei.value.status == 400 and ei.value.code == "unsupported_parameter"
     assert ei.value.param == name
+
+
+def test_a_suffix_is_a_completions_field_and_refused_on_chat() -> None:
+    """Issue 62: completions take `suffix` (fill-in-the-middle: serve.models builds the FIM
+    prompt); chat has no gap to fill."""
+    assert _completion(suffix="tail").suffix == "tail"
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "suffix": "tail"}
+    with pytest.raises(ApiError) as ei:
+        parse_request(ChatRequest, chat)
+    assert ei.value.code == "unsupported_parameter" and ei.value.param == "suffix"
 
 
 def test_new_sampling_fields_are_validated_into_params() -> None:

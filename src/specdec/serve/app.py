@@ -3,7 +3,9 @@
 Endpoints
     POST /v1/chat/completions   messages -> the model's chat template -> token ids
     POST /v1/completions        prompt: a string (tokenized raw), or a list of token ids (the
-                                only way to serve a tokenizer-free mock model)
+                                only way to serve a tokenizer-free mock model); with `suffix`,
+                                the middle between prompt and suffix (backends.fim)
+    POST /infill                llama.cpp's code completion for editors (serve.infill)
     GET  /v1/models             the one model; its id is the target spec string, with the
                                 drafters a request may ask for and the server's defaults
     GET  /health                {"status": "ok", ...} (no paths: it needs no API key); 503
@@ -24,7 +26,7 @@ stream_options.include_usage and return_token_ids (extension, after vLLM: each c
 carries its generated token ids, so a client can check exactness token for token); chat adds
 tools, tool_choice and parallel_tool_calls (serve.tools), completions echo. Each is exact
 under speculation (core.processing; docs/requests.md). Fields that would change the output and
-are not implemented (best_of, suffix, functions, ...) are refused with 400
+are not implemented (best_of, chat's suffix, functions, ...) are refused with 400
 unsupported_parameter unless they ask for nothing (null, false, 0, {}); other unknown fields
 are ignored. Extensions for
 speculation (protocol; docs/api-extensions.md): `speculation` {"drafter", "k", "k_max"} per
@@ -123,6 +125,7 @@ from specdec.backends.cores import pace
 from specdec.backends.weights import kernel_of
 from specdec.core.model import SpecModel
 from specdec.serve import answers, playground
+from specdec.serve import infill as fim_route
 from specdec.serve.answers import Reply, sample_params
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
@@ -369,6 +372,29 @@ def _time_left(request: Request, ctx: _Context) -> float:
         return ctx.cfg.request_timeout
 
 
+async def infill(request: Request) -> Response:
+    """llama.cpp's /infill (serve.infill): read, parse, admit, build the FIM prompt, generate."""
+    arrived = time.perf_counter()
+    ctx = _ctx(request)
+    engine = ctx.engine
+    tenant = _tenant(request)
+    body = await _read_body(request, ctx.cfg.max_body_bytes, ctx.cfg.body_timeout)
+    req = await _off_loop(lambda: fim_route.parse_infill(parse_json(body)))
+    n = req.n_cmpl or req.n or 1
+    with contextlib.ExitStack() as held:
+        count = n if isinstance(n, int) and 1 <= n <= MAX_N else 1
+        reservations = [held.enter_context(engine.reserve(tenant)) for _ in range(count)]
+        params = await _off_loop(fim_route.prepare, engine.models, req, ctx.public_id)
+        loop = asyncio.get_running_loop()
+        deadline = arrived + _time_left(request, ctx)
+        samples = fim_route.make_samples(params, loop, arrived, deadline, tenant)
+        response = await fim_route.answer(
+            request, req, engine, params, samples, reservations, ctx.public_id
+        )
+        engine.metrics.count_request(request.url.path, 200)
+        return response
+
+
 def _samples(req: ChatRequest | CompletionRequest) -> int:
     """The samples a request asks for (validate_request checks the range; a place is held for
     at most MAX_N)."""
@@ -501,6 +527,7 @@ def create_app(engine: Engine, cfg: ServeConfig, replica: str | None = None) -> 
     app.add_exception_handler(Exception, _unexpected)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/infill", infill, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])

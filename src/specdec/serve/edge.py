@@ -50,7 +50,7 @@ DEADLINE_GRACE_S = 5.0
 #: Seconds the edge waits for a replica's /metrics, or any answer that is not a generation.
 ASK_S = 10.0
 #: The generation routes: each request takes slots and waits in the edge's queue.
-GENERATIONS = ("/v1/chat/completions", "/v1/completions")
+GENERATIONS = ("/v1/chat/completions", "/v1/completions", "/infill")
 
 
 # ------------------------------------------------------------------------------ the app

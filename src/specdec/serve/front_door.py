@@ -96,6 +96,12 @@ def affinity_of(authorization: str, obj: Any) -> str | None:
         return None
     messages = obj.get("messages")
     text = _prompt_text(messages if messages is not None else obj.get("prompt"))
+    if isinstance(obj.get("input_prefix"), str):  # /infill: the other files, then the prefix
+        extra = obj.get("input_extra")
+        chunks = (
+            [c.get("text") for c in extra if isinstance(c, dict)] if isinstance(extra, list) else []
+        )
+        text = _prompt_text([*chunks, obj["input_prefix"]])
     if not text:
         return None
     digest = hashlib.sha256(f"{authorization}\0{text[:AFFINITY_CHARS]}".encode())

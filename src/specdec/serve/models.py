@@ -22,7 +22,13 @@ from specdec.core.model import SpecModel
 from specdec.core.pool import DraftPool
 from specdec.serve.errors import bad
 from specdec.serve.keys import ANONYMOUS
-from specdec.serve.protocol import ChatRequest, CompletionRequest, GenParams, Structure
+from specdec.serve.protocol import (
+    DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    GenParams,
+    Structure,
+)
 from specdec.serve.protocol import validate_request as validate
 from specdec.serve.requests import Request
 from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
@@ -75,9 +81,11 @@ class ServedModels:
         ("" without). ApiError 400 naming the problem. Call off the event loop and off the
         worker: a prompt up to --max-body-bytes is templated and tokenized here, a grammar
         compiled (the first builds llguidance's token trie, ~2 s for 150k tokens)."""
-        tokens, given = self.tokens, None
+        tokens, given, ends = self.tokens, None, frozenset[int]()
         if isinstance(req, ChatRequest):
             prompt = tokens.encode_chat(req.chat_messages(), _rendered_tools(req))
+        elif req.suffix is not None and (req.suffix or tokens.fim() is not None):
+            prompt, ends = self._fim_prompt(req)
         else:
             given = req.single_prompt()
             prompt = tokens.encode_text(given) if isinstance(given, str) else given
@@ -91,10 +99,23 @@ class ServedModels:
             params = dataclasses.replace(params, grammar=self.grammar(params.structure))
         if params.prediction:  # its hints, and its index if it may be built ahead
             params = tokens.prepare_prediction(params, _instruction(req))
+        if ends:
+            params = dataclasses.replace(params, stop_ids=ends)
         if not params.echo or given is None:
             return params, ""
         # token ids are decoded only once validate has checked them against the vocabulary
         return params, given if isinstance(given, str) else tokens.text_of(given)
+
+    def _fim_prompt(self, req: CompletionRequest) -> tuple[list[int], frozenset[int]]:
+        """A completion with a suffix: the FIM prompt for the middle between its prompt and
+        its suffix, and the tokens that end a middle (serve.tokens.encode_fim)."""
+        prefix = req.single_prompt()
+        if not isinstance(prefix, str):
+            raise bad("a suffix needs a text prompt (the text before the gap)", "prompt")
+        if req.echo:
+            raise bad("echo and suffix together are not supported", "echo")
+        n_predict = req.max_tokens if isinstance(req.max_tokens, int) else DEFAULT_MAX_TOKENS
+        return self.tokens.encode_fim(prefix, req.suffix or "", [], "", self.n_ctx, n_predict)
 
     def grammar(self, structure: Structure) -> Grammar:
         """The grammar of a request's structure, compiled and checked against the model's
@@ -142,7 +163,7 @@ class ServedModels:
             logprobs=p.logprobs,
             max_new_tokens=p.max_tokens,
             seed=p.seed,
-            stop_ids=self.stop_ids,
+            stop_ids=[*self.stop_ids, *p.stop_ids],
             cancelled=lambda: r.stopped() is not None,  # polled between prefill chunks
             on_round=r.out.origins.observe if r.out and r.out.origins else None,
             reuse_prefix=reuse_prefix,

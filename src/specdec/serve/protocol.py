@@ -51,7 +51,7 @@ MAX_STOP_CHARS = 256
 #: other value is refused rather than silently ignored.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
-    "suffix": ("",),
+    "suffix": ("",),  # chat's; completions take it (fill-in-the-middle: backends.fim)
     "functions": ([],),
     "function_call": ("none",),
     "audio": (),
@@ -324,6 +324,9 @@ class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
+    # the text after the gap: the prompt is then the text before it (fill-in-the-middle,
+    # OpenAI's legacy field and Ollama's; serve.models builds the model's FIM prompt)
+    suffix: str | None = None
     tools: Any = None  # a chat field: refused here rather than ignored (`validate_request`)
 
     def single_prompt(self) -> str | list[int]:
@@ -345,7 +348,7 @@ Request = ChatRequest | CompletionRequest
 def parse_request(kind: type[ChatRequest] | type[CompletionRequest], body: Any) -> Any:
     """`body` (parsed JSON) as a `kind`; 400 for wrong types and for unsupported fields."""
     check_shape("chat" if kind is ChatRequest else "completions", body)
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, allowed=() if kind is ChatRequest else ("suffix",))
     try:
         return kind.model_validate(body)
     except ValidationError as e:
@@ -356,9 +359,9 @@ def parse_request(kind: type[ChatRequest] | type[CompletionRequest], body: Any) 
         raise bad(f"{where}: {err['msg']}", param=param, code="invalid_type") from None
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
+def _refuse_unsupported(body: dict[str, Any], allowed: tuple[str, ...] = ()) -> None:
     for name, neutral in UNSUPPORTED.items():
-        v = body.get(name)
+        v = body.get(name) if name not in allowed else None
         # type-exact: False == 0 in Python, yet "logprobs": 0 is a request for logprobs
         if v is None or any(type(v) is type(n) and v == n for n in neutral):
             continue
@@ -395,6 +398,8 @@ class GenParams:
     structure: Structure | None = None  # what the output must match (response_format, tools)
     tools: ToolFormat | None = None  # read tool calls out of the text in this format
     grammar: Grammar | None = None  # the structure's grammar, compiled by the app (off the worker)
+    # tokens that end this request besides the model's own (a FIM prompt's: backends.fim)
+    stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

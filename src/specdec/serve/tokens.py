@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.backends import chat as prompting
+from specdec.backends.fim import Extra, FimTokens, fim_prompt, fim_tokens, plain_encoder
 from specdec.core.drafters import PredictionDrafter, PredictionIndex
 from specdec.core.sampling import TokenLogprob
 from specdec.serve.errors import bad
@@ -107,6 +108,7 @@ class Tokens:
         self.model_id = model_id
         self.lock = threading.Lock()  # request threads encode while the worker decodes
         self._index_budget = _IndexBudget(PREBUILT_INDEX_TOKENS)
+        self._fim: tuple[object | None, FimTokens | None] | None = None
         self.tokenizer = tokenizer
 
     @property
@@ -186,6 +188,33 @@ class Tokens:
             raise bad(f"{self.model_id} has no tokenizer; pass the prompt as token ids", "prompt")
         with self.lock:
             return prompting.encode(self._tokenizer, text, chat=False)
+
+    def fim(self) -> FimTokens | None:
+        """The tokenizer's FIM tokens (backends.fim), looked up once per tokenizer."""
+        cached = self._fim
+        if cached is None or cached[0] is not self._tokenizer:
+            cached = self._fim = (self._tokenizer, fim_tokens(self._tokenizer))
+        return cached[1]
+
+    def encode_fim(
+        self, prefix: str, suffix: str, extra: list[Extra], current: str, n_ctx: int, n_predict: int
+    ) -> tuple[list[int], frozenset[int]]:
+        """The FIM prompt asking for the middle between `prefix` and `suffix` (backends.fim),
+        and the tokens that end a middle; 400 naming the model when its vocabulary has none."""
+        fim = self.fim()
+        if fim is None:
+            raise bad(
+                f"{self.model_id} has no fill-in-the-middle tokens in its vocabulary; a suffix "
+                "needs a FIM-trained code model",
+                "suffix",
+                code="fim_not_supported",
+            )
+        with self.lock:
+            encode = plain_encoder(self._tokenizer)
+            ids = fim_prompt(
+                fim, encode, prefix, suffix, extra, current, n_ctx=n_ctx, n_predict=n_predict
+            )
+        return ids, fim.ends
 
     def encode_prediction(self, text: str) -> list[int]:
         """A request's prediction as token ids (backends.chat.encode_prediction)."""
