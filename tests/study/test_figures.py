@@ -100,6 +100,34 @@ def test_every_figure_is_a_nontrivial_png(study: Path) -> None:
         assert path.stat().st_size > MIN_PNG_BYTES, name
 
 
+def test_no_figure_cuts_a_text_at_its_edge(tmp_path: Path) -> None:
+    """Issue 64: `make demo`'s throughput figure had its title cut at the left edge ("ughput per
+    method; ..."): tight_layout centres a title over axes narrowed by the legend beside them."""
+    from specdec.study.present import figures
+
+    figures.CLIPPED.clear()
+    d = tmp_path / "study"
+    shutil.copytree(FIXTURES, d)
+    assert main(["figures", str(d)]) == 0
+    assert figures.CLIPPED == []
+
+
+def test_a_title_wider_than_the_figure_is_wrapped_until_it_fits(tmp_path: Path) -> None:
+    from specdec.study.present import figures
+
+    plt = figures._pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.bar([0, 1], [1, 2], label="a method with a long legend entry")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    title = "Throughput per method; label = speedup over the same run's target-only " * 2
+    ax.set_title(title + "\n(T = 0.8, 128 new tokens, 10 prompts, 2 warm-up, native kernels)")
+    fig.tight_layout()
+    assert figures.clipped(fig), "the case no longer clips: the test needs a longer title"
+    figures.CLIPPED.clear()
+    figures._finish(fig, tmp_path / "t.png", ["x.json"])
+    assert figures.CLIPPED == [] and (tmp_path / "t.png").stat().st_size > 0
+
+
 def test_figures_out_option_and_rerun_are_stable(study: Path, tmp_path: Path) -> None:
     d = _copy(tmp_path / "in", MICRO, SWEEP)  # the two quickest figures
     assert main(["figures", str(d), "--out", str(tmp_path / "again")]) == 0

@@ -44,14 +44,72 @@ def _pyplot() -> Any:  # matplotlib is imported only when a figure is drawn
 
 
 def _finish(fig: Any, path: Path, sources: Iterable[str]) -> Path:
-    """Add the sources footnote, lay out, save, close."""
+    """Add the sources footnote, lay out, save, close. A title wider than the figure leaves
+    (a legend beside the axes takes their width) is wrapped until it fits: tight_layout
+    centres it over the axes and cuts what reaches past the edge."""
     note = textwrap.fill("source: " + ", ".join(sorted(set(sources))), _FOOTNOTE_CHARS)
     fig.text(0.005, 0.005, note, fontsize=7, color="#555555", va="bottom")
     footnote_in = _FOOTNOTE_LINE_IN * (note.count("\n") + 1) + 0.05
-    fig.tight_layout(rect=(0, footnote_in / fig.get_figheight(), 1, 1))
+    rect = (0, footnote_in / fig.get_figheight(), 1, 1)
+    fig.tight_layout(rect=rect)
+    for _ in range(4):
+        cut = clipped(fig)
+        titles = [ax.title for ax in fig.axes if ax.title.get_text() in cut]
+        if not titles:
+            break
+        for title in titles:
+            title.set_text(_narrower(title.get_text()))
+        fig.tight_layout(rect=rect)
+    CLIPPED.extend((path.name, t) for t in clipped(fig))
     fig.savefig(path, dpi=_DPI, metadata={"Software": None})  # no version stamp: stable bytes
     _pyplot().close(fig)
     return path
+
+
+#: (figure file, text) of every text a saved figure cut at its edge (tests/study/test_figures.py
+#: checks that none is).
+CLIPPED: list[tuple[str, str]] = []
+
+
+def clipped(fig: Any) -> list[str]:
+    """The visible texts of `fig` that reach past its edges (cut off in the image): titles,
+    legends, notes; texts that their axes clip on purpose are not counted."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    edge = fig.bbox
+    # tick labels are placed by tight_layout itself, and those of ticks outside the view exist
+    # undrawn: not counted
+    ticks = {
+        id(label)
+        for ax in fig.axes
+        for axis in (ax.xaxis, ax.yaxis)
+        for tick in (*axis.get_major_ticks(), *axis.get_minor_ticks())
+        for label in (tick.label1, tick.label2)
+    }
+    out = []
+    for t in fig.findobj(Text):
+        clips = t.get_clip_on() and t.get_clip_box() is not None  # cut to its axes on purpose
+        if not t.get_visible() or not t.get_text().strip() or clips or id(t) in ticks:
+            continue
+        box = t.get_window_extent(renderer)
+        if (
+            box.x0 < edge.x0 - 1
+            or box.x1 > edge.x1 + 1
+            or box.y0 < edge.y0 - 1
+            or box.y1 > edge.y1 + 1
+        ):
+            out.append(t.get_text())
+    return out
+
+
+def _narrower(text: str) -> str:
+    """`text` with its longest line wrapped at three quarters of its length."""
+    lines = text.split("\n")
+    longest = max(lines, key=len)
+    width = max(20, 3 * len(longest) // 4)
+    return "\n".join(textwrap.fill(ln, width) if ln is longest else ln for ln in lines)
 
 
 def _box(ax: Any, text: str, x: float, y: float, ha: str, va: str, size: float = 9) -> None:
