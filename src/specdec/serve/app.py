@@ -112,7 +112,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -258,8 +258,14 @@ def _check_model(ctx: _Context, model: str) -> None:
 
 async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The request body, at most `limit` bytes, within `timeout` seconds (408 after)."""
+    return await read_within(_read_all(request, limit), timeout)
+
+
+async def read_within(read: Awaitable[bytes], timeout: float) -> bytes:
+    """`read` (a body being read) within `timeout` seconds: 408 after (serve.edge reads its
+    requests that are no generation with it too)."""
     try:
-        return await asyncio.wait_for(_read_all(request, limit), timeout)
+        return await asyncio.wait_for(read, timeout)
     except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
         raise ApiError(
             408,
@@ -380,10 +386,8 @@ async def infill(request: Request) -> Response:
     tenant = _tenant(request)
     body = await _read_body(request, ctx.cfg.max_body_bytes, ctx.cfg.body_timeout)
     req = await _off_loop(lambda: fim_route.parse_infill(parse_json(body)))
-    n = req.n_cmpl or req.n or 1
     with contextlib.ExitStack() as held:
-        count = n if isinstance(n, int) and 1 <= n <= MAX_N else 1
-        reservations = [held.enter_context(engine.reserve(tenant)) for _ in range(count)]
+        reservations = [held.enter_context(engine.reserve(tenant)) for _ in range(_samples(req))]
         params = await _off_loop(fim_route.prepare, engine.models, req, ctx.public_id)
         loop = asyncio.get_running_loop()
         deadline = arrived + _time_left(request, ctx)
@@ -395,7 +399,7 @@ async def infill(request: Request) -> Response:
         return response
 
 
-def _samples(req: ChatRequest | CompletionRequest) -> int:
+def _samples(req: ChatRequest | CompletionRequest | fim_route.InfillRequest) -> int:
     """The samples a request asks for (validate_request checks the range; a place is held for
     at most MAX_N)."""
     return req.n if isinstance(req.n, int) and 1 <= req.n <= MAX_N else 1

@@ -107,35 +107,43 @@ _TOO_LARGE = f"the request line and headers exceed the server's limit of {MAX_HE
 _AMBIGUOUS = (
     "a request may not have both Content-Length and Transfer-Encoding (RFC 9112 section 6.1)"
 )
+#: The requests refused with the server's JSON error (code: status, reason, message).
+_REFUSALS = {
+    "ambiguous_framing": (400, b"Bad Request", _AMBIGUOUS),
+    "uri_too_long": (414, b"URI Too Long", _TOO_LONG),
+    "header_too_large": (431, b"Request Header Fields Too Large", _TOO_LARGE),
+}
 
 
 class _FramedConnection(h11.Connection):
     """h11's server connection, refusing a request with both Content-Length and
-    Transfer-Encoding as h11 refuses other bad framing: RemoteProtocolError, on which uvicorn
-    answers 400 (send_400_response) before any application runs."""
+    Transfer-Encoding, or a target or head past its bound, as h11 refuses other bad framing:
+    RemoteProtocolError, on which uvicorn answers (send_400_response) before any application
+    runs."""
 
-    ambiguous = False  # the last request was refused for its framing
-    hint = 400  # the status h11 suggested for the last request it refused
+    refused: str | None = None  # the _REFUSALS code of the request refused, if any
 
     def next_event(self) -> Any:
         try:
             event = super().next_event()
-        except h11.RemoteProtocolError as e:
-            self.hint = e.error_status_hint
+        except h11.RemoteProtocolError as e:  # h11's own: a head still arriving past its bound
+            self.refused = "header_too_large" if e.error_status_hint == 431 else None
             raise
         if isinstance(event, h11.Request):
             head = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
-            if len(event.target) > MAX_TARGET_BYTES:
-                self.hint = 414
-                raise h11.RemoteProtocolError(_TOO_LONG, error_status_hint=414)
-            if head > MAX_HEAD_BYTES:
-                self.hint = 431
-                raise h11.RemoteProtocolError(_TOO_LARGE, error_status_hint=431)
             names = {name for name, _ in event.headers}  # h11 lowercases header names
+            if len(event.target) > MAX_TARGET_BYTES:
+                self._refuse("uri_too_long")
+            if head > MAX_HEAD_BYTES:
+                self._refuse("header_too_large")
             if b"content-length" in names and b"transfer-encoding" in names:
-                self.ambiguous = True
-                raise h11.RemoteProtocolError(_AMBIGUOUS, error_status_hint=400)
+                self._refuse("ambiguous_framing")
         return event
+
+    def _refuse(self, code: str) -> None:
+        self.refused = code
+        status, _, message = _REFUSALS[code]
+        raise h11.RemoteProtocolError(message, error_status_hint=status)
 
 
 class _ReadAhead:
@@ -188,19 +196,12 @@ class _ReadAhead:
 
     def send_400_response(self, msg: str) -> None:
         conn = self.conn
-        framed = isinstance(conn, _FramedConnection)
-        if framed and conn.ambiguous:
-            status, reason = 400, b"Bad Request"
-            body = _error_body(_AMBIGUOUS, "invalid_request_error", "ambiguous_framing")
-        elif framed and conn.hint == 414:
-            status, reason = 414, b"URI Too Long"
-            body = _error_body(_TOO_LONG, "invalid_request_error", "uri_too_long")
-        elif framed and conn.hint == 431:
-            status, reason = 431, b"Request Header Fields Too Large"
-            body = _error_body(_TOO_LARGE, "invalid_request_error", "header_too_large")
-        else:
+        code = conn.refused if isinstance(conn, _FramedConnection) else None
+        if code is None:
             super().send_400_response(msg)
             return
+        status, reason, message = _REFUSALS[code]
+        body = _error_body(message, "invalid_request_error", code)
         # The server's JSON error rather than uvicorn's text; the connection is closed
         # after it (the rest of the stream cannot be framed).
         headers = [

@@ -22,7 +22,7 @@ import dataclasses
 import json
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,8 +91,9 @@ def create_edge_app(replicas: Replicas, cfg: Any) -> Any:
         with contextlib.suppress(BaseException):
             await watcher
 
-    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.openapi_url = None
+    app = FastAPI(
+        title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     keys = KeyRing(cfg.keys())
     operator = KeyRing([cfg.metrics_key]) if cfg.metrics_key else None
     bare = dataclasses.replace(cfg, api_key=None, api_keys=(), metrics_key=None)
@@ -158,13 +159,14 @@ async def _generation(request: Request) -> Any:
 async def _light(request: Request) -> Any:
     """Any other request (the models list, the playground, a 404): the key checked on /v1
     before a body is read, then any replica's answer."""
-    from specdec.serve.app import read_at_most
+    from specdec.serve.app import read_at_most, read_within
 
     ctx = _door_ctx(request)
     if request.url.path.startswith("/v1"):
         ctx.keys.tenant(request.headers.get("authorization", ""))
     async with ctx.door.light():
-        body = await _bounded(read_at_most(request, ctx.cfg.max_body_bytes), ctx.cfg.body_timeout)
+        read = read_at_most(request, ctx.cfg.max_body_bytes)
+        body = await read_within(read, ctx.cfg.body_timeout)
         fwd = Forwarded(
             request.method,
             request.url.path,
@@ -173,18 +175,6 @@ async def _light(request: Request) -> Any:
             body,
         )
         return await _relay(ctx.door, fwd, time.perf_counter() + ASK_S, None)
-
-
-async def _bounded(read: Awaitable[bytes], timeout: float) -> bytes:
-    try:
-        return await asyncio.wait_for(read, timeout)
-    except asyncio.TimeoutError:
-        raise ApiError(
-            408,
-            f"the request body did not arrive within {timeout:g} s",
-            code="request_timeout",
-            headers={"Connection": "close"},
-        ) from None
 
 
 async def _relay(door: FrontDoor, fwd: Forwarded, cut_at: float, sent: Sent | None) -> Any:

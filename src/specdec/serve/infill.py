@@ -82,16 +82,13 @@ class InfillRequest(BaseModel):
     speculation: dict[str, Any] | None = None
 
     def extra(self) -> list[Extra]:
-        """input_extra as chunks: 400 for llama.cpp's malformed ones."""
-        out = []
-        for chunk in self.input_extra:
-            if not isinstance(chunk.get("text"), str):
-                raise bad('an input_extra chunk must hold a "text" string', "input_extra")
-            name = chunk.get("filename")
-            if name is not None and not isinstance(name, str):
-                raise bad('an input_extra chunk\'s "filename" must be a string', "input_extra")
-            out.append(Extra(chunk["text"], name or ""))
-        return out
+        """input_extra as chunks (parse_infill checked them)."""
+        return [Extra(c["text"], c.get("filename") or "") for c in self.input_extra]
+
+    def max_new(self) -> int:
+        """Tokens at most: n_predict (or max_tokens); -1 or none: DEFAULT_N_PREDICT."""
+        n = self.n_predict if self.n_predict is not None else self.max_tokens
+        return DEFAULT_N_PREDICT if n is None or n < 0 else n
 
     def temperature_or_default(self) -> float:
         if self.temperature is not None:
@@ -103,13 +100,12 @@ class InfillRequest(BaseModel):
 
     def completion(self, model: str, ids: list[int]) -> CompletionRequest:
         """The completion the engine runs: the FIM prompt as token ids."""
-        n_predict = self.n_predict if self.n_predict is not None else self.max_tokens
         body: dict[str, Any] = {
             "model": model,
             "prompt": ids,
-            "max_tokens": DEFAULT_N_PREDICT if n_predict is None or n_predict < 0 else n_predict,
+            "max_tokens": self.max_new(),
             "temperature": self.temperature_or_default(),
-            "n": self.n_cmpl or self.n or 1,
+            "n": self.n or 1,
             "stop": self.stop or None,
         }
         for name in ("top_k", "top_p", "min_p", "seed", "speculation"):
@@ -125,10 +121,14 @@ def parse_infill(obj: Any) -> InfillRequest:
     for name in ("input_prefix", "input_suffix"):
         if name not in obj:
             raise bad(f'"{name}" is required', name)
-    if "input_extra" in obj and not isinstance(obj["input_extra"], list):
+    extra = obj.get("input_extra", [])
+    if not isinstance(extra, list) or not all(isinstance(c, dict) for c in extra):
         raise bad('"input_extra" must be an array of {"filename": string, "text": string}')
-    if not all(isinstance(c, dict) for c in obj.get("input_extra") or []):
-        raise bad('"input_extra" must be an array of {"filename": string, "text": string}')
+    for chunk in extra:
+        if not isinstance(chunk.get("text"), str):
+            raise bad('an input_extra chunk must hold a "text" string', "input_extra")
+        if chunk.get("filename") is not None and not isinstance(chunk["filename"], str):
+            raise bad('an input_extra chunk\'s "filename" must be a string', "input_extra")
     try:
         req = InfillRequest.model_validate(obj)
     except ValidationError as e:
@@ -139,7 +139,8 @@ def parse_infill(obj: Any) -> InfillRequest:
         raise bad(f"n_indent must be >= 0, got {req.n_indent}", "n_indent")
     if req.n_predict == 0:
         raise bad("n_predict must be >= 1 (or -1 for the default)", "n_predict")
-    return req
+    # llama.cpp's n_cmpl is OpenAI's n: one field from here on
+    return req.model_copy(update={"n": req.n_cmpl}) if req.n_cmpl is not None else req
 
 
 # ------------------------------------------------------------------------------ the stop rules
@@ -360,7 +361,7 @@ def prepare(models: Any, req: InfillRequest, model_id: str) -> GenParams:
     """The request's GenParams: its FIM prompt (serve.tokens.encode_fim) run as a completion,
     ending at the FIM end tokens too. 501 for a model with no FIM tokens, as llama.cpp. Call
     off the event loop."""
-    if models.tokens.fim() is None:
+    if models.tokens.fim is None:
         raise ApiError(
             501,
             f"infill is not supported by this model: {model_id} has no fill-in-the-middle "
@@ -368,9 +369,8 @@ def prepare(models: Any, req: InfillRequest, model_id: str) -> GenParams:
             type="not_supported_error",
             code="fim_not_supported",
         )
-    n_predict = req.completion(model_id, [0]).max_tokens or DEFAULT_N_PREDICT
     ids, ends = models.tokens.encode_fim(
-        req.input_prefix, req.input_suffix, req.extra(), req.prompt, models.n_ctx, n_predict
+        req.input_prefix, req.input_suffix, req.extra(), req.prompt, models.n_ctx, req.max_new()
     )
     params, _ = models.prepare(req.completion(model_id, ids))
     return dataclasses.replace(params, stop_ids=ends)

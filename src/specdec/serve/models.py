@@ -84,7 +84,7 @@ class ServedModels:
         tokens, given, ends = self.tokens, None, frozenset[int]()
         if isinstance(req, ChatRequest):
             prompt = tokens.encode_chat(req.chat_messages(), _rendered_tools(req))
-        elif req.suffix is not None and (req.suffix or tokens.fim() is not None):
+        elif req.suffix is not None and (req.suffix or tokens.fim is not None):
             prompt, ends = self._fim_prompt(req)
         else:
             given = req.single_prompt()

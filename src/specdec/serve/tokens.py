@@ -108,7 +108,6 @@ class Tokens:
         self.model_id = model_id
         self.lock = threading.Lock()  # request threads encode while the worker decodes
         self._index_budget = _IndexBudget(PREBUILT_INDEX_TOKENS)
-        self._fim: tuple[object | None, FimTokens | None] | None = None
         self.tokenizer = tokenizer
 
     @property
@@ -119,6 +118,7 @@ class Tokens:
     def tokenizer(self, tokenizer: object | None) -> None:
         self._tokenizer = tokenizer
         self._decoder = _copy_tokenizer(tokenizer)  # the worker's own
+        self.__dict__.pop("fim", None)  # another vocabulary: its FIM tokens are looked up anew
 
     @functools.cached_property
     def tool_format(self) -> ToolFormat | None:
@@ -189,19 +189,17 @@ class Tokens:
         with self.lock:
             return prompting.encode(self._tokenizer, text, chat=False)
 
+    @functools.cached_property
     def fim(self) -> FimTokens | None:
         """The tokenizer's FIM tokens (backends.fim), looked up once per tokenizer."""
-        cached = self._fim
-        if cached is None or cached[0] is not self._tokenizer:
-            cached = self._fim = (self._tokenizer, fim_tokens(self._tokenizer))
-        return cached[1]
+        return fim_tokens(self._tokenizer)
 
     def encode_fim(
         self, prefix: str, suffix: str, extra: list[Extra], current: str, n_ctx: int, n_predict: int
     ) -> tuple[list[int], frozenset[int]]:
         """The FIM prompt asking for the middle between `prefix` and `suffix` (backends.fim),
         and the tokens that end a middle; 400 naming the model when its vocabulary has none."""
-        fim = self.fim()
+        fim = self.fim
         if fim is None:
             raise bad(
                 f"{self.model_id} has no fill-in-the-middle tokens in its vocabulary; a suffix "
