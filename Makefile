@@ -5,6 +5,7 @@
 #   make study-kernels  specdec's kernels against stock llama.cpp's: verify curves, profile, c
 #   make study-anchors  stock llama.cpp's servers beside specdec's (builds them once, ~4 min)
 #   make soak-hostile  the server's hostile soak (results/cpu/loadtest_hostile.json)
+#   make completion-replay  code completion against llama-server's /infill (~30 min, idle)
 #   make lint    ruff check + format check
 PYTHON ?= python3
 VENV   := .venv
@@ -22,7 +23,8 @@ LLAMA_BUILD := src/specdec/backends/llamacpp_build.py $(wildcard src/specdec/bac
 TARGET ?= llamacpp:qwen2.5-coder-1.5b
 DRAFT  ?= llamacpp:qwen2.5-coder-0.5b
 
-.PHONY: venv browser test lint demo study study-kernels anchors study-anchors soak-hostile clean
+.PHONY: venv browser test lint demo study study-kernels anchors study-anchors soak-hostile \
+  completion-replay clean
 
 venv: $(STAMP) $(LLAMA_STAMP)
 
@@ -219,6 +221,14 @@ soak-hostile: venv
 	  --server-log $$log --api-key-file $$key --keys-file $$key --metrics-key-file $$mkey \
 	  -n $(SOAK_N) -c 16 $(SOAK_SERVE) --max-queue 16 \
 	  --out $(SOAK_OUT); rc=$$?; kill $$pid; rm -f $$key $$mkey $$log; exit $$rc
+
+# Issue 62's replay: editing sessions typed back into real files of pinned packages, sent as
+# llama.vscode sends them to /infill, against stock llama-server at its FIM preset's settings
+# (scripts/completion_replay.py; docs/completion.md). Needs stock llama.cpp (make anchors).
+completion-replay: venv
+	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+	$(BIN)/specdec anchors build
+	$(BIN)/python scripts/completion_replay.py --out results/cpu/completion/replay.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -164,6 +164,31 @@ def test_prefill_builds_the_same_cache_as_extend(model: SpecModel, seq: list[int
     assert model.n_cached == len(seq)
 
 
+def test_a_saved_cache_restores_bit_for_bit(model: SpecModel, seq: list[int], backend: str):
+    """save/restore (a server's RAM prompt cache): after a detour through other tokens and an
+    empty cache, the restored cache continues exactly as the saved one would; a backend that
+    cannot copy its cache says so with None."""
+    cut = len(seq) // 2
+    model.prefill(seq[:cut])
+    saved = model.save()
+    if saved is None:
+        assert backend in ("hf", "replay")  # they prefill again instead
+        return
+    assert saved.tokens == tuple(seq[:cut]) and saved.nbytes > 0
+    expected = model.extend(seq[cut:])
+    model.reset()
+    model.extend(seq[cut:][:7])  # a detour
+    model.restore(saved)
+    assert model.cached_tokens == seq[:cut]
+    assert torch.equal(model.extend(seq[cut:]), expected)
+    model.restore(saved)  # twice: a saved cache is not used up
+    model.truncate(cut - 3)  # a restored cache rolls back as any other
+    assert torch.equal(model.extend(seq[cut - 3 :])[3:], expected)
+    other = MockModel(vocab_size=MOCK_V, seed=5)
+    with pytest.raises(SpecModelError, match="same model"):
+        other.restore(saved)
+
+
 def test_truncate_at_or_past_the_end_is_a_noop(model: SpecModel, seq: list[int]) -> None:
     model.extend(seq[:6])
     for n in (6, 7, 1000):

@@ -315,6 +315,12 @@ def test_llamacpp_slots_give_each_sequence_its_own_bits(smol_path, smol_llamacpp
         smol_llamacpp.reset()
         smol_llamacpp.prefill(prompts[1][:3])
         assert torch.equal(b, smol_llamacpp.extend([9]))
+        # a cache saved from one slot restores into another, bit for bit (serve.prompt_store)
+        saved = slots[0].save()
+        slots[2].restore(saved)
+        assert slots[2].cached_tokens == slots[0].cached_tokens
+        c, d = extend_together([(slots[0], [11]), (slots[2], [11])])
+        assert torch.equal(c, d)
     finally:
         multi.close()
 

@@ -248,8 +248,8 @@ def test_every_kind_answers_as_the_single_server(cluster: Proc, single: dict) ->
 
 
 def test_a_key_and_file_stay_on_one_replica_and_hit_its_prompt_cache(cluster: Proc) -> None:
-    # 586 prompt tokens each: two whole 256-token blocks are 87% of it (the cache keeps whole
-    # blocks), and a first request prefills half what 60 functions took
+    # 586 prompt tokens each: the cache keeps whole 16-token blocks (97% of it), and a first
+    # request prefills half what 60 functions took
     files = [
         "".join(f"def f{i}_{j}(x):\n    return x * {i} + {j}\n\n" for j in range(30))
         for i in range(2)

@@ -35,6 +35,7 @@ from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import generate
 from specdec.core.pool import DraftPool
 from specdec.serve.config import ServeConfig
+from specdec.serve.cycle import PROMPT_CACHE_BLOCK
 from specdec.serve.draft_pools import (
     DEFAULT_POOL_TOKENS,
     MIN_POOL_TOKENS,
@@ -251,7 +252,8 @@ def test_the_prompt_cache_is_kept_for_the_same_scope_only(srv_ab: Server) -> Non
         return r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     assert srv_ab.engine.cycle.prompt_cache  # the mock is batch-invariant: on by default
-    assert [cached(KEY_A), cached(KEY_A), cached(KEY_B), cached(KEY_B)] == [0, 512, 0, 512]
+    kept = 599 // PROMPT_CACHE_BLOCK * PROMPT_CACHE_BLOCK  # the cache holds seq[:-1]
+    assert [cached(KEY_A), cached(KEY_A), cached(KEY_B), cached(KEY_B)] == [0, kept, 0, kept]
 
 
 def test_shared_pool_is_one_pool_for_every_key() -> None:
@@ -264,11 +266,12 @@ def test_shared_pool_is_one_pool_for_every_key() -> None:
         m = _metrics(srv, KEY_B)
         assert _pool(m, "scopes") == 1 and _pool(m, "documents_total") == 2
         # Keys that share a pool trust each other: they share the prompt cache too.
-        assert b1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # 10 tokens: no block
+        assert b1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # 9 kept: no block
         long = list(range(300))
         _complete(srv, KEY_A, long, max_tokens=2)
         b2 = _complete(srv, KEY_B, long, max_tokens=2)
-        assert b2["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+        kept = 299 // PROMPT_CACHE_BLOCK * PROMPT_CACHE_BLOCK
+        assert b2["usage"]["prompt_tokens_details"]["cached_tokens"] == kept
         assert _pool(m, "memory_limit_bytes") == pool_memory_bytes(4096)  # one pool at most
     finally:
         srv.close()

@@ -37,6 +37,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures"
 SCRIPT_KINDS = (
     "specdec.arrivals/1",
     "specdec.cluster_check/1",
+    "specdec.completion_replay/1",
     "specdec.extraction/1",
     "specdec.front_door_check/1",
     "specdec.kernel_classes/1",

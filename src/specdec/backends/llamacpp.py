@@ -57,6 +57,7 @@ a model cannot follow a default one in the same process; the error says so.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -513,6 +514,32 @@ class LlamaCppModel(SpecModel):
     def _truncate(self, n: int) -> None:
         self._seq_rm(_SEQ, n)
 
+    def _save_state(self) -> tuple[Any, int]:
+        return self._save_seq(_SEQ)
+
+    def _restore_state(self, state: Any) -> None:
+        self._restore_seq(_SEQ, state)
+
+    def _save_seq(self, seq: int) -> tuple[Any, int]:
+        """Sequence `seq`'s KV cells, copied out of the context (llama_state_seq_get_data)."""
+        llama = self._llama
+        size = int(llama.llama_state_seq_get_size(self._ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        got = int(llama.llama_state_seq_get_data(self._ctx, buf, size, seq))
+        if got != size:
+            raise SpecModelError(f"{self.name}: llama.cpp copied {got} of {size} state bytes")
+        return buf, size
+
+    def _restore_seq(self, seq: int, buf: Any) -> None:
+        """`buf` (from _save_seq of any sequence) into the empty sequence `seq`."""
+        llama = self._llama
+        if int(llama.llama_state_seq_set_data(self._ctx, buf, len(buf), seq)) != len(buf):
+            self._seq_rm(seq, 0)
+            raise SpecModelError(
+                f"{self.name}: llama.cpp could not restore a saved cache of {len(buf)} bytes "
+                "(no room in the KV cache?)"
+            )
+
     def _seq_rm(self, seq: int, n: int) -> None:
         mem = self._llama.llama_get_memory(self._ctx)
         if not self._llama.llama_memory_seq_rm(mem, seq, n, -1):
@@ -597,6 +624,12 @@ class _Slot(SpecModel):
 
     def _truncate(self, n: int) -> None:
         self.owner._seq_rm(self.seq, n)
+
+    def _save_state(self) -> tuple[Any, int]:
+        return self.owner._save_seq(self.seq)
+
+    def _restore_state(self, state: Any) -> None:
+        self.owner._restore_seq(self.seq, state)
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         return self.owner.forward(ids)

@@ -73,5 +73,11 @@ class MockModel(SpecModel):
     def _truncate(self, n: int) -> None:
         pass  # the base class drops cached_tokens[n:]; there is no other state
 
+    def _save_state(self) -> tuple[None, int]:
+        return None, 8 * self.n_cached  # the tokens are the state: sized as a list of int64s
+
+    def _restore_state(self, state: None) -> None:
+        pass  # the base class restores cached_tokens
+
     def _forward(self, ids: list[int]) -> torch.Tensor:
         return self._logits(ids, None)

@@ -27,6 +27,7 @@ from specdec.serve.draft_pools import (
 )
 from specdec.serve.job_queue import DEFAULT_MAX_QUEUE
 from specdec.serve.launch import serve
+from specdec.serve.prompt_store import DEFAULT_CACHE_RAM_MIB
 from specdec.serve.scheduler import PREFILL_SHARE
 
 #: The environment variable read for the API key when neither flag gives one.
@@ -69,7 +70,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         default=None,
         help="keep the KV of the prefix shared with the previous request, in whole blocks of "
-        "256 tokens, as llama-server's cache_prompt (flag; default: on only where the output "
+        "16 tokens, as llama-server's cache_prompt (flag; default: on only where the output "
         "cannot depend on it: a batch-invariant target, as the default models are with specdec's "
         "kernels; see docs/serving.md)",
     )
@@ -78,6 +79,15 @@ def add(subparsers: argparse._SubParsersAction) -> None:
         dest="prompt_cache",
         action="store_false",
         help="prefill every prompt from scratch (flag)",
+    )
+    p.add_argument(
+        "--cache-ram",
+        type=int,
+        default=DEFAULT_CACHE_RAM_MIB,
+        metavar="MiB",
+        help="keep slots' caches in RAM, up to this many MiB, and restore the one that shares "
+        "the longest prefix with a later request of its API key, as llama-server's --cache-ram "
+        f"(int >= 0, 0: off; default {DEFAULT_CACHE_RAM_MIB}, llama-server's)",
     )
     p.add_argument(
         "--host",
@@ -300,6 +310,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         deterministic=args.deterministic,
         prompt_cache=args.prompt_cache,
+        cache_ram=args.cache_ram,
         body_timeout=args.body_timeout,
         max_connections=args.max_connections,
         max_connections_per_client=args.max_connections_per_client,

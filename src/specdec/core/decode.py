@@ -206,8 +206,11 @@ class Generation:
         if self.prefilled and _has_model(self.drafter):
             # Fresh caches per call, so a seeded run never depends on what ran before it
             # (reusing a shared prefix would change draft numerics slightly, and with them the
-            # sampled drafts).
-            self.drafter.model.reset()  # type: ignore[union-attr]
+            # sampled drafts), unless the draft is batch-invariant and the caller lets the
+            # target keep its prefix: the drafter keeps what its cache shares with the prompt.
+            model = self.drafter.model  # type: ignore[union-attr]
+            if not (self.reuse_prefix and model.batch_invariant):
+                model.reset()
         return self.prefilled
 
     def want(self, cap: int | None = None) -> tuple[KPolicy | None, str | None, int]:
@@ -449,9 +452,10 @@ def generate(target: SpecModel, prompt_ids: TokenIds, **options: Any) -> Generat
                  the caller adds this request's text to it once the generation ends
     reuse_prefix a block size B (0: off; 1: any length): keep the target's cached KV for the
                  longest common prefix of the prompt and what the cache holds, rounded down to
-                 whole blocks, and prefill only the rest (llama-server's cache_prompt). Exact
-                 where the backend is batch-invariant (mock, llama.cpp deterministic);
-                 elsewhere reused rows computed in another batch shape can flip a greedy tie
+                 whole blocks, and prefill only the rest (llama-server's cache_prompt); a
+                 batch-invariant draft model keeps its shared prefix too. Exact where the
+                 backend is batch-invariant (mock, llama.cpp deterministic); elsewhere reused
+                 rows computed in another batch shape can flip a greedy tie
     cancelled    asked between prefill chunks; True ends with stop_reason "cancelled"
     on_round     receives every round's Round record, after the stats and the K policy
     clock        times the phases (Clock); None: wall time. A replay passes modelled time

@@ -8,6 +8,10 @@ needs four operations:
     n_cached                    how many tokens the cache holds
     forward(tokens) -> logits   stateless evaluation of a whole sequence (the cache is untouched)
 
+and, where the backend can copy its cache (`save` is None where it cannot), `save()` -> a Saved
+copy of it and `restore(saved)`, which makes any slot's cache hold it again, bit for bit: a
+server keeps many prompts' KV in RAM this way (serve.prompt_store).
+
 A server's concurrent sequences are `slots(n)`: n models on the same weights with a cache each
 (slot 0 is the model itself), and `extend_together` extends several of them in one pass where
 the backend can (llama.cpp: one context, a KV stream per sequence); elsewhere one after another.
@@ -29,6 +33,7 @@ from __future__ import annotations
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,6 +110,17 @@ def _short(x: object) -> str:
     return text if len(text) <= 30 else text[:27] + "..."
 
 
+@dataclass(frozen=True, eq=False)
+class Saved:
+    """A copy of a cache (SpecModel.save): the tokens it held and the backend's state for them
+    (opaque; `nbytes` of memory)."""
+
+    owner: SpecModel  # the weights it was computed on: it restores into their slots only
+    tokens: tuple[int, ...]
+    state: Any
+    nbytes: int
+
+
 class SpecModel(ABC):
     """One model with one KV cache. See the module docstring for the contract."""
 
@@ -166,6 +182,28 @@ class SpecModel(ABC):
         self._truncate(0)
         self.cached_tokens.clear()
 
+    def save(self) -> Saved | None:
+        """A copy of the cache as it is now, for `restore`; None where the backend cannot copy
+        one (the caller then prefills again)."""
+        state = self._save_state()
+        if state is None:
+            return None
+        data, nbytes = state
+        return Saved(self.owner, tuple(self.cached_tokens), data, nbytes)
+
+    def restore(self, saved: Saved) -> None:
+        """Make the cache hold what it held at `saved` (taken from this model or another slot
+        of the same weights), bit for bit; what it held before is dropped."""
+        if saved.owner is not self.owner:
+            raise SpecModelError(
+                f"{self.name}: a cache saved from {saved.owner.name} restores only into slots "
+                "of the same model"
+            )
+        self.reset()
+        if saved.tokens:
+            self._restore_state(saved.state)
+            self.cached_tokens.extend(saved.tokens)
+
     def forward(self, tokens: TokenIds) -> torch.Tensor:
         """Stateless: logits [len(tokens), V] for `tokens` evaluated from an empty context.
 
@@ -198,6 +236,15 @@ class SpecModel(ABC):
 
     def _prefill(self, ids: list[int]) -> None:
         self._extend(ids)  # backends that can skip the output layer override this
+
+    def _save_state(self) -> tuple[Any, int] | None:
+        """The backend's state for the cached tokens and its size in bytes; None: the backend
+        cannot copy its cache (the default)."""
+        return None
+
+    def _restore_state(self, state: Any) -> None:
+        """Load `state` (from `_save_state` of a slot of the same weights) into an empty cache."""
+        raise SpecModelError(f"{self.name}: this backend cannot restore a saved cache")
 
     def _extend_slots(self, calls: list[tuple[SpecModel, list[int]]]) -> list[torch.Tensor]:
         """Run each call's checked ids on its slot of this model (`extend_together`), returning

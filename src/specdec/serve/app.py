@@ -493,6 +493,7 @@ async def prometheus(request: Request) -> Response:
         "specdec:num_requests_waiting": engine.queue_depth,
         "specdec:num_requests_running": engine.running,
         "specdec:kv_cache_usage_perc": engine.models.kv_usage,
+        **engine.cycle.store_gauges(),
         **engine.pools.gauges(),
         **pace().gauges(),
     }

@@ -15,6 +15,7 @@ from specdec.core.config import SpecConfig
 from specdec.serve.connections import DEFAULT_WRITE_TIMEOUT_S
 from specdec.serve.draft_pools import DEFAULT_POOL_SCOPES, DEFAULT_POOL_TOKENS, PoolConfig
 from specdec.serve.job_queue import DEFAULT_MAX_QUEUE
+from specdec.serve.prompt_store import DEFAULT_CACHE_RAM_MIB
 from specdec.serve.scheduler import PREFILL_SHARE
 from specdec.serve.speculation import DEFAULT_K
 
@@ -65,6 +66,8 @@ class ServeConfig:
     # keep the KV of the prefix shared with the previous request; None: only where the output
     # cannot depend on it (a batch-invariant target: serve.engine)
     prompt_cache: bool | None = None
+    # MiB of slots' caches kept in RAM for later requests of their scope (serve.prompt_store)
+    cache_ram: int = DEFAULT_CACHE_RAM_MIB
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds to receive a request's body
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open at once; 503 beyond (uvicorn's limit)
     # open at once from one address (serve.connections); None: half of max_connections
@@ -78,6 +81,8 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         self.pool_config()  # a bad --draft-pool* value fails here, before any model loads
+        if self.cache_ram < 0:
+            raise ValueError(f"--cache-ram must be >= 0 MiB (0: off), got {self.cache_ram}")
         if self.metrics_key is not None and self.metrics_key in self.keys():
             raise ValueError(
                 "the --metrics-key-file key is also an API key: give the operator a key of "

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from specdec.core.decode import Generation, rounds_together
+from specdec.core.drafters import common_prefix
 from specdec.core.processing import GrammarError
 from specdec.serve import scheduler
 from specdec.serve.delivery import Output
@@ -26,15 +27,16 @@ from specdec.serve.errors import ApiError, bad
 from specdec.serve.job_queue import JobQueue
 from specdec.serve.metrics import Metrics
 from specdec.serve.models import ServedModels
+from specdec.serve.prompt_store import Entry, PromptStore
 from specdec.serve.requests import FINISHED_BY, Done, Failed, Request, Start, Status
 from specdec.serve.scheduler import PassCosts, SlotView
 
 log = logging.getLogger(__name__)
 
-#: The prompt cache reuses, and reports, whole blocks of this many tokens: a client that guesses
-#: another's prompt learns at most whether a 256-token block matched, not the matching length
-#: (and only within a scope: the previous request's KV is kept for a request of its scope alone).
-PROMPT_CACHE_BLOCK = 256
+#: The prompt cache reuses, and reports, whole blocks of this many tokens (vLLM's block): a
+#: client that guesses another's prompt learns at most whether a block matched, not the matching
+#: length, and only within a scope (a slot's or the RAM store's KV is reused by its scope alone).
+PROMPT_CACHE_BLOCK = 16
 _SERVICE_EMA = 0.8  # smoothing of the mean generation time that Retry-After is estimated from
 
 
@@ -53,6 +55,7 @@ class Cycle:
         prompt_cache: bool,
         prefill_share: float,
         clock: Callable[[], float],
+        store: PromptStore | None = None,
     ) -> None:
         self.models = models
         self.parallel = len(models.targets)
@@ -72,6 +75,8 @@ class Cycle:
         # another tenant's request prefills afresh, or its cached_tokens would say what the last
         # wrote.
         self._cache_scope: list[str | None] = [None] * self.parallel
+        # Slots' caches kept in RAM for later requests of their scope (serve --cache-ram)
+        self._store = store if prompt_cache else None
 
     def step(self) -> bool:
         """One cycle; False once the queue is closed and nothing runs."""
@@ -85,6 +90,14 @@ class Cycle:
             round_s = self._clock() - t0
         self._prefill_newcomers(round_s)
         return True  # the requests that ended leave `running` at the next admission
+
+    def store_gauges(self) -> dict[str, float]:
+        """The RAM store's size, for /metrics."""
+        store = self._store
+        return {
+            "specdec_prompt_store_bytes": store.nbytes if store is not None else 0,
+            "specdec_prompt_store_entries": len(store) if store is not None else 0,
+        }
 
     def stop_all(self) -> None:
         """The worker is going away: every running request fails, the lock is let go."""
@@ -174,6 +187,9 @@ class Cycle:
         ]
         block = PROMPT_CACHE_BLOCK if self.prompt_cache else 0
         r.slot, reuse = scheduler.place(free, views, scope, p.prompt_ids, block)
+        if self._store is not None and self._through_store(r.slot, scope, p.prompt_ids, reuse):
+            reuse = True
+            self._cache_scope[r.slot] = scope  # what the target holds now, whatever follows
         r.started = time.perf_counter()
         r.use = self._pools.begin(r.tenant)
         self.running.append(r)  # from here on, its slot is taken until `finish`
@@ -189,6 +205,37 @@ class Cycle:
         r.gen.k_company = self.models.defaults.spec.resolved_k_max(r.gen.drafts_with_model)
         r.status = Status.PREFILLING
         r.emit(Start())
+
+    def _through_store(self, slot: int, scope: str, prompt: list[int], reuse: bool) -> bool:
+        """Before a request of `scope` takes `slot`: what the slot holds goes to the RAM store
+        if the request would overwrite most of it, and the scope's stored cache that shares more
+        of `prompt` than the slot keeps (by a block at least) comes back into the slot. True:
+        it came back (the request reuses it as its own scope's KV)."""
+        assert self._store is not None
+        target, draft = self.models.targets[slot], self.models.drafts[slot]
+        kept = common_prefix(target.cached_tokens, prompt) if reuse else 0
+        entry, shared = self._store.best(scope, prompt)
+        back = entry is not None and shared // PROMPT_CACHE_BLOCK > kept // PROMPT_CACHE_BLOCK
+        held = self._cache_scope[slot]
+        left = kept if not back else 0  # what of the slot's cache survives the request
+        mostly_lost = target.n_cached >= PROMPT_CACHE_BLOCK and 2 * left < target.n_cached
+        if held is not None and mostly_lost:  # a keystroke's request keeps most: not saved
+            if not self._store.holds(held, target.cached_tokens):
+                saved = target.save()
+                if saved is not None:  # a draft cache is kept only where reusing it is exact
+                    q = draft.save() if draft is not None and draft.batch_invariant else None
+                    self._store.put(Entry(held, saved, q))
+        if not back:
+            return False
+        assert entry is not None
+        target.restore(entry.target)
+        if draft is not None:
+            if entry.draft is not None:
+                draft.restore(entry.draft)
+            else:
+                draft.reset()
+        self._metrics.inc("specdec_prompt_store_restored_total")
+        return True
 
     # -------------------------------------------------------------------------- the passes
     def _prefill_newcomers(self, round_s: float | None) -> None:

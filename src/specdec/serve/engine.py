@@ -36,7 +36,9 @@ abandoned request never holds its slot for long.
 
 Cache safety: a generation resets its slot's draft cache when it starts, and its slot's target
 cache unless the prompt cache keeps the KV of a prefix the request shares with the previous
-request of its scope in that slot (`prompt_cache`, in whole blocks); after an engine exception
+request of its scope in that slot, or with a cache of its scope kept in RAM (`prompt_cache`,
+`cache_ram_mib`: serve.prompt_store; in whole blocks; the draft's too where it is
+batch-invariant); after an engine exception
 the slots of the requests it failed are reset again. A request takes an empty slot before one
 that holds another scope's prompt (scheduler.place). What does reach the next request on
 purpose: that prefix; its scope's draft pool (serve.draft_pools: prompt lookup drafts from the
@@ -73,6 +75,7 @@ from specdec.serve.job_queue import (
 from specdec.serve.keys import ANONYMOUS
 from specdec.serve.metrics import Metrics
 from specdec.serve.models import ServedModels
+from specdec.serve.prompt_store import DEFAULT_CACHE_RAM_MIB, PromptStore
 from specdec.serve.requests import Request, Status
 from specdec.serve.tenant_policies import TenantPolicies
 
@@ -103,6 +106,8 @@ class Engine:
         max_queue_per_key: int | None = None,
         metrics: Metrics | None = None,
         prompt_cache: bool | None = None,
+        # slots' caches kept in RAM for later requests (serve.prompt_store), MiB; 0: none
+        cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
         # None: no draft pool (`specdec serve` passes ServeConfig.pool_config(): one per API key)
         draft_pool: PoolConfig | None = None,
         # None: k="auto" policies kept per tenant for the engine's life, their curves in
@@ -121,6 +126,8 @@ class Engine:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if max_queue_per_key is not None and max_queue_per_key < 1:
             raise ValueError(f"max_queue_per_key must be >= 1, got {max_queue_per_key}")
+        if cache_ram_mib < 0:
+            raise ValueError(f"cache_ram_mib must be >= 0, got {cache_ram_mib}")
         self.metrics = metrics or Metrics()
         policies = policies if policies is not None else TenantPolicies(CurveFiles())
         self.models = ServedModels(target, draft, model_id or target.name, spec, parallel, policies)
@@ -142,6 +149,7 @@ class Engine:
             prompt_cache=target.batch_invariant if prompt_cache is None else prompt_cache,
             prefill_share=prefill_share,
             clock=clock,
+            store=PromptStore(cache_ram_mib << 20) if cache_ram_mib else None,
         )
         self._stopping = False
         self._thread = threading.Thread(target=self.run, name="specdec-engine", daemon=True)
@@ -162,6 +170,7 @@ class Engine:
             "max_queue": cfg.max_queue,
             "max_queue_per_key": cfg.queue_per_key(),
             "prompt_cache": cfg.prompt_cache,
+            "cache_ram_mib": cfg.cache_ram,
             "draft_pool": cfg.pool_config(),
             "parallel": cfg.parallel,
             "max_running_per_key": cfg.running_per_key(),

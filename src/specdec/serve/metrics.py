@@ -116,6 +116,15 @@ _METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Prompt tokens whose KV was kept from the previous request (not prefilled again)",
     ),
+    "specdec_prompt_store_restored_total": (
+        "counter",
+        "Slots' caches restored from RAM for a request of their scope (serve --cache-ram)",
+    ),
+    "specdec_prompt_store_bytes": (
+        "gauge",
+        "Bytes of slots' caches kept in RAM now (at most serve --cache-ram MiB)",
+    ),
+    "specdec_prompt_store_entries": ("gauge", "Slots' caches kept in RAM now"),
     "specdec_generated_tokens_total": (
         "counter",
         "Tokens committed (accepted + one recovered or bonus token per round)",
