@@ -102,6 +102,32 @@ def test_the_budgets_keep_what_is_nearest_the_cursor() -> None:
     assert ids.index(FIM.pre) == 2048 - 1024 - 200 and "near" in _text(ids)
 
 
+def test_a_long_prefix_starts_at_a_line_that_stays_while_the_window_slides() -> None:
+    """An editor's prefix is the 256 lines before the cursor: after each Enter it loses its
+    first line and gains one. The prompt's prefix (at most 768 tokens) starts at a line chosen
+    by content, so across 40 new lines the prompt keeps its start (and with it the prompt
+    cache) in most steps, where a cut at exactly the last 768 tokens moves it every time."""
+    enc = plain_encoder(CharTokenizer())
+    lines = [f"  x{i} += {i * 7 % 13}\n" for i in range(400)]  # ~12 tokens, as a line of code
+    starts, kept = [], []
+    for cursor in range(300, 340):
+        prefix = "".join(lines[cursor - 256 : cursor])
+        ids = fim_prompt(FIM, enc, prefix, "", [], "", n_ctx=4096, n_predict=32)
+        body = _text(ids[ids.index(FIM.pre) + 1 : ids.index(FIM.suf)])
+        assert prefix.endswith(body) and (body == prefix or body[0] == " ")  # a whole line
+        window = sum(map(len, lines[: cursor - 256]))  # where the editor's window starts
+        starts.append(window + len(prefix) - len(body))  # where the prompt's prefix starts
+        kept.append(len(body))
+    assert all(512 <= n <= 768 for n in kept), kept
+    moves = sum(a != b for a, b in zip(starts, starts[1:], strict=False))
+    # the least hash of ~21 lines moves every ~11 lines on average; a cut at exactly 768
+    # tokens moves at every one of the 39 steps
+    assert moves <= 8, moves
+    # a single line longer than the budget (minified code): its last 768 tokens, as before
+    ids = fim_prompt(FIM, enc, "y" * 2000, "", [], "", n_ctx=4096, n_predict=32)
+    assert ids.index(FIM.suf) - ids.index(FIM.pre) - 1 == 768
+
+
 def _delta(text: str) -> Delta:
     return Delta(text, (1,) * max(1, len(text)))
 

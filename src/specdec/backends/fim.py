@@ -16,10 +16,19 @@ Each piece is tokenized alone and as plain text (a file that holds "<|fim_prefix
 inject the token), and cut to llama.cpp's budgets: the prefix's last 3/4 of a batch, the
 suffix's first 1/4 less the current line, the extra context's last tokens that leave a batch
 and twice the answer free in the context.
+
+A second change, for the same reason: a prefix over its budget is cut at a line the text
+chooses, not at exactly its last 768 tokens. An editor sends the lines before the cursor (256
+of them); after each Enter the window slides by a line, and a cut at a fixed token count would
+move the prompt's start with it, so every new line would prefill the whole prompt again. Here
+the prefix starts at the line with the least hash among those that keep 1/2 to 3/4 of a batch
+(content-defined, as rsync's and winnowing's boundaries): the same line while it stays in that
+range, so a new line prefills the suffix and the line, not the prefix.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,13 +116,36 @@ def fim_prompt(
         take += encode(chunk.text)
     if fim.sep is not None:
         take += [fim.sep, *encode("filename\n")]
-    before, after, line = encode(prefix), encode(suffix), encode(current)
-    before = before[max(0, len(before) - 3 * (n_batch // 4)) :]
+    before = prefix_tokens(encode, prefix, 3 * (n_batch // 4))
+    after, line = encode(suffix), encode(current)
     after = after[: max(0, n_batch // 4 - 2 - len(line))]
     take = take[max(0, len(take) - max(0, n_ctx - n_batch - 2 * n_predict)) :]
     pre, suf = [fim.pre, *before], [fim.suf, *after]
     body = [*suf, *pre] if spm else [*pre, *suf]
     return [*take, *([bos] if bos is not None else []), *body, fim.mid, *line]
+
+
+def prefix_tokens(encode: Callable[[str], list[int]], prefix: str, budget: int) -> list[int]:
+    """`prefix`'s tokens, at most `budget` of them: all, or those from the line with the least
+    hash (crc32 of its text; the first of equals) among the lines that start between `budget`
+    and `budget` // 3 * 2 tokens before the end (the module docstring says why); the last
+    `budget` where the line-by-line count was short."""
+    ids = encode(prefix)
+    if len(ids) <= budget:
+        return ids
+    lines = prefix.splitlines(keepends=True)
+    counts = [len(encode(x)) for x in lines]  # close to the joint count: a line ends in "\n"
+    least = budget // 3 * 2
+    best, best_hash, kept = len(lines), None, 0
+    for i in range(len(lines) - 1, -1, -1):  # from the end: the tokens kept from line i on
+        kept += counts[i]
+        if kept > budget:
+            break
+        h = zlib.crc32(lines[i].encode())
+        if kept >= least and (best_hash is None or h <= best_hash):
+            best, best_hash = i, h
+    out = encode("".join(lines[best:])) if best < len(lines) else ids
+    return out[max(0, len(out) - budget) :]
 
 
 def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
