@@ -159,3 +159,46 @@ def test_a_model_without_fim_tokens_is_refused_by_name(smol_path: Path) -> None:
             complete(srv.engine.models.target, "a", "b")
     finally:
         srv.close()
+
+
+def test_two_keys_and_two_files_in_turn_on_one_slot_come_back_from_ram(qwen05_path: Path):
+    """Issue 62's check with the real 0.5B: two keys × two files of ~600 tokens sent in turn
+    to one slot (--parallel 1), each twice: every repeat ≥ 90% cached (the slot's cache copied
+    back from the RAM store), and every middle the target's own at T = 0."""
+    from specdec.study.run.completion import source
+
+    spec = f"llamacpp:{qwen05_path}"
+    target = load_model(spec, n_threads=2)
+    keys = ("key-a", "key-b")
+    s = serve_models(target, spec=spec, api_keys=keys)
+    files = [
+        "\n".join(source(d, p).text.splitlines()[:110]) + "\n"
+        for d, p in (("h11", "h11/_connection.py"), ("jinja2", "jinja2/lexer.py"))
+    ]
+    try:
+        seen: dict[tuple[str, int], list[dict]] = {}
+        for _ in range(2):
+            for key in keys:
+                for i, f in enumerate(files):
+                    body = {"input_prefix": f, "input_suffix": "\n", "n_predict": 8}
+                    body["temperature"] = 0
+                    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=120)
+                    head = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+                    conn.request("POST", "/infill", json.dumps(body), head)
+                    resp = conn.getresponse()
+                    assert resp.status == 200
+                    seen.setdefault((key, i), []).append(json.loads(resp.read()))
+                    conn.close()
+        for (_, i), (first, again) in seen.items():
+            t = again["timings"]
+            assert 500 < t["cache_n"] + t["prompt_n"] and t["cache_n"] >= 0.9 * (
+                t["cache_n"] + t["prompt_n"]
+            ), t
+            assert first["timings"]["cache_n"] == 0 and again["content"] == first["content"]
+            with s.engine.lock:
+                want = complete(target, files[i], "\n", temperature=0, max_new_tokens=8)
+            assert first["content"] == target.tokenizer.decode(
+                want.tokens, skip_special_tokens=True
+            )
+    finally:
+        s.close()
