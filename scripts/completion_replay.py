@@ -9,7 +9,8 @@ specdec.completion_replay/1 record:
     engines   specdec serve target-only (the T = 0 reference), with prompt lookup, with the
               draft model (composite); stock llama-server at its FIM preset's settings
               (--fim-qwen-1.5b-default: -b 1024 -ub 1024 --cache-reuse 256) and with the draft
-              model (-md, as --fim-qwen-7b-spec); same GGUF files, 2 threads each
+              model (-md, as --fim-qwen-7b-spec); same GGUF files, 2 threads each. With
+              --engines: ik_llama.cpp's server (ik-llama-server, ik-llama-server-suffix)
     requests  per file, lines of one function body typed back: a request at each line's start
               and after each word; the latency of each (client wall time), what the engine
               says of its prompt (prompt_n, cache_n, prompt_ms) and the answer
@@ -37,6 +38,7 @@ from loadtest_common import write_record
 from specdec.backends import parse_spec
 from specdec.backends.registry import resolve
 from specdec.study.engines.anchors import LlamaServer, PromptCachingServer
+from specdec.study.engines.peers import PEERS
 from specdec.study.run import completion as cr
 
 FILES = (  # (distribution, path): pinned in requirements.txt, licences recorded
@@ -162,7 +164,17 @@ def engines(target: str, draft: str) -> dict[str, LlamaServer]:
         "llama-server-draft": LlamaServer(
             t_path, (*PRESET, "-md", str(d_path)), threads=THREADS, ctx=CTX
         ),
+        # ik_llama.cpp from its upstream tree (`specdec anchors build --peer ik --src DIR`), at
+        # its best for a CPU (--run-time-repack), with the FIM preset's batch (it has no
+        # --cache-reuse); off the default list: a build that CI's machines lack
+        "ik-llama-server": _ik(t_path, "none", ()),
+        "ik-llama-server-suffix": _ik(t_path, "suffix", ("--spec-type", "suffix")),
     }
+
+
+def _ik(t_path: Path, mode: str, args: tuple[str, ...]) -> LlamaServer:
+    flags = (*PEERS["ik"].flags, "-b", "1024", "-ub", "1024", *args)
+    return LlamaServer(t_path, flags, mode=f"ik-{mode}", peer="ik", threads=THREADS, ctx=CTX)
 
 
 def main() -> None:
@@ -188,7 +200,7 @@ def main() -> None:
             keystrokes += keys
     print(f"{len(sessions)} sessions, {len(keystrokes)} requests")
     all_engines = engines(TARGET, DRAFT)
-    names = args.engines.split(",") if args.engines else list(all_engines)
+    names = args.engines.split(",") if args.engines else [n for n in all_engines if "ik" not in n]
     runs: dict[str, Any] = {}
     for name in names:
         server = all_engines[name]
