@@ -67,15 +67,50 @@ def post(url: str, key: str, path: str, body: dict, timeout: float = 900) -> tup
         return r.status, raw.decode(errors="replace")
 
 
-def replay(server: LlamaServer, keystrokes: list[cr.Keystroke]) -> list[dict]:
+class Raw:
+    """An engine whose /infill does not build the FIM prompt from llama.vscode's fields (ik's:
+    it answers from `prompt` alone) gets specdec's FIM prompt as token ids on /completion:
+    the same tokens specdec's engines see, so its speed is compared like for like."""
+
+    def __init__(self, target: str) -> None:
+        from specdec.backends.fim import Extra, fim_prompt, fim_tokens, plain_encoder
+        from specdec.backends.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(resolve(parse_spec(target)[1]))
+        fim = fim_tokens(tok)
+        assert fim is not None
+        encode = plain_encoder(tok)
+
+        def ids(b: dict) -> list[int]:
+            extra = [Extra(c["text"], c.get("filename", "")) for c in b.get("input_extra", [])]
+            return fim_prompt(fim, encode, b["input_prefix"], b["input_suffix"], extra,
+                              b.get("prompt", ""), n_ctx=CTX, n_predict=b["n_predict"])  # fmt: skip
+
+        self.ids = ids
+
+    def __call__(self, body: dict) -> tuple[str, dict]:
+        keep = ("n_predict", "temperature", "top_k", "top_p", "cache_prompt", "stream")
+        out = {k: body[k] for k in keep if k in body}
+        out |= {"prompt": self.ids(body), "t_max_predict_ms": body.get("t_max_predict_ms", 0)}
+        if "n_indent" in body:
+            out["n_indent"] = body["n_indent"]
+        return "/completion", out
+
+
+def _route(raw: Raw | None, body: dict) -> tuple[str, dict]:
+    return raw(body) if raw is not None else ("/infill", body)
+
+
+def replay(server: LlamaServer, keystrokes: list[cr.Keystroke], raw: Raw | None) -> list[dict]:
     """Every keystroke's request in order, one at a time: its latency and what came back."""
     out = []
     for i, k in enumerate(keystrokes):
+        path, body = _route(raw, k.body)
         t0 = time.perf_counter()
-        status, r = post(server.url, server.key, "/infill", k.body)
+        status, r = post(server.url, server.key, path, body)
         wall = time.perf_counter() - t0
         if status != 200:
-            raise SystemExit(f"{server.kind}: /infill answered {status}: {str(r)[:300]}")
+            raise SystemExit(f"{server.kind}: {path} answered {status}: {str(r)[:300]}")
         t = r.get("timings", {})
         out.append({
             "session": k.session, "line": k.line, "col": k.col, "kind": k.kind,
@@ -88,7 +123,9 @@ def replay(server: LlamaServer, keystrokes: list[cr.Keystroke]) -> list[dict]:
     return out
 
 
-def keystroke_probe(server: LlamaServer, src: cr.Source, extra: list[dict]) -> dict:
+def keystroke_probe(
+    server: LlamaServer, src: cr.Source, extra: list[dict], raw: Raw | None
+) -> dict:
     """A ~2,000-token /infill prompt sent twice (cached), then once with a character more,
     streamed: that keystroke's time to first token against a fresh 64-token prompt's
     prefill (timings.prompt_ms of a request whose prefix is new)."""
@@ -96,11 +133,11 @@ def keystroke_probe(server: LlamaServer, src: cr.Source, extra: list[dict]) -> d
     body = cr.request([*lines[:150], "    retur", *lines[150:200]], 150, 9, extra)
     body |= {"n_predict": 8, "t_max_predict_ms": 0}
     for _ in range(2):
-        post(server.url, server.key, "/infill", body)
+        post(server.url, server.key, *_route(raw, body))
     typed = cr.request([*lines[:150], "    return", *lines[150:200]], 150, 10, extra)
     typed |= {"n_predict": 8, "t_max_predict_ms": 0, "stream": True}
     t0 = time.perf_counter()
-    ttft, record, first = _stream(server, typed, t0)
+    ttft, record, first = _stream(server, *_route(raw, typed), t0)
     return {
         "first_events": first,
         "prompt_n": record.get("tokens_evaluated"),
@@ -127,11 +164,11 @@ def prefill_ms(target: str, tokens: int = 64, reps: int = 5) -> float:
     return round(1000 * sorted(times[1:])[reps // 2], 1)
 
 
-def _stream(server: LlamaServer, body: dict, t0: float) -> tuple[float, dict, list[str]]:
+def _stream(server: LlamaServer, path: str, body: dict, t0: float) -> tuple[float, dict, list[str]]:
     host, port = server.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=900)
     head = {"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"}
-    conn.request("POST", "/infill", json.dumps(body), head)
+    conn.request("POST", path, json.dumps(body), head)
     r = conn.getresponse()
     ttft, last, first = None, {}, []
     for raw in r:
@@ -166,7 +203,8 @@ def engines(target: str, draft: str) -> dict[str, LlamaServer]:
         ),
         # ik_llama.cpp from its upstream tree (`specdec anchors build --peer ik --src DIR`), at
         # its best for a CPU (--run-time-repack), with the FIM preset's batch (it has no
-        # --cache-reuse); off the default list: a build that CI's machines lack
+        # --cache-reuse), sent specdec's FIM prompt on /completion (Raw); off the default
+        # list: a build that CI's machines lack
         "ik-llama-server": _ik(t_path, "none", ()),
         "ik-llama-server-suffix": _ik(t_path, "suffix", ("--spec-type", "suffix")),
     }
@@ -208,8 +246,9 @@ def main() -> None:
         with server:
             post(server.url, server.key, "/infill", {"input_prefix": "x", "input_suffix": "",
                                                       "n_predict": 4})  # fmt: skip
-            records = replay(server, keystrokes)
-            probe = keystroke_probe(server, sources[0], cr.chunks(sources[1:3], 2))
+            raw = Raw(TARGET) if name.startswith("ik-") else None
+            records = replay(server, keystrokes, raw)
+            probe = keystroke_probe(server, sources[0], cr.chunks(sources[1:3], 2), raw)
             runs[name] = {"describe": server.describe(), "requests": records, "probe": probe}
         _summarize(name, runs[name])
     yardstick = prefill_ms(TARGET)
