@@ -5,6 +5,8 @@ With the real Qwen2.5-Coder pair: tests/serve/test_infill.py."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from specdec.backends.fim import Extra, FimTokens, fim_prompt, fim_tokens, plain_encoder
@@ -119,7 +121,7 @@ def test_a_long_prefix_starts_at_a_line_that_stays_while_the_window_slides() -> 
         starts.append(window + len(prefix) - len(body))  # where the prompt's prefix starts
         kept.append(len(body))
     assert all(512 <= n <= 768 for n in kept), kept
-    moves = sum(a != b for a, b in zip(starts, starts[1:], strict=False))
+    moves = sum(a != b for a, b in itertools.pairwise(starts))
     # the least hash of ~21 lines moves every ~11 lines on average; a cut at exactly 768
     # tokens moves at every one of the 39 steps
     assert moves <= 8, moves
