@@ -27,6 +27,7 @@ import argparse
 import http.client
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,12 +54,17 @@ CTX = 8192
 THREADS = 2
 
 
-def post(url: str, key: str, path: str, body: dict, timeout: float = 900) -> tuple[int, Any]:
+def _send(url: str, key: str, path: str, body: dict) -> tuple[Any, Any]:
+    """POST `body` as JSON with `key`: the connection and its response, unread."""
     host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    conn = http.client.HTTPConnection(host, int(port), timeout=900)
     head = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
     conn.request("POST", path, json.dumps(body), head)
-    r = conn.getresponse()
+    return conn, conn.getresponse()
+
+
+def post(url: str, key: str, path: str, body: dict) -> tuple[int, Any]:
+    conn, r = _send(url, key, path, body)
     raw = r.read()
     conn.close()
     try:
@@ -161,15 +167,11 @@ def prefill_ms(target: str, tokens: int = 64, reps: int = 5) -> float:
         m.prefill(ids)
         times.append(time.perf_counter() - t0)
     m.close()
-    return round(1000 * sorted(times[1:])[reps // 2], 1)
+    return round(1000 * statistics.median(times[1:]), 1)
 
 
 def _stream(server: LlamaServer, path: str, body: dict, t0: float) -> tuple[float, dict, list[str]]:
-    host, port = server.url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=900)
-    head = {"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"}
-    conn.request("POST", path, json.dumps(body), head)
-    r = conn.getresponse()
+    conn, r = _send(server.url, server.key, path, body)
     ttft, last, first = None, {}, []
     for raw in r:
         line = raw.decode().strip()
@@ -256,12 +258,12 @@ def main() -> None:
     ref = runs.get("specdec-target")
     for run in runs.values():
         if ref is not None:
-            pairs = zip(run["requests"], ref["requests"], strict=True)
-            run["agree"] = sum(cr.agrees(a["content"], b["content"]) for a, b in pairs)
-            run["equal"] = sum(
-                a["content"] == b["content"]
+            pairs = [
+                (a["content"], b["content"])
                 for a, b in zip(run["requests"], ref["requests"], strict=True)
-            )
+            ]
+            run["agree"] = sum(cr.agrees(a, b) for a, b in pairs)
+            run["equal"] = sum(a == b for a, b in pairs)
     record = {
         "sessions": sessions,
         "settings": {"target": TARGET, "draft": DRAFT, "ctx": CTX, "threads": THREADS,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,12 +157,7 @@ def summary(latencies: list[float]) -> dict[str, float]:
     if not xs:
         return {}
     p95 = xs[min(len(xs) - 1, max(0, -(-95 * len(xs) // 100) - 1))]
-    return {"n": len(xs), "median": _median(xs), "p95": p95, "mean": sum(xs) / len(xs)}
-
-
-def _median(xs: list[float]) -> float:
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+    return {"n": len(xs), "median": statistics.median(xs), "p95": p95, "mean": sum(xs) / len(xs)}
 
 
 def agrees(a: str, b: str) -> bool:
