@@ -30,7 +30,7 @@ from typing import Any
 import openai
 
 from specdec.backends.mock import MockModel
-from specdec.core.config import SpecConfig, Warp
+from specdec.core.config import Warp
 from specdec.core.decode import generate
 from specdec.serve.app import create_app
 from specdec.serve.config import ServeConfig
@@ -205,7 +205,8 @@ def _mock_engine(cfg_kw: dict[str, Any]) -> tuple[Engine, ServeConfig]:
     delay = cfg_kw.pop("delay", 0.0)
     n_ctx = cfg_kw.pop("n_ctx", 4096)
     with_draft = cfg_kw.pop("with_draft", True)
-    spec = SpecConfig(**cfg_kw.pop("engine_kwargs", {}))
+    # K = 4 and no draft pools unless a test asks for them
+    spec = {"k": 4, "draft_pool": "off"} | cfg_kw.pop("engine_kwargs", {})
     target = SlowMock(V, seed=0, n_ctx=n_ctx, name=MOCK_SPEC)
     target.tokenizer = cfg_kw.pop("tokenizer", None)
     target.delay = delay
@@ -213,16 +214,17 @@ def _mock_engine(cfg_kw: dict[str, Any]) -> tuple[Engine, ServeConfig]:
     if with_draft:
         draft = SlowMock.near(target, noise=0.7, seed=1)
         draft.delay = delay
-    cfg = ServeConfig(target=MOCK_SPEC, **cfg_kw)
-    engine = Engine.from_config(cfg, target, draft, spec=spec, draft_pool=None)
+    cfg = ServeConfig(target=MOCK_SPEC, **spec | cfg_kw)
+    engine = Engine(target, draft, cfg)
     engine.warm_up()
     return engine, cfg
 
 
 def serve_models(target: MockModel, draft: MockModel | None = None, **cfg_kw: Any) -> Server:
     """A server over these models (the engine warmed up, as `specdec serve` does)."""
+    cfg_kw = {"k": 4, "draft_pool": "off"} | cfg_kw
     cfg = ServeConfig(target=cfg_kw.pop("spec", MOCK_SPEC), **cfg_kw)
-    engine = Engine.from_config(cfg, target, draft, spec=SpecConfig(), draft_pool=None)
+    engine = Engine(target, draft, cfg)
     engine.warm_up()
     return Server(engine, cfg)
 

@@ -21,7 +21,6 @@ from typing import Any
 
 from serverkit import MOCK_SPEC, FakeTokenizer, Server, SlowMock, V
 
-from specdec.core.config import SpecConfig
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 
@@ -44,7 +43,7 @@ def golden_server(**cfg_kw: Any) -> Server:
     target.tokenizer = TemplateTokenizer()
     draft = SlowMock.near(target, noise=0.7, seed=1)
     draft.tokenizer = target.tokenizer  # one tokenizer: core.pair compares nothing more
-    engine = Engine(target, draft, model_id=MOCK_SPEC, spec=SpecConfig(k=4))
+    engine = Engine(target, draft, ServeConfig(target=MOCK_SPEC, k=4, draft_pool="off"))
     engine.warm_up()
     return Server(engine, ServeConfig(target=MOCK_SPEC, **cfg_kw))
 

@@ -320,7 +320,7 @@ def _server(target) -> Iterator[str]:
     from specdec.serve.engine import Engine
 
     cfg = ServeConfig(target=SMOL, drafter="lookup", k="auto")
-    engine = Engine(target, model_id=SMOL, spec=cfg.spec_config(), draft_pool=cfg.pool_config())
+    engine = Engine(target, None, cfg)
     srv = Server(engine, cfg)
     try:
         yield srv.base_url

@@ -33,8 +33,8 @@ def smoke(_smol_llamacpp_session, _smol_hf_session) -> Server:
     target, draft = _smol_llamacpp_session, _smol_hf_session
     target.reset()
     draft.reset()
-    engine = Engine(target, draft, model_id=SMOKE_TARGET)
-    srv = Server(engine, ServeConfig(target=SMOKE_TARGET, draft=SMOKE_DRAFT))
+    cfg = ServeConfig(target=SMOKE_TARGET, draft=SMOKE_DRAFT, k=4, draft_pool="off")
+    srv = Server(Engine(target, draft, cfg), cfg)
     yield srv
     srv.close()
 

@@ -102,7 +102,7 @@ def _server(
         draft_pool_scopes=scopes,
         metrics_key=OPERATOR if keys else None,
     )
-    engine = Engine(target, model_id=spec, spec=SpecConfig(k="auto"), draft_pool=cfg.pool_config())
+    engine = Engine(target, None, cfg)
     engine.warm_up()
     return Server(engine, cfg)
 
@@ -320,7 +320,7 @@ def test_off_is_off() -> None:
 def test_the_drafters_that_run_prompt_lookup_get_the_pool(drafter: str, reads_pool: bool) -> None:
     """decode.stream gets the pool for lookup, composite and prediction (whose fallback is
     lookup); the draft model alone and "none" never run prompt lookup."""
-    engine = Engine(SlowMock(V), draft_pool=PoolConfig())
+    engine = Engine(SlowMock(V), None, ServeConfig(target=MOCK_SPEC, draft_pool="key"))
     pool = DraftPool(MIN_POOL_TOKENS)
     sp = resolve_speculation({"drafter": drafter}, SpecDefaults(has_draft=True), False)
     got = engine.models.stream_args(sp, [1], pool)

@@ -313,7 +313,8 @@ def test_the_prompt_cache_is_on_by_default_only_where_output_cannot_depend_on_it
         batch_invariant = False  # as HF, or llama.cpp outside --deterministic
 
     assert not Engine(Varying(V, seed=0)).cycle.prompt_cache
-    assert Engine(Varying(V, seed=0), prompt_cache=True).cycle.prompt_cache  # asked for: on
+    asked = ServeConfig(target=MOCK_SPEC, prompt_cache=True)
+    assert Engine(Varying(V, seed=0), None, asked).cycle.prompt_cache  # asked for: on
     assert ServeConfig(target=MOCK_SPEC).prompt_cache is None  # serve: the engine decides
 
 

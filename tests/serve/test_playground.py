@@ -28,7 +28,6 @@ import pytest
 from serverkit import MOCK_SPEC, FakeTokenizer, Server, SlowMock, V
 from stream_golden import TemplateTokenizer
 
-from specdec.core.config import SpecConfig
 from specdec.serve import playground
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
@@ -95,7 +94,7 @@ def _server(api_key: str | None = None) -> Server:
     target.tokenizer = TemplateTokenizer()
     draft = SlowMock.near(target, noise=0.7, seed=1)
     draft.tokenizer = target.tokenizer
-    engine = Engine(target, draft, model_id=MOCK_SPEC, spec=SpecConfig(k=4))
+    engine = Engine(target, draft, ServeConfig(target=MOCK_SPEC, k=4, draft_pool="off"))
     engine.warm_up()
     return Server(engine, ServeConfig(target=MOCK_SPEC, api_key=api_key))
 
@@ -251,7 +250,7 @@ def test_the_page_steers_speculation_and_shows_a_refusal(driver: Any, srv: Serve
 def test_a_model_without_a_chat_template_is_served_through_completions(driver: Any) -> None:
     target = SlowMock(V, seed=0, name=MOCK_SPEC)
     target.tokenizer = FakeTokenizer()  # reads text, has no chat template
-    engine = Engine(target, None, model_id=MOCK_SPEC, spec=SpecConfig("lookup", "auto"))
+    engine = Engine(target, None, ServeConfig(target=MOCK_SPEC, drafter="lookup", draft_pool="off"))
     engine.warm_up()
     srv = Server(engine, ServeConfig(target=MOCK_SPEC))
     try:

@@ -51,10 +51,11 @@ def test_the_server_reads_the_instruction_from_the_last_user_message() -> None:
 
 
 def test_a_served_prediction_carries_the_hints(smol_llamacpp) -> None:
-    from specdec.core.config import SpecConfig
+    from specdec.serve.config import ServeConfig
     from specdec.serve.engine import Engine
 
-    engine = Engine(smol_llamacpp, spec=SpecConfig(drafter="prediction", k="auto"))
+    cfg = ServeConfig(target=smol_llamacpp.name, drafter="prediction", draft_pool="off")
+    engine = Engine(smol_llamacpp, None, cfg)
     pred = prompting.encode_prediction(smol_llamacpp.tokenizer, "class Inventory:\n    pass\n")
     index = engine.models.tokens.prediction_index(pred, "Rename `Inventory` to `Stock`.")
     assert index.tokens == pred

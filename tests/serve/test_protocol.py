@@ -13,6 +13,7 @@ from specdec.backends.mock import MockModel
 from specdec.cli.serve import API_KEY_ENV, resolve_api_key
 from specdec.core.config import K_MAX_FREE, K_MAX_MODEL, WARP_FIELDS, SpecConfig
 from specdec.core.metrics import Round
+from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError
 from specdec.serve.metrics import Metrics
@@ -292,7 +293,7 @@ def test_request_metrics_are_labelled_by_route_not_by_path() -> None:
 
 def test_submit_to_an_engine_whose_worker_is_not_running_is_503_at_once() -> None:
     """Issue 11 (Low): the job sat in the queue until its deadline (504)."""
-    engine = Engine(MockModel(V), max_queue=2)  # never started
+    engine = Engine(MockModel(V), None, ServeConfig(target="m", max_queue=2))  # never started
     loop = asyncio.new_event_loop()
     try:
         job = Request(validate_request(_completion(), N_CTX, V), loop, 0.0, math.inf)

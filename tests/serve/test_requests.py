@@ -11,6 +11,7 @@ import pytest
 from serverkit import MOCK_SPEC, metric
 
 from specdec.backends.mock import MockModel
+from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 from specdec.serve.protocol import CompletionRequest, parse_request, validate_request
 from specdec.serve.requests import STOPS, Delta, Done, Failed, Request, Start, Status
@@ -74,7 +75,7 @@ def test_finish_ends_a_request_once_emits_its_last_event_and_counts_it_once() ->
 
 
 def test_a_withdrawn_request_leaves_the_queue_and_a_draining_engine_shuts_the_rest() -> None:
-    engine = Engine(MockModel(V), max_queue=4)
+    engine = Engine(MockModel(V), None, ServeConfig(target=MOCK_SPEC, max_queue=4))
     engine.runs_in_caller = True  # alive, but nothing serves the queue yet
     loop = asyncio.new_event_loop()
     try:

@@ -11,7 +11,6 @@ import pytest
 from serverkit import MOCK_SPEC, Server, V, wait_for
 
 from specdec.backends.mock import MockModel
-from specdec.core.config import SpecConfig
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 from specdec.serve.scheduler import (
@@ -142,10 +141,9 @@ def _passes_beside_arriving_prompts(k: int | None) -> tuple[list, float]:
     arrive; every pass the engine made, and what one of the stream's rounds costs."""
     target = Modelled(V, seed=0, name=MOCK_SPEC)
     target.clock, target.log = _Clock(), []
-    cfg = ServeConfig(target=MOCK_SPEC, parallel=4)
-    spec = SpecConfig(drafter="lookup" if k else None, k=k or 1)
-    engine = Engine.from_config(cfg, target, spec=spec, draft_pool=None,
-                                clock=lambda: target.clock.t)  # fmt: skip
+    cfg = ServeConfig(target=MOCK_SPEC, parallel=4, drafter="lookup" if k else None, k=k or 1,
+                      draft_pool="off")  # fmt: skip
+    engine = Engine(target, None, cfg, clock=lambda: target.clock.t)
     srv = Server(engine, cfg)
     try:
         stream_body = {"model": MOCK_SPEC, "prompt": [1, 2, 3] * 4, "max_tokens": 300,

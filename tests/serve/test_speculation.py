@@ -48,22 +48,23 @@ COMPLETIONS = "/v1/completions"
 REPEATS = "abcabcabcabc, abcabcabcabc"  # prompt lookup finds matches in it
 
 
-def _server(with_draft: bool, spec: SpecConfig, **cfg_kw: Any) -> Server:
+def _server(with_draft: bool, **cfg_kw: Any) -> Server:
     target = SlowMock(V, seed=0, name=MOCK_SPEC)
     target.tokenizer = TemplateTokenizer()
     draft = None
     if with_draft:
         draft = SlowMock.near(target, noise=0.7, seed=1)
         draft.tokenizer = target.tokenizer
-    engine = Engine(target, draft, model_id=MOCK_SPEC, spec=spec)
+    cfg = ServeConfig(target=MOCK_SPEC, draft_pool="off", **cfg_kw)
+    engine = Engine(target, draft, cfg)
     engine.warm_up()
-    return Server(engine, ServeConfig(target=MOCK_SPEC, **cfg_kw))
+    return Server(engine, cfg)
 
 
 @pytest.fixture(scope="module")
 def srv() -> Server:
     """A target and a draft model; by default the draft model at a fixed K = 4."""
-    s = _server(True, SpecConfig(k=4))
+    s = _server(True, k=4)
     yield s
     s.close()
 
@@ -71,7 +72,7 @@ def srv() -> Server:
 @pytest.fixture(scope="module")
 def free_srv() -> Server:
     """No draft model; by default no drafter (a prediction is drafted from, else nothing)."""
-    s = _server(False, SpecConfig(k="auto"))
+    s = _server(False, k="auto")
     yield s
     s.close()
 
@@ -476,7 +477,7 @@ def test_server_defaults_are_k_auto() -> None:
 def test_a_draft_model_with_lookup_as_the_default() -> None:
     """--draft with --drafter lookup (refused before: "uses no draft model") now starts: requests
     get prompt lookup unless they ask for the draft model, which the warm-up checked too."""
-    s = _server(True, ServeConfig(target=MOCK_SPEC, drafter="lookup").spec_config())
+    s = _server(True, drafter="lookup")
     try:
         body = {"prompt": [1, 2, 3, 1, 2, 3, 1, 2], "max_tokens": 12, "temperature": 0}
         status, r = _post(s, COMPLETIONS, body)

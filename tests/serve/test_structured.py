@@ -18,7 +18,6 @@ from pydantic import BaseModel
 from serverkit import Server
 
 from specdec.backends import load_model
-from specdec.core.config import SpecConfig
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 
@@ -64,7 +63,7 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def srv(qwen05_path) -> Server:
     target = load_model(TARGET, n_threads=2)
-    engine = Engine(target, model_id=TARGET, spec=SpecConfig(drafter="lookup", k="auto"))
+    engine = Engine(target, None, ServeConfig(target=TARGET, drafter="lookup", draft_pool="off"))
     server = Server(engine, ServeConfig(target=TARGET))
     yield server
     server.close()
@@ -273,7 +272,8 @@ def srv_drafted(qwen05_path) -> Server:
     """The same model served with a draft model (a second copy of it: the same 151,936-token
     vocabulary), the server's default drafter when `--draft` is given."""
     target, draft = load_model(TARGET, n_threads=2), load_model(TARGET, n_threads=2)
-    engine = Engine(target, draft, model_id=TARGET, spec=SpecConfig(drafter="model", k=4))
+    cfg = ServeConfig(target=TARGET, drafter="model", k=4, draft_pool="off")
+    engine = Engine(target, draft, cfg)
     server = Server(engine, ServeConfig(target=TARGET))
     yield server
     server.close()

@@ -45,7 +45,7 @@ from serverkit import (
 )
 
 from specdec.core import drafters
-from specdec.core.config import SpecConfig, Warp
+from specdec.core.config import Warp
 from specdec.core.cost import VerifyCurve
 from specdec.core.decode import generate
 from specdec.serve import tokens as tokens_mod
@@ -68,10 +68,10 @@ def _keyed_server(target: SlowMock, **cfg_kw: Any) -> Server:
     """Keys A and B and an operator key, as `specdec serve` would build them; `engine_kw` for
     the Engine's own arguments."""
     engine_kw = cfg_kw.pop("engine_kw", {})
+    # K = 4 and no draft pools unless a test asks for them
+    cfg_kw = {"k": 4, "draft_pool": "off"} | cfg_kw
     cfg = ServeConfig(target=MOCK_SPEC, api_keys=(KEY_A, KEY_B), metrics_key=OPERATOR, **cfg_kw)
-    # the engine's own speculation and no draft pools unless a test asks for them
-    engine_kw = {"spec": SpecConfig(), "draft_pool": None} | engine_kw
-    return Server(Engine.from_config(cfg, target, **engine_kw), cfg)
+    return Server(Engine(target, None, cfg, **engine_kw), cfg)
 
 
 # ------------------------------------------------------------------------------ policies
@@ -100,9 +100,10 @@ class TrueCurve:
 def _drafting_of_b(poisoned: bool) -> dict[str, Any]:
     """Key B's greedy request (prompt lookup, k=auto) on a fresh server, after key A's 30
     poisoning requests or without them: its spec object and k_histogram."""
-    spec = SpecConfig(drafter="lookup", k="auto")
-    engine_kw = {"spec": spec, "policies": TenantPolicies(TrueCurve())}
-    srv = _keyed_server(CostedMock(V, seed=0, name=MOCK_SPEC), engine_kw=engine_kw)
+    engine_kw = {"policies": TenantPolicies(TrueCurve())}
+    srv = _keyed_server(
+        CostedMock(V, seed=0, name=MOCK_SPEC), drafter="lookup", k="auto", engine_kw=engine_kw
+    )
     try:
         if poisoned:
             rng = random.Random(9)
@@ -227,7 +228,7 @@ def test_metrics_are_the_operator_s(key: str | None, status: int) -> None:
 
 def test_several_keys_without_an_operator_key_serve_metrics_to_no_one() -> None:
     cfg = ServeConfig(target=MOCK_SPEC, api_keys=(KEY_A, KEY_B))
-    srv = Server(Engine(SlowMock(V, seed=0, name=MOCK_SPEC), model_id=MOCK_SPEC), cfg)
+    srv = Server(Engine(SlowMock(V, seed=0, name=MOCK_SPEC), None, cfg), cfg)
     try:
         assert srv.request("GET", "/metrics", headers=bearer(KEY_A))[0] == 403
     finally:
@@ -316,8 +317,9 @@ def test_prediction_indexes_built_ahead_stay_within_their_budget(monkeypatch) ->
     target = SlowMock(V, seed=0, name=MOCK_SPEC)
     target.delay = 0.01
     target.tokenizer = FakeTokenizer()
-    engine = Engine(target, model_id=MOCK_SPEC, spec=SpecConfig(k=4))
-    srv = Server(engine, ServeConfig(target=MOCK_SPEC))
+    cfg = ServeConfig(target=MOCK_SPEC, k=4, draft_pool="off")
+    engine = Engine(target, None, cfg)
+    srv = Server(engine, cfg)
     alive: list[weakref.ref] = []
     most = [0]
     real = drafters.PredictionIndex.__init__

@@ -26,6 +26,21 @@ BACKENDS = ("hf", "llamacpp", "mock")
 _MOCK_KEYS = {"vocab": "vocab_size", "vocab_size": "vocab_size", "seed": "seed", "scale": "scale"}
 _MOCK_KEYS |= {"n_ctx": "n_ctx", "name": "name"}
 
+# The flags of load_model's settings, as every command that loads a model words them
+# (cli.args, serve.config).
+DEVICE_HELP = "cpu, cuda or mps for HF models (str; default: best available)"
+THREADS_HELP = (
+    "CPU threads per model, >= 1 (int; default: this process's cores, fewer while other work "
+    "holds some: llama.cpp's barriers wait for a thread off its core). A number fixes the pool"
+)
+DETERMINISTIC_HELP = (
+    "require batch-invariant llama.cpp numerics: a verify pass computes exactly the "
+    "single-step logits, so greedy speculative output equals greedy target-only output. Free "
+    "where specdec's kernels hold every weight (`specdec models inspect FILE` says it; e.g. "
+    "the default models, Q5_K_M, Q4_0, Q8_0: the default mode is already invariant there); "
+    "elsewhere ggml's slower invariant paths (flag; default off; docs/kernels.md)"
+)
+
 __all__ = ["BACKENDS", "load_model", "load_tokenizer_of", "parse_spec"]
 
 

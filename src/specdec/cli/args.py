@@ -14,7 +14,8 @@ import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from specdec.core.config import DRAFTERS, NAMED_K, WARP_FIELDS, Warp
+from specdec.backends import DETERMINISTIC_HELP, DEVICE_HELP, THREADS_HELP
+from specdec.core.config import DRAFTERS, WARP_FIELDS, Warp, parse_k
 
 if TYPE_CHECKING:
     from specdec.core.model import SpecModel
@@ -33,11 +34,6 @@ def error(msg: str, code: int = EXIT_ERROR) -> int:
 
 
 # ------------------------------------------------------------------------------ help texts
-DEVICE_HELP = "cpu, cuda or mps for HF models (str; default: best available)"
-THREADS_HELP = (
-    "CPU threads per model, >= 1 (int; default: this process's cores, fewer while other work "
-    "holds some: llama.cpp's barriers wait for a thread off its core). A number fixes the pool"
-)
 K_HELP = (
     "draft tokens per round: an int >= 1, 'auto' (K in 0..--k-max from measured costs) "
     "or 'schedule' (transformers' +2/-1) (default 4)"
@@ -50,13 +46,6 @@ DRAFTER_HELP = (
     "model (needs --draft), lookup (prompt lookup, no draft model), composite (lookup, "
     "else the draft model) or prediction (the --prediction, else lookup) (default: model "
     "when --draft is given, else none; a --prediction is drafted from first in any case)"
-)
-DETERMINISTIC_HELP = (
-    "require batch-invariant llama.cpp numerics: a verify pass computes exactly the "
-    "single-step logits, so greedy speculative output equals greedy target-only output. Free "
-    "where specdec's kernels hold every weight (`specdec models inspect FILE` says it; e.g. "
-    "the default models, Q5_K_M, Q4_0, Q8_0: the default mode is already invariant there); "
-    "elsewhere ggml's slower invariant paths (flag; default off; docs/kernels.md)"
 )
 P_MIN_HELP = (
     "stop drafting when the draft's top probability is below this, in [0, 1) (float; default off)"
@@ -72,18 +61,11 @@ PREFIX_HELP = "tokens cached before each probe, >= 1 (int; default 100)"
 
 # ------------------------------------------------------------------------------ types / checks
 def k_value(text: str) -> int | str:
-    """argparse type for -k: an int >= 1, 'auto' or 'schedule'."""
-    if text in NAMED_K:
-        return text
+    """argparse type for -k: core.config.parse_k, its error as argparse's."""
     try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an int >= 1, 'auto' or 'schedule', got {text!r}"
-        ) from None
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"K must be >= 1, got {k}")
-    return k
+        return parse_k(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_threads(threads: int | None) -> None:

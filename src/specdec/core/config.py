@@ -58,6 +58,19 @@ def is_policy(k: object) -> bool:
     return all(hasattr(k, m) for m in ("choose", "observe"))
 
 
+def parse_k(text: str) -> int | str:
+    """K as written on a command line: an int >= 1, 'auto' or 'schedule'; ValueError otherwise."""
+    if text in NAMED_K:
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"expected an int >= 1, 'auto' or 'schedule', got {text!r}") from None
+    if k < 1:
+        raise ValueError(f"K must be >= 1, got {k}")
+    return k
+
+
 def check_k(k: Any) -> None:
     """K: an int >= 1, 'auto', 'schedule' or a KPolicy object."""
     if is_policy(k) or (isinstance(k, str) and k in NAMED_K):

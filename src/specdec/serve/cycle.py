@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from specdec.core.decode import Generation, rounds_together
 from specdec.core.drafters import common_prefix
@@ -27,9 +28,12 @@ from specdec.serve.errors import ApiError, bad
 from specdec.serve.job_queue import JobQueue
 from specdec.serve.metrics import Metrics
 from specdec.serve.models import ServedModels
-from specdec.serve.prompt_store import Entry, PromptStore
+from specdec.serve.prompt_store import Entry
 from specdec.serve.requests import FINISHED_BY, Done, Failed, Request, Start, Status
 from specdec.serve.scheduler import PassCosts, SlotView
+
+if TYPE_CHECKING:
+    from specdec.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +54,14 @@ class Cycle:
         pools: ServedPools,
         metrics: Metrics,
         lock: threading.Lock,
-        *,
-        running_per_key: int,
-        prompt_cache: bool,
-        prefill_share: float,
+        cfg: ServeConfig,
         clock: Callable[[], float],
-        store: PromptStore | None = None,
     ) -> None:
         self.models = models
         self.parallel = len(models.targets)
-        self.running_per_key = running_per_key
-        self.prompt_cache = prompt_cache
-        self.prefill_share = prefill_share
+        self.running_per_key = cfg.running_per_key()
+        self.prompt_cache = cfg.prompt_cache_on(models.target.batch_invariant)
+        self.prefill_share = cfg.prefill_share
         self.running: list[Request] = []  # in their slots
         self.service_s = 1.0  # EMA of generation wall time, for Retry-After
         self._queue = queue
@@ -76,7 +76,7 @@ class Cycle:
         # wrote.
         self._cache_scope: list[str | None] = [None] * self.parallel
         # Slots' caches kept in RAM for later requests of their scope (serve --cache-ram)
-        self._store = store if prompt_cache else None
+        self._store = cfg.prompt_store() if self.prompt_cache else None
 
     def step(self) -> bool:
         """One cycle; False once the queue is closed and nothing runs."""

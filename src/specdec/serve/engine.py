@@ -36,10 +36,10 @@ abandoned request never holds its slot for long.
 
 Cache safety: a generation resets its slot's draft cache when it starts, and its slot's target
 cache unless the prompt cache keeps the KV of a prefix the request shares with the previous
-request of its scope in that slot, or with a cache of its scope kept in RAM (`prompt_cache`,
-`cache_ram_mib`: serve.prompt_store; in whole blocks; the draft's too where it is
-batch-invariant); after an engine exception
-the slots of the requests it failed are reset again. A request takes an empty slot before one
+request of its scope in that slot, or with a cache of its scope kept in RAM (ServeConfig's
+`prompt_cache` and `cache_ram`: serve.prompt_store; in whole blocks; the draft's too where it
+is batch-invariant); after an engine exception the slots of the requests it failed are reset
+again. A request takes an empty slot before one
 that holds another scope's prompt (scheduler.place). What does reach the next request on
 purpose: that prefix; its scope's draft pool (serve.draft_pools: prompt lookup drafts from the
 earlier requests of the same API key, or of every key with --draft-pool shared, and each
@@ -56,31 +56,19 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 from specdec.backends.costs import CurveFiles
-from specdec.core.config import SpecConfig
 from specdec.core.model import SpecModel
-from specdec.serve import scheduler
+from specdec.serve.config import ServeConfig
 from specdec.serve.cycle import Cycle
-from specdec.serve.draft_pools import PoolConfig, ServedPools
+from specdec.serve.draft_pools import ServedPools
 from specdec.serve.errors import ApiError, unavailable_error
-from specdec.serve.job_queue import (
-    DEFAULT_MAX_QUEUE,
-    JobQueue,
-    QueueFull,
-    Reservation,
-    queue_full_error,
-)
+from specdec.serve.job_queue import JobQueue, QueueFull, Reservation, queue_full_error
 from specdec.serve.keys import ANONYMOUS
 from specdec.serve.metrics import Metrics
 from specdec.serve.models import ServedModels
-from specdec.serve.prompt_store import DEFAULT_CACHE_RAM_MIB, PromptStore
 from specdec.serve.requests import Request, Status
 from specdec.serve.tenant_policies import TenantPolicies
-
-if TYPE_CHECKING:
-    from specdec.serve.config import ServeConfig
 
 RETRY_AFTER_RANGE_S = (1, 60)
 
@@ -97,86 +85,33 @@ class Engine:
         self,
         target: SpecModel,
         draft: SpecModel | None = None,
+        cfg: ServeConfig | None = None,
         *,
-        model_id: str | None = None,
-        # the default speculation (`specdec serve` passes ServeConfig.spec_config(): k=auto)
-        spec: SpecConfig = SpecConfig(),  # noqa: B008 - frozen
-        max_queue: int = DEFAULT_MAX_QUEUE,
-        # waiting requests of one tenant, at most (None: max_queue; ServeConfig.queue_per_key)
-        max_queue_per_key: int | None = None,
         metrics: Metrics | None = None,
-        prompt_cache: bool | None = None,
-        # slots' caches kept in RAM for later requests (serve.prompt_store), MiB; 0: none
-        cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB,
-        # None: no draft pool (`specdec serve` passes ServeConfig.pool_config(): one per API key)
-        draft_pool: PoolConfig | None = None,
         # None: k="auto" policies kept per tenant for the engine's life, their curves in
         # backends.costs
         policies: TenantPolicies | None = None,
-        # requests generated at once, each in a slot of its own (SpecModel.slots)
-        parallel: int = 1,
-        # one tenant's requests generated at once, at most (None: all `parallel` slots)
-        max_running_per_key: int | None = None,
-        # a cycle's prompt prefill may cost this times its round (scheduler.prefill_budget)
-        prefill_share: float = scheduler.PREFILL_SHARE,
         # what the scheduler times rounds and prefill passes with (a test's modelled time)
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        if max_queue_per_key is not None and max_queue_per_key < 1:
-            raise ValueError(f"max_queue_per_key must be >= 1, got {max_queue_per_key}")
-        if cache_ram_mib < 0:
-            raise ValueError(f"cache_ram_mib must be >= 0, got {cache_ram_mib}")
+        """The engine `cfg` describes (None: `specdec serve`'s defaults, the target's name as
+        the model id), on these models."""
+        cfg = cfg if cfg is not None else ServeConfig(target=target.name)
         self.metrics = metrics or Metrics()
         policies = policies if policies is not None else TenantPolicies(CurveFiles())
-        self.models = ServedModels(target, draft, model_id or target.name, spec, parallel, policies)
+        self.models = ServedModels(target, draft, cfg, policies)
         # Earlier requests' text to draft from, per scope (serve.draft_pools)
-        self.pools = ServedPools(draft_pool or PoolConfig("off"), self.metrics)
+        self.pools = ServedPools(cfg.pool_config(), self.metrics)
         self.lock = threading.Lock()
-        self._queue: JobQueue[Request] = JobQueue(max_queue, max_queue_per_key)
+        self._queue: JobQueue[Request] = JobQueue(cfg.max_queue, cfg.queue_per_key())
         self.cycle = Cycle(
-            self.models,
-            self._queue,
-            self.pools,
-            self.metrics,
-            self.lock,
-            running_per_key=min(parallel, max_running_per_key or parallel),
-            # Keep the target's KV of the prefix shared with the previous request, in whole
-            # blocks (an editor re-sends the file, a chat the conversation). On by default only
-            # where it cannot change the output: kept rows were computed in another batch shape
-            # than a fresh prefill would use.
-            prompt_cache=target.batch_invariant if prompt_cache is None else prompt_cache,
-            prefill_share=prefill_share,
-            clock=clock,
-            store=PromptStore(cache_ram_mib << 20) if cache_ram_mib else None,
+            self.models, self._queue, self.pools, self.metrics, self.lock, cfg, clock
         )
         self._stopping = False
         self._thread = threading.Thread(target=self.run, name="specdec-engine", daemon=True)
         #: Set by the caller that will call `run` itself (before the HTTP server starts, so that
         #: its lifespan does not start the thread as well).
         self.runs_in_caller = False
-
-    @classmethod
-    def from_config(
-        cls, cfg: ServeConfig, target: SpecModel, draft: SpecModel | None = None, **overrides: Any
-    ) -> Engine:
-        """The engine `cfg` (serve.config.ServeConfig) describes, on these models: the one mapping
-        from the server's settings to the engine's (`overrides`: an Engine argument set by
-        hand, e.g. a test's own speculation or policies)."""
-        kw: dict[str, Any] = {
-            "model_id": cfg.target,
-            "spec": cfg.spec_config(),
-            "max_queue": cfg.max_queue,
-            "max_queue_per_key": cfg.queue_per_key(),
-            "prompt_cache": cfg.prompt_cache,
-            "cache_ram_mib": cfg.cache_ram,
-            "draft_pool": cfg.pool_config(),
-            "parallel": cfg.parallel,
-            "max_running_per_key": cfg.running_per_key(),
-            "prefill_share": cfg.prefill_share,
-        }
-        return cls(target, draft, **(kw | overrides))
 
     def warm_up(self) -> None:
         """ServedModels.warm_up, under the lock."""

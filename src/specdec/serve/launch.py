@@ -35,7 +35,7 @@ def build_engine(cfg: ServeConfig) -> Engine:
 
     target = load(cfg.target)
     draft = load(cfg.draft) if cfg.draft else None
-    engine = Engine.from_config(cfg, target, draft)
+    engine = Engine(target, draft, cfg)
     engine.warm_up()
     return engine
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.backends import chat as prompting
 from specdec.backends.grammar import Grammar, Grammars
-from specdec.core.config import SpecConfig, Warp
+from specdec.core.config import Warp
 from specdec.core.decode import Generation, prepare, stream
 from specdec.core.model import SpecModel
 from specdec.core.pool import DraftPool
@@ -35,6 +35,9 @@ from specdec.serve.speculation import SpecDefaults, Speculation, resolve_specula
 from specdec.serve.tenant_policies import TenantPolicies
 from specdec.serve.tokens import Tokens
 
+if TYPE_CHECKING:
+    from specdec.serve.config import ServeConfig
+
 
 class ServedModels:
     """The models, their slots (slot i: a KV cache each on the shared weights; slot 0: the
@@ -44,18 +47,16 @@ class ServedModels:
         self,
         target: SpecModel,
         draft: SpecModel | None,
-        model_id: str,
-        spec: SpecConfig,
-        parallel: int,
+        cfg: ServeConfig,
         policies: TenantPolicies,
     ) -> None:
         self.target = target
         self.draft = draft
-        self.model_id = model_id
-        self.targets = target.slots(parallel)
-        self.drafts = draft.slots(parallel) if draft is not None else [None] * parallel
+        self.model_id = model_id = cfg.target  # what clients send as `model`
+        self.targets = target.slots(cfg.parallel)
+        self.drafts = draft.slots(cfg.parallel) if draft is not None else [None] * cfg.parallel
         # What a request gets when its `speculation` object does not say (the start-up flags)
-        self.defaults = SpecDefaults(spec, draft is not None)
+        self.defaults = SpecDefaults(cfg.spec_config(), draft is not None)
         # What one request's k="auto" learned carries to the next of its tenant
         self.policies = policies
         # Prompts in, text out (serve.tokens): request threads encode, the worker decodes
