@@ -136,7 +136,7 @@ def test_a_request_refused_at_admission_leaves_the_lock_free(monkeypatch) -> Non
     worker then holds no lock: code outside the worker (a warm-up, a test's generate) takes it."""
     from specdec.serve.models import ServedModels
 
-    def refuse(self, r, *args):
+    def refuse(self, *args, **kwargs):
         raise ValueError("a bad argument found at admission")
 
     monkeypatch.setattr(ServedModels, "generation", refuse)

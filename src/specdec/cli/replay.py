@@ -44,7 +44,7 @@ def add(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--drafter",
         default="prediction",
-        choices=rp.DRAFTERS,
+        choices=rp.REPLAY_DRAFTERS,
         help="the drafter replayed (default prediction: the task's prediction, then lookup)",
     )
     p.add_argument(

@@ -171,7 +171,7 @@ class Cycle:
     def _admit(self, r: Request) -> None:
         """Start `r` in the free slot scheduler.place picks, or end it if it was abandoned
         while waiting or its arguments are bad."""
-        stop = r.stopped()
+        stop = r.abandoned()
         if stop is not None:  # abandoned while waiting, and not withdrawn in time
             self.finish(r, stop)
             return
@@ -195,14 +195,14 @@ class Cycle:
         self.running.append(r)  # from here on, its slot is taken until `finish`
         try:  # prepare() checks every argument before any model work
             pool = r.use.pool if r.use is not None else None
-            r.gen = self.models.generation(r, prediction, pool, block if reuse else 0)
+            r.gen = self.models.generation(
+                p, r.slot, r.tenant, prediction, pool, block if reuse else 0,
+                cancelled=lambda: r.abandoned() is not None, on_round=r.out.on_round,
+            )  # fmt: skip
         except ValueError as e:
             self.finish(r, Status.FAILED, bad(str(e)))
             return
         self._cache_scope[r.slot] = scope  # what the target will hold
-        # in company, K at most the server's k_max for its kind of drafter (a request's own
-        # fixed K, up to MAX_REQUEST_K, would set its neighbours' rounds)
-        r.gen.k_company = self.models.defaults.spec.resolved_k_max(r.gen.drafts_with_model)
         r.status = Status.PREFILLING
         r.emit(Start())
 
@@ -242,7 +242,7 @@ class Cycle:
         """The cycle's prefill budget (scheduler.prefill_budget: what the round cost, `round_s`;
         None: nothing decodes) over the prompts going in, the oldest first."""
         for r in [r for r in self.running if r.status is Status.PREFILLING]:
-            stop = r.stopped()  # abandoned while waiting for its share of the budget
+            stop = r.abandoned()  # abandoned while waiting for its share of the budget
             if stop is not None:
                 self.finish(r, stop)
         newcomers = [r for r in self.running if r.status is Status.PREFILLING]
@@ -264,7 +264,7 @@ class Cycle:
         if not done:
             return
         if r.gen.stop_reason == "cancelled":
-            self.finish(r, r.stopped() or Status.CANCELLED)
+            self.finish(r, r.abandoned() or Status.CANCELLED)
         else:
             r.status = Status.DECODING
 
@@ -286,7 +286,7 @@ class Cycle:
         assert r.gen is not None and r.out is not None
         r.emit(r.out.push(ids, r.gen))
         if not r.out.stopped and not r.gen.done:
-            stop = r.stopped()
+            stop = r.abandoned()
             if stop is not None:
                 self.finish(r, stop)
             return

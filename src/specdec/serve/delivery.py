@@ -10,9 +10,11 @@ decoded incrementally (serve.text.TextAssembler) with the worker's copy of the t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.core.decode import Generation
+from specdec.core.metrics import Round
 from specdec.serve.metrics import RoundMark
 from specdec.serve.origins import OriginTracker
 from specdec.serve.protocol import GenParams
@@ -46,6 +48,12 @@ class Output:
     def for_request(cls, tokens: Tokens, p: GenParams) -> Output:
         origins = OriginTracker(tokens.decode) if p.origins else None
         return cls(tokens, TextAssembler(tokens.decode, p.stop), origins, p.logprobs is not None)
+
+    @property
+    def on_round(self) -> Callable[[Round], None] | None:
+        """What the generation tells of each round (decode's `on_round`): the origins tracker's
+        observer where the request asked for its tokens' origins."""
+        return self.origins.observe if self.origins is not None else None
 
     @property
     def stopped(self) -> bool:

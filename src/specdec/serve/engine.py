@@ -214,7 +214,7 @@ class Engine:
         its place; a running one stops at the worker's next check. A no-op once it ended."""
         r.abandon(status)
         if self._queue.remove(r):  # the worker will never see it: end it here
-            self.cycle.finish(r, r.stopped() or status)
+            self.cycle.finish(r, r.abandoned() or status)
 
     def _check_open(self) -> None:
         if self._stopping:

@@ -12,13 +12,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from specdec.backends import chat as prompting
 from specdec.backends.grammar import Grammar, Grammars
-from specdec.core.config import Warp
+from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import Generation, prepare, stream
-from specdec.core.model import SpecModel
+from specdec.core.drafters import PredictionIndex
+from specdec.core.metrics import Round
+from specdec.core.model import SpecModel, TokenIds
+from specdec.core.policy import AutoPolicies
 from specdec.core.pool import DraftPool
 from specdec.serve.errors import bad
 from specdec.serve.keys import ANONYMOUS
@@ -30,13 +34,22 @@ from specdec.serve.protocol import (
     Structure,
 )
 from specdec.serve.protocol import validate_request as validate
-from specdec.serve.requests import Request
 from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
 from specdec.serve.tenant_policies import TenantPolicies
 from specdec.serve.tokens import Tokens
 
 if TYPE_CHECKING:
     from specdec.serve.config import ServeConfig
+
+
+class Drafting(TypedDict):
+    """What a request drafts with: decode.prepare's (and stream's) arguments of that name."""
+
+    draft: SpecModel | None
+    spec: SpecConfig
+    prediction: TokenIds | PredictionIndex | None
+    pool: DraftPool | None
+    policies: AutoPolicies
 
 
 class ServedModels:
@@ -147,17 +160,26 @@ class ServedModels:
 
     # -------------------------------------------------------------------------- the worker's
     def generation(
-        self, r: Request, prediction: object, pool: DraftPool | None, reuse_prefix: int
+        self,
+        p: GenParams,
+        slot: int,
+        tenant: str,
+        prediction: TokenIds | PredictionIndex | None,
+        pool: DraftPool | None,
+        reuse_prefix: int,
+        *,
+        cancelled: Callable[[], bool],
+        on_round: Callable[[Round], None] | None,
     ) -> Generation:
-        """`r`'s generation in its slot, drafting from `prediction` (Tokens.prediction) and
+        """A request's generation in `slot`, drafting from `prediction` (Tokens.prediction) and
         `pool`, set up and checked (decode.prepare: ValueError for a bad argument, before any
-        model work) but not started."""
-        p = r.params
+        model work) but not started; `cancelled` is polled between prefill chunks."""
         constraint = self.grammars().constraint(p.grammar) if p.grammar else None
-        return prepare(
-            self.targets[r.slot],
+        drafting = self.stream_args(p.speculation, prediction, pool, tenant, slot)
+        gen = prepare(
+            self.targets[slot],
             p.prompt_ids,
-            **self.stream_args(p.speculation, prediction, pool, r.tenant, r.slot),
+            **drafting,
             warp=p.warp,
             penalties=p.penalties,
             constraint=constraint,
@@ -165,30 +187,34 @@ class ServedModels:
             max_new_tokens=p.max_tokens,
             seed=p.seed,
             stop_ids=[*self.stop_ids, *p.stop_ids],
-            cancelled=lambda: r.stopped() is not None,  # polled between prefill chunks
-            on_round=r.out.origins.observe if r.out and r.out.origins else None,
+            cancelled=cancelled,
+            on_round=on_round,
             reuse_prefix=reuse_prefix,
         )
+        # in company, K at most the server's k_max for its kind of drafter (a request's own
+        # fixed K, up to MAX_REQUEST_K, would set its neighbours' rounds)
+        gen.k_company = self.defaults.spec.resolved_k_max(gen.drafts_with_model)
+        return gen
 
     def stream_args(
         self,
         sp: Speculation,
-        prediction: object,
+        prediction: TokenIds | PredictionIndex | None,
         pool: DraftPool | None = None,
         tenant: str = ANONYMOUS,
         slot: int = 0,
-    ) -> dict[str, Any]:
+    ) -> Drafting:
         """`decode.prepare`'s draft, spec, prediction, pool and policies for a request's
         speculation: the draft model (`slot`'s) only for the drafters that run it, no prediction
         without a drafter (it drafts nothing), the draft pool only for the drafters that run
         prompt lookup, the k="auto" policies of the request's tenant."""
-        return {
-            "draft": self.drafts[slot] if sp.uses_draft else None,
-            "spec": sp.run_config(),
-            "prediction": prediction if sp.drafts else None,
-            "pool": pool if sp.uses_lookup else None,
-            "policies": self.policies.get(tenant),
-        }
+        return Drafting(
+            draft=self.drafts[slot] if sp.uses_draft else None,
+            spec=sp.run_config(),
+            prediction=prediction if sp.drafts else None,
+            pool=pool if sp.uses_lookup else None,
+            policies=self.policies.get(tenant),
+        )
 
     def warm_up(self) -> None:
         """A 2-token generation with the default speculation, and one with the draft model if

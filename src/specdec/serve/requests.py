@@ -163,8 +163,9 @@ class Request:
             self._stop = status
             self._asked.set()
 
-    def stopped(self) -> Status | None:
-        """The status to stop this request with now, or None to go on."""
+    def abandoned(self) -> Status | None:
+        """The status it was abandoned with (`abandon`, or TIMED_OUT past its deadline), to
+        stop it with now; None: it goes on."""
         if self._asked.is_set():
             return self._stop
         return Status.TIMED_OUT if time.perf_counter() > self.deadline else None

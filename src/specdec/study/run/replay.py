@@ -62,7 +62,7 @@ from specdec.study.artifacts import (
 from specdec.study.artifacts.provenance import meta_block
 from specdec.study.artifacts.runs import read_round_log
 from specdec.study.run.replay_loop import (
-    DRAFTERS,
+    REPLAY_DRAFTERS,
     Curve,
     Hint,
     Recorded,
@@ -172,7 +172,7 @@ def _method_setting(art: BenchArtifact, method: str) -> tuple[str | None, Any]:
     if method == "speculative":
         return art.drafter, art.k
     drafter, sep, k = method.rpartition("-k")
-    if sep and drafter in DRAFTERS:
+    if sep and drafter in REPLAY_DRAFTERS:
         return drafter, int(k) if k.isdigit() else k
     return None, None
 

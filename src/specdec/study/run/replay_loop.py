@@ -21,7 +21,13 @@ from specdec.core.policy import POLICIES, CostModelK, KPolicy, make_policy
 #: The model-free drafters a replay runs (bench's names; no draft model: nothing to replay it
 #: on); "prediction-static": the prediction drafter without rewrites (core.edits), as before
 #: issue 22; "prediction-nohints": learned rewrites, none from the instruction
-DRAFTERS = ("prediction", "lookup", "wrong-prediction", "prediction-static", "prediction-nohints")
+REPLAY_DRAFTERS = (
+    "prediction",
+    "lookup",
+    "wrong-prediction",
+    "prediction-static",
+    "prediction-nohints",
+)
 Hint = tuple[tuple[int, ...], tuple[int, ...]]
 
 
@@ -66,8 +72,10 @@ def task_drafter(kind: str, task: Recorded) -> Drafter:
     """bench's drafter `kind` for one task, as its live run gets it (study.run.methods): built
     by decode.make_drafter, the prediction first, then prompt lookup; "wrong-prediction" drafts
     from another task's prediction; no prediction at all: lookup alone."""
-    if kind not in DRAFTERS:
-        raise ValueError(f"unknown replay drafter {kind!r}; choose from {', '.join(DRAFTERS)}")
+    if kind not in REPLAY_DRAFTERS:
+        raise ValueError(
+            f"unknown replay drafter {kind!r}; choose from {', '.join(REPLAY_DRAFTERS)}"
+        )
     pred = task.other_prediction if kind == "wrong-prediction" else task.prediction
     start = len(task.prompt)
     # every replay drafter but lookup is the prediction drafter, as it runs with(out) one
