@@ -28,13 +28,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specdec.core.metrics import GenerationStats
 from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError, timeout_error
+from specdec.serve.gen_params import GenParams
 from specdec.serve.job_queue import Reservation
-from specdec.serve.protocol import SEED_RANGE, ChatRequest, CompletionRequest, GenParams
 from specdec.serve.requests import Delta, Done, Event, Failed, Status
 from specdec.serve.requests import Request as Sample
 from specdec.serve.speculation import Speculation
 from specdec.serve.tokens import TokenEntry
 from specdec.serve.tools import Call, ToolParser
+from specdec.serve.validation import SEED_RANGE
+from specdec.serve.wire import ChatRequest, CompletionRequest
 
 
 # ------------------------------------------------------------------------------ records

@@ -29,7 +29,7 @@ under speculation (core.processing; docs/requests.md). Fields that would change 
 are not implemented (best_of, chat's suffix, functions, ...) are refused with 400
 unsupported_parameter unless they ask for nothing (null, false, 0, {}); other unknown fields
 are ignored. Extensions for
-speculation (protocol; docs/api-extensions.md): `speculation` {"drafter", "k", "k_max"} per
+speculation (serve.wire; docs/api-extensions.md): `speculation` {"drafter", "k", "k_max"} per
 request, over the server's start-up flags; `usage.speculation`, what it did (in a stream only
 with stream_options.include_speculation, which also gives each chunk its tokens' origins:
 serve.origins). Responses carry
@@ -69,7 +69,7 @@ to loopback only loopback Host headers are served (DNS rebinding), unless --allo
 Errors: every error body is OpenAI's {"error": {"message", "type", "param", "code"}}, and the
 server keeps serving.
     400 invalid_request_error   malformed or deeply nested JSON, lone surrogates, NaN and
-                                out-of-range numbers, over-long lists, wrong types (protocol.
+                                out-of-range numbers, over-long lists, wrong types (serve.wire's
                                 parse_json and check_shape, on the raw JSON), temperature
                                 outside [0, 2], top_p outside (0, 1], max_tokens beyond the
                                 context window, n > 16, unsupported parameters, a Host header
@@ -132,8 +132,9 @@ from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError, bad
 from specdec.serve.front_door import DEADLINE_HEADER
 from specdec.serve.keys import KeyRing, unauthorized
-from specdec.serve.protocol import MAX_N, ChatRequest, CompletionRequest, parse_json, parse_request
 from specdec.serve.requests import Request as EngineRequest
+from specdec.serve.validation import MAX_N
+from specdec.serve.wire import ChatRequest, CompletionRequest, parse_json, parse_request
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

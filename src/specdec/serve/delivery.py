@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 from specdec.core.decode import Generation
+from specdec.serve.gen_params import GenParams
 from specdec.serve.metrics import RoundMark
 from specdec.serve.origins import OriginTracker
-from specdec.serve.protocol import GenParams
 from specdec.serve.text import TextAssembler
 from specdec.serve.tokens import TokenEntry, Tokens
 

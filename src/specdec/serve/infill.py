@@ -45,9 +45,10 @@ from specdec.backends.fim import Extra
 from specdec.core.metrics import GenerationStats
 from specdec.serve.answers import _events, _watch_disconnect, sample_params
 from specdec.serve.errors import ApiError, bad
-from specdec.serve.protocol import CompletionRequest, GenParams
+from specdec.serve.gen_params import GenParams
 from specdec.serve.requests import Delta, Done, Failed, Status
 from specdec.serve.requests import Request as Sample
+from specdec.serve.wire import CompletionRequest
 
 #: llama.cpp's default temperature (common_params_sampling).
 LLAMA_TEMPERATURE = 0.8
