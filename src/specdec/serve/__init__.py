@@ -1,5 +1,7 @@
 """The OpenAI-compatible server, in the order a request flows through it:
 
+    http_checks the door's checks, the app's and the cluster edge's alike: Host, response
+                headers, the body's type, size and deadline, the operator's key on /metrics
     wire        the request bodies (pydantic models) and how a body is read into one: bounded
                 JSON, the lists' shapes, strict types (no app, no engine: testable alone)
     validation  `validate_request(req, n_ctx, vocab) -> GenParams`: a parsed request checked
