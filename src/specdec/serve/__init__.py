@@ -15,6 +15,8 @@
     delivery    a round's tokens -> its Delta (text, origins, logprobs)
     cycle       the worker's cycle: admission into slots, the joint round, prefill, `finish`
     engine      the queue, admission (429s), the worker's lifecycle
+    samples     a request's n samples in the engine: made, queued and released once (the
+                routes' skeleton), their events merged
     answers     events -> OpenAI's response records, whole or streamed
     app         thin routes, `create_app`, `serve`
 

@@ -123,14 +123,14 @@ from specdec.backends.weights import kernel_of
 from specdec.core.model import SpecModel
 from specdec.serve import answers, playground
 from specdec.serve import infill as fim_route
-from specdec.serve.answers import Reply, sample_params
+from specdec.serve.answers import Reply
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError, bad
 from specdec.serve.front_door import DEADLINE_HEADER
 from specdec.serve.http_checks import HostCheck, ResponseHeaders, check_operator, read_body
 from specdec.serve.keys import KeyRing
-from specdec.serve.requests import Request as EngineRequest
+from specdec.serve.samples import make_samples
 from specdec.serve.validation import MAX_N
 from specdec.serve.wire import ChatRequest, CompletionRequest, parse_json, parse_request
 
@@ -251,10 +251,7 @@ async def _completion(
         )
         loop = asyncio.get_running_loop()
         deadline = arrived + _time_left(request, ctx)
-        samples = [
-            EngineRequest(sample_params(params, i), loop, arrived, deadline, tenant=tenant)
-            for i in range(params.n)
-        ]
+        samples = make_samples(params, loop, arrived, deadline, tenant)
         response = await answers.respond(request, engine, reply, params, samples, reservations)
         engine.metrics.count_request(request.url.path, 200)
         return response
@@ -284,7 +281,7 @@ async def infill(request: Request) -> Response:
         params = await _off_loop(fim_route.prepare, engine.models, req, ctx.public_id)
         loop = asyncio.get_running_loop()
         deadline = arrived + _time_left(request, ctx)
-        samples = fim_route.make_samples(params, loop, arrived, deadline, tenant)
+        samples = make_samples(params, loop, arrived, deadline, tenant)
         response = await fim_route.answer(
             request, req, engine, params, samples, reservations, ctx.public_id
         )
