@@ -11,7 +11,7 @@ import pytest
 
 from specdec.backends import chat as prompting
 from specdec.serve.models import _instruction
-from specdec.serve.protocol import ChatRequest, CompletionRequest
+from specdec.serve.wire import ChatRequest, CompletionRequest
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,6 @@ from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError
 from specdec.serve.metrics import Metrics
 from specdec.serve.origins import OriginTracker
-from specdec.serve.protocol import (
-    MAX_STOP_CHARS,
-    MAX_STOPS,
-    ChatRequest,
-    CompletionRequest,
-    parse_json,
-    parse_request,
-    validate_request,
-)
 from specdec.serve.requests import Request
 from specdec.serve.speculation import (
     NO_DRAFTER,
@@ -35,6 +26,8 @@ from specdec.serve.speculation import (
     resolve_speculation,
 )
 from specdec.serve.text import TextAssembler
+from specdec.serve.validation import MAX_STOP_CHARS, MAX_STOPS, validate_request
+from specdec.serve.wire import ChatRequest, CompletionRequest, parse_json, parse_request
 
 V = 48
 N_CTX = 64

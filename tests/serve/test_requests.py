@@ -13,8 +13,9 @@ from serverkit import MOCK_SPEC, metric
 from specdec.backends.mock import MockModel
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
-from specdec.serve.protocol import CompletionRequest, parse_request, validate_request
 from specdec.serve.requests import STOPS, Delta, Done, Failed, Request, Start, Status
+from specdec.serve.validation import validate_request
+from specdec.serve.wire import CompletionRequest, parse_request
 
 V = 64
 

@@ -23,7 +23,8 @@ import torch
 from serverkit import MOCK_SPEC, FakeTokenizer, SlowMock, V, serve_models
 
 from specdec.core.config import Warp
-from specdec.serve.protocol import CompletionRequest, parse_request, validate_request
+from specdec.serve.validation import validate_request
+from specdec.serve.wire import CompletionRequest, parse_request
 from specdec.study.artifacts import BenchArtifact
 from specdec.study.engines import endpoint, stream
 from specdec.study.run import together
@@ -108,7 +109,7 @@ def test_stream_reads_text_usage_and_timing_and_matches_the_non_streamed_answer(
 )
 def test_a_request_sends_its_warp_and_the_server_reads_back_the_same(warp: Warp) -> None:
     """The client sends every Warp field that is set under its own name, the server's request
-    fields are those names (serve.protocol): what specdec serve samples with is the bench's
+    fields are those names (serve.wire): what specdec serve samples with is the bench's
     Warp, whichever fields it sets."""
     ep = endpoint.Endpoint("http://127.0.0.1:1", model="m", api="completions")
     with endpoint.Client(ep) as c:

@@ -1,11 +1,7 @@
-"""From a validated request to its response: its samples, their events, the response records
-(whole or streamed).
+"""From a validated request to its response: its samples' events (serve.samples) turned into
+the response records, whole or streamed.
 
-A request asks for n samples (OpenAI's `n`): each is a request of its own in the engine
-(serve.requests.Request, `Sample` here, as FastAPI's Request is the HTTP one), sample i
-seeded with seed + i, so the samples are independent draws (the same answers at temperature 0).
-With free slots they run side by side, each slot prefilling the prompt itself; one after
-another, a later sample keeps the prompt's KV through the prompt cache (whole blocks). Each
+A request asks for n samples (OpenAI's `n`; serve.samples says how they run). Each
 sample's text goes through its `Choice`: the tool-call parser when tools are on (serve.tools),
 its logprobs, its finish reason. Responses carry OpenAI's records and the
 extensions (`usage.speculation`, `spec`; core.metrics defines the numbers).
@@ -14,7 +10,6 @@ extensions (`usage.speculation`, `spec`; core.metrics defines the numbers).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -23,18 +18,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from specdec.core.metrics import GenerationStats
 from specdec.serve.engine import Engine
-from specdec.serve.errors import ApiError, timeout_error
+from specdec.serve.gen_params import GenParams
 from specdec.serve.job_queue import Reservation
-from specdec.serve.protocol import SEED_RANGE, ChatRequest, CompletionRequest, GenParams
-from specdec.serve.requests import Delta, Done, Event, Failed, Status
+from specdec.serve.requests import Delta, Done, Failed
 from specdec.serve.requests import Request as Sample
+from specdec.serve.samples import next_event, sample_events, submitted
 from specdec.serve.speculation import Speculation
 from specdec.serve.tokens import TokenEntry
 from specdec.serve.tools import Call, ToolParser
+from specdec.serve.wire import ChatRequest, CompletionRequest
 
 
 # ------------------------------------------------------------------------------ records
@@ -295,74 +291,7 @@ class Reply:
         return body
 
 
-# ------------------------------------------------------------------------------ the samples
-def sample_params(params: GenParams, i: int) -> GenParams:
-    """Sample i's parameters: seeded with seed + i (wrapped into torch's seed range)."""
-    if i == 0:
-        return params
-    lo, hi = SEED_RANGE
-    return dataclasses.replace(params, seed=(params.seed + i - lo) % (hi - lo) + lo)
-
-
-async def _next_event(engine: Engine, sample: Sample) -> Event:
-    remaining = sample.deadline - time.perf_counter()
-    try:
-        return await asyncio.wait_for(sample.events.get(), timeout=max(remaining, 0.0))
-    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-        engine.withdraw(sample, Status.TIMED_OUT)
-        raise timeout_error() from None
-
-
-async def _watch_disconnect(request: Request, engine: Engine, samples: list[Sample]) -> None:
-    """Withdraw the samples when the client goes away. After the body is read, the next ASGI
-    message on this connection is `http.disconnect`, so this waits on an event, it does not
-    poll."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            for sample in samples:
-                engine.withdraw(sample, Status.CANCELLED)
-            return
-
-
-async def _event_or_failure(engine: Engine, sample: Sample) -> Event:
-    """The sample's next event; a timeout is its Failed event."""
-    try:
-        return await _next_event(engine, sample)
-    except ApiError as e:
-        return Failed(e)
-
-
-async def _events(engine: Engine, samples: list[Sample]) -> AsyncIterator[tuple[int, Event]]:
-    """Every sample's events, each tagged with its sample's index, as they come; a sample's
-    timeout is its Failed event. Ends once every sample has ended."""
-    if len(samples) == 1:  # no task per event for the common case
-        while True:
-            ev = await _event_or_failure(engine, samples[0])
-            yield 0, ev
-            if isinstance(ev, (Done, Failed)):
-                return
-    merged: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-
-    async def pump(i: int, sample: Sample) -> None:
-        while True:
-            ev = await _event_or_failure(engine, sample)
-            await merged.put((i, ev))
-            if isinstance(ev, (Done, Failed)):
-                return
-
-    tasks = [asyncio.create_task(pump(i, j)) for i, j in enumerate(samples)]
-    try:
-        left = len(samples)
-        while left:
-            i, ev = await merged.get()
-            left -= isinstance(ev, (Done, Failed))
-            yield i, ev
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
+# ------------------------------------------------------------------------------ the answer
 async def respond(
     request: Request,
     engine: Engine,
@@ -372,13 +301,9 @@ async def respond(
     reservations: list[Reservation],
 ) -> Response:
     """Queue the request's samples in their reserved places, then answer with the whole
-    completion or an SSE stream (whose generator then owns the samples)."""
-    for sample, reservation in zip(samples, reservations, strict=True):
-        engine.submit(sample, reservation)
-    watcher = asyncio.create_task(_watch_disconnect(request, engine, samples))
-    streaming = False
-    try:
-        first = await _next_event(engine, samples[0])  # Start, or Failed while queued or at start
+    completion or an SSE stream (which then owns the samples)."""
+    with submitted(request, engine, samples, reservations) as held:
+        first = await next_event(engine, samples[0])  # Start, or Failed while queued or at start
         if isinstance(first, Failed):
             raise first.error
         choices = [
@@ -386,11 +311,9 @@ async def respond(
             for i in range(len(samples))
         ]
         if reply.req.streaming:
-            streaming = True
-            events = _sse_events(engine, samples, watcher, reply, choices)
-            headers = {"Cache-Control": "no-cache"}
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        async for i, ev in _events(engine, samples):
+            events = _sse_events(engine, samples, reply, choices)
+            return held.stream(events, headers={"Cache-Control": "no-cache"})
+        async for i, ev in sample_events(engine, samples):
             if isinstance(ev, Failed):
                 raise ev.error
             if isinstance(ev, Delta):
@@ -400,62 +323,48 @@ async def respond(
         # the whole answer is built and serialized off the event loop: n samples of long
         # answers with top_logprobs are hundreds of MB of objects, seconds of work
         return await asyncio.to_thread(lambda: JSONResponse(reply.completion(choices)))
-    finally:
-        if not streaming:  # the SSE generator owns the samples from here on
-            for sample in samples:
-                engine.withdraw(sample, Status.CANCELLED)  # a no-op for a finished sample
-            watcher.cancel()
 
 
 async def _sse_events(
-    engine: Engine,
-    samples: list[Sample],
-    watcher: asyncio.Task,
-    reply: Reply,
-    choices: list[Choice],
+    engine: Engine, samples: list[Sample], reply: Reply, choices: list[Choice]
 ) -> AsyncIterator[str]:
     n = len(choices)
     offsets = [len(reply.echo)] * n  # completions' text_offset
-    try:
-        if reply.chat:
-            for c in choices:
-                yield _sse(reply.first_chunk(c.index))
-        elif reply.echo:
-            for c in choices:
-                yield _sse(reply.chunk(c.index, reply.echo))
-        async for i, ev in _events(engine, samples):
-            c = choices[i]
-            if isinstance(ev, Delta):
-                text, calls = c.take(ev)
-                deltas = [d for call in calls for d in call.deltas()]
-                wanted = ev.origins is not None or (reply.req.return_token_ids and ev.token_ids)
-                if text or deltas or wanted or (ev.logprobs and reply.logprobs):
-                    # the round's ids, origins and logprobs ride on its first chunk: its content,
-                    # else its first tool-call delta; the other deltas follow, one a chunk
-                    lead = [] if text or not deltas else deltas[:1]
-                    yield _sse(
-                        reply.chunk(
-                            i, text, ev.token_ids, None, ev.origins, ev.logprobs, lead, offsets[i]
-                        )
+    if reply.chat:
+        for c in choices:
+            yield _sse(reply.first_chunk(c.index))
+    elif reply.echo:
+        for c in choices:
+            yield _sse(reply.chunk(c.index, reply.echo))
+    async for i, ev in sample_events(engine, samples):
+        c = choices[i]
+        if isinstance(ev, Delta):
+            text, calls = c.take(ev)
+            deltas = [d for call in calls for d in call.deltas()]
+            wanted = ev.origins is not None or (reply.req.return_token_ids and ev.token_ids)
+            if text or deltas or wanted or (ev.logprobs and reply.logprobs):
+                # the round's ids, origins and logprobs ride on its first chunk: its content,
+                # else its first tool-call delta; the other deltas follow, one a chunk
+                lead = [] if text or not deltas else deltas[:1]
+                yield _sse(
+                    reply.chunk(
+                        i, text, ev.token_ids, None, ev.origins, ev.logprobs, lead, offsets[i]
                     )
-                    for d in deltas[len(lead) :]:
-                        yield _sse(reply.chunk(i, None, tool_deltas=[d]))
-                offsets[i] += sum(len(e.text) for e in ev.logprobs)
-            elif isinstance(ev, Failed):
-                yield _sse(ev.error.body())
-                return
-            elif isinstance(ev, Done):
-                rest = c.end(ev)
-                if rest:
-                    yield _sse(reply.chunk(i, rest))
-                yield _sse(reply.last_chunk(c, n))
-        if reply.req.include_usage:
-            yield _sse(reply.usage_chunk(choices))
-        yield "data: [DONE]\n\n"
-    finally:  # normal end, or the client went away (this generator is then cancelled)
-        for sample in samples:
-            engine.withdraw(sample, Status.CANCELLED)
-        watcher.cancel()
+                )
+                for d in deltas[len(lead) :]:
+                    yield _sse(reply.chunk(i, None, tool_deltas=[d]))
+            offsets[i] += sum(len(e.text) for e in ev.logprobs)
+        elif isinstance(ev, Failed):
+            yield _sse(ev.error.body())
+            return
+        elif isinstance(ev, Done):
+            rest = c.end(ev)
+            if rest:
+                yield _sse(reply.chunk(i, rest))
+            yield _sse(reply.last_chunk(c, n))
+    if reply.req.include_usage:
+        yield _sse(reply.usage_chunk(choices))
+    yield "data: [DONE]\n\n"
 
 
 def _sse(obj: Any) -> str:

@@ -12,8 +12,8 @@ Endpoints
                                 {"status": "draining"} once shutdown began, so a router
                                 sends the next request elsewhere
     GET  /metrics               Prometheus text format, each metric defined in its HELP line;
-                                the operator's (`_check_operator`): its counters add up every
-                                tenant's requests
+                                the operator's (serve.http_checks.check_operator): its
+                                counters add up every tenant's requests
     GET  /                      the playground (serve.playground): a static page that calls the
                                 API above, with the API key its user types in
 
@@ -29,7 +29,7 @@ under speculation (core.processing; docs/requests.md). Fields that would change 
 are not implemented (best_of, chat's suffix, functions, ...) are refused with 400
 unsupported_parameter unless they ask for nothing (null, false, 0, {}); other unknown fields
 are ignored. Extensions for
-speculation (protocol; docs/api-extensions.md): `speculation` {"drafter", "k", "k_max"} per
+speculation (serve.wire; docs/api-extensions.md): `speculation` {"drafter", "k", "k_max"} per
 request, over the server's start-up flags; `usage.speculation`, what it did (in a stream only
 with stream_options.include_speculation, which also gives each chunk its tokens' origins:
 serve.origins). Responses carry
@@ -69,7 +69,7 @@ to loopback only loopback Host headers are served (DNS rebinding), unless --allo
 Errors: every error body is OpenAI's {"error": {"message", "type", "param", "code"}}, and the
 server keeps serving.
     400 invalid_request_error   malformed or deeply nested JSON, lone surrogates, NaN and
-                                out-of-range numbers, over-long lists, wrong types (protocol.
+                                out-of-range numbers, over-long lists, wrong types (serve.wire's
                                 parse_json and check_shape, on the raw JSON), temperature
                                 outside [0, 2], top_p outside (0, 1], max_tokens beyond the
                                 context window, n > 16, unsupported parameters, a Host header
@@ -109,31 +109,30 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdec.backends.cores import pace
 from specdec.backends.weights import kernel_of
 from specdec.core.model import SpecModel
 from specdec.serve import answers, playground
 from specdec.serve import infill as fim_route
-from specdec.serve.answers import Reply, sample_params
+from specdec.serve.answers import Reply
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
 from specdec.serve.errors import ApiError, bad
 from specdec.serve.front_door import DEADLINE_HEADER
-from specdec.serve.keys import KeyRing, unauthorized
-from specdec.serve.protocol import MAX_N, ChatRequest, CompletionRequest, parse_json, parse_request
-from specdec.serve.requests import Request as EngineRequest
+from specdec.serve.http_checks import HostCheck, ResponseHeaders, check_operator, read_body
+from specdec.serve.keys import KeyRing
+from specdec.serve.samples import make_samples
+from specdec.serve.validation import MAX_N
+from specdec.serve.wire import ChatRequest, CompletionRequest, parse_json, parse_request
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -184,62 +183,6 @@ async def _unexpected(request: Request, e: Exception) -> JSONResponse:
     return _error_response(request, err)
 
 
-class _HostCheck:
-    """Refuse requests whose Host header is not served (DNS rebinding: a page on evil.example
-    that resolves its own name to 127.0.0.1 reaches a loopback server with Host: evil.example)."""
-
-    def __init__(self, app: ASGIApp, names: frozenset[str]) -> None:
-        self.app = app
-        self.names = names
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
-            if _host_name(host) not in self.names:
-                err = ApiError(400, f"the Host header {host!r} is not served", code="invalid_host")
-                await JSONResponse(err.body(), status_code=400)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _ResponseHeaders:
-    """Every response echoes the request's x-request-id (a router's or client's trace id; one
-    is made when none or a malformed one came) and names the replica that answered."""
-
-    def __init__(self, app: ASGIApp, replica: str | None) -> None:
-        self.app = app
-        self.replica = replica
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rid = dict(scope["headers"]).get(b"x-request-id", b"")
-        if not _REQUEST_ID.fullmatch(rid):
-            rid = uuid.uuid4().hex.encode()
-        extra = [(b"x-request-id", rid)]
-        if self.replica is not None:
-            extra.append((b"x-specdec-replica", self.replica.encode()))
-
-        async def send_with(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), *extra]}
-            await send(message)
-
-        await self.app(scope, receive, send_with)
-
-
-#: An x-request-id echoed as it came: printable ASCII without spaces, at most 128 bytes.
-_REQUEST_ID = re.compile(rb"[!-~]{1,128}")
-
-
-def _host_name(host: str) -> str:
-    """ "127.0.0.1:8000" -> "127.0.0.1", "[::1]:8000" -> "::1"."""
-    if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
-
-
 # ------------------------------------------------------------------------------ checks
 def _tenant(request: Request) -> str:
     """The request's tenant (serve.keys.KeyRing.tenant): 401 without an accepted key."""
@@ -254,56 +197,6 @@ def _check_model(ctx: _Context, model: str) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The request body, at most `limit` bytes, within `timeout` seconds (408 after)."""
-    return await read_within(_read_all(request, limit), timeout)
-
-
-async def read_within(read: Awaitable[bytes], timeout: float) -> bytes:
-    """`read` (a body being read) within `timeout` seconds: 408 after (serve.edge reads its
-    requests that are no generation with it too)."""
-    try:
-        return await asyncio.wait_for(read, timeout)
-    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-        raise ApiError(
-            408,
-            f"the request body did not arrive within {timeout:g} s",
-            code="request_timeout",
-            headers={"Connection": "close"},
-        ) from None
-
-
-async def _read_all(request: Request, limit: int) -> bytes:
-    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media != "application/json":
-        raise ApiError(
-            415,
-            f"Content-Type must be application/json, got {media or 'none'!r}",
-            code="unsupported_media_type",
-        )
-    return await read_at_most(request, limit)
-
-
-async def read_at_most(request: Request, limit: int) -> bytes:
-    """The request body; 413 past `limit` bytes, declared or sent (serve.cluster's ingress
-    reads with it too)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(
-            413,
-            f"request body of {declared} bytes exceeds the limit of {limit} bytes",
-            code="request_too_large",
-        )
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise ApiError(
-                413, f"request body exceeds the limit of {limit} bytes", code="request_too_large"
-            )
-    return bytes(body)
 
 
 def _parse(kind: type[ChatRequest] | type[CompletionRequest], body: bytes) -> Any:
@@ -337,7 +230,7 @@ async def _completion(
     ctx = _ctx(request)
     engine = ctx.engine
     tenant = _tenant(request)
-    body = await _read_body(request, ctx.cfg.max_body_bytes, ctx.cfg.body_timeout)
+    body = await read_body(request, ctx.cfg.max_body_bytes, ctx.cfg.body_timeout)
     # JSON and validation off the event loop; the bounds in parse_json keep both short.
     req = await _off_loop(_parse, kind, body)
     _check_model(ctx, req.model)
@@ -358,10 +251,7 @@ async def _completion(
         )
         loop = asyncio.get_running_loop()
         deadline = arrived + _time_left(request, ctx)
-        samples = [
-            EngineRequest(sample_params(params, i), loop, arrived, deadline, tenant=tenant)
-            for i in range(params.n)
-        ]
+        samples = make_samples(params, loop, arrived, deadline, tenant)
         response = await answers.respond(request, engine, reply, params, samples, reservations)
         engine.metrics.count_request(request.url.path, 200)
         return response
@@ -384,14 +274,14 @@ async def infill(request: Request) -> Response:
     ctx = _ctx(request)
     engine = ctx.engine
     tenant = _tenant(request)
-    body = await _read_body(request, ctx.cfg.max_body_bytes, ctx.cfg.body_timeout)
+    body = await read_body(request, ctx.cfg.max_body_bytes, ctx.cfg.body_timeout)
     req = await _off_loop(lambda: fim_route.parse_infill(parse_json(body)))
     with contextlib.ExitStack() as held:
         reservations = [held.enter_context(engine.reserve(tenant)) for _ in range(_samples(req))]
         params = await _off_loop(fim_route.prepare, engine.models, req, ctx.public_id)
         loop = asyncio.get_running_loop()
         deadline = arrived + _time_left(request, ctx)
-        samples = fim_route.make_samples(params, loop, arrived, deadline, tenant)
+        samples = make_samples(params, loop, arrived, deadline, tenant)
         response = await fim_route.answer(
             request, req, engine, params, samples, reservations, ctx.public_id
         )
@@ -455,34 +345,9 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
 
-def _check_operator(request: Request) -> None:
-    """/metrics counts every tenant's requests (their prompt tokens, cache and pool hits, one
-    request at a time when traffic is light), so it is the operator's: their key where one is
-    set (--metrics-key-file; a tenant's key gets 403), else the key of a server with one API
-    key, whose one tenant is its operator; with several keys and no operator key, nobody's
-    (403). A server without keys serves it to anyone, as it does /v1. 401 for a key that is
-    none of these."""
-    ctx = _ctx(request)
-    auth = request.headers.get("authorization", "")
-    if ctx.operator is None and len(ctx.keys) <= 1:
-        ctx.keys.tenant(auth)  # 401 without the one key
-        return
-    if ctx.operator is not None and ctx.operator.matches(auth):
-        return
-    if not ctx.keys.matches(auth):
-        raise unauthorized()
-    raise ApiError(
-        403,
-        "/metrics describes every API key's requests and needs the operator's key "
-        "(specdec serve --metrics-key-file)",
-        type="permission_error",
-        code="operator_key_required",
-    )
-
-
 async def prometheus(request: Request) -> Response:
     ctx = _ctx(request)
-    _check_operator(request)
+    check_operator(request)
     engine = ctx.engine
     gauges = {
         "specdec_queue_depth": engine.queue_depth,
@@ -540,8 +405,8 @@ def create_app(engine: Engine, cfg: ServeConfig, replica: str | None = None) -> 
     # a replica is reached only through the cluster's edge, which checks the Host (serve.edge)
     hosts = cfg.host_names() if replica is None else None
     if hosts is not None:
-        app.add_middleware(_HostCheck, names=hosts)
-    app.add_middleware(_ResponseHeaders, replica=replica)
+        app.add_middleware(HostCheck, names=hosts)
+    app.add_middleware(ResponseHeaders, replica=replica)
     return app
 
 

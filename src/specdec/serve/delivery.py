@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from specdec.core.decode import Generation
 from specdec.core.metrics import Round
+from specdec.serve.gen_params import GenParams
 from specdec.serve.metrics import RoundMark
 from specdec.serve.origins import OriginTracker
-from specdec.serve.protocol import GenParams
 from specdec.serve.text import TextAssembler
 from specdec.serve.tokens import TokenEntry, Tokens
 

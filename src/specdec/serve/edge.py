@@ -3,7 +3,7 @@ checks, in front of N engine replicas reached through a `Replicas` transport (se
 Ray Serve deployment handles; `LocalReplicas` in this process, for tests).
 
 Everything a client sends meets the single server's edge first (serve.connections: header,
-body and write deadlines, connections per client and in all, the framing check; serve.app:
+body and write deadlines, connections per client and in all, the framing check; serve.http_checks:
 the Host check, the API key and Content-Type before a body is read, the body's bound). No
 client header reaches Ray: its HTTP proxy is not started, and a replica sees the client's
 headers without the edge's own names (`x-specdec-*`). Where a generation runs and how long it
@@ -42,6 +42,14 @@ from specdec.serve.front_door import (
     replica_of,
     samples_of,
 )
+from specdec.serve.http_checks import (
+    HostCheck,
+    ResponseHeaders,
+    check_operator,
+    read_at_most,
+    read_body,
+    read_within,
+)
 from specdec.serve.keys import KeyRing
 
 #: Seconds an answer may run past its deadline (the replica ends it at the deadline) before the
@@ -56,7 +64,7 @@ GENERATIONS = ("/v1/chat/completions", "/v1/completions", "/infill")
 # ------------------------------------------------------------------------------ the app
 @dataclass
 class _EdgeContext:
-    """What the edge's routes need, on app.state.specdec (the names serve.app's checks read)."""
+    """What the edge's routes need, on app.state.specdec (the names serve.http_checks reads)."""
 
     door: FrontDoor
     cfg: Any  # ServeConfig without its API keys
@@ -73,12 +81,10 @@ def _door_ctx(request: Request) -> _EdgeContext:
 
 
 def create_edge_app(replicas: Replicas, cfg: Any) -> Any:
-    """The cluster's HTTP app: serve.app's checks, then the replicas through `replicas`."""
+    """The cluster's HTTP app: serve.http_checks' checks, then the replicas through `replicas`."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
-
-    from specdec.serve import app as single
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -118,8 +124,8 @@ def create_edge_app(replicas: Replicas, cfg: Any) -> Any:
     app.add_api_route("/{path:path}", _light, methods=["GET", "HEAD", "POST", "PUT", "DELETE"])
     hosts = cfg.host_names()
     if hosts is not None:
-        app.add_middleware(single._HostCheck, names=hosts)
-    app.add_middleware(single._ResponseHeaders, replica=None)
+        app.add_middleware(HostCheck, names=hosts)
+    app.add_middleware(ResponseHeaders, replica=None)
     return app
 
 
@@ -134,14 +140,12 @@ def _inner_headers(request: Request, deadline: float | None = None) -> list[tupl
 async def _generation(request: Request) -> Any:
     """A chat or completion: the single server's checks, a place in the queue, slots, then
     the replica's answer relayed."""
-    from specdec.serve.app import _read_body
-
     arrived = time.perf_counter()
     ctx = _door_ctx(request)
     door, cfg = ctx.door, ctx.cfg
     auth = request.headers.get("authorization", "")
     tenant = ctx.keys.tenant(auth)  # 401 before the body is read
-    body = await _read_body(request, cfg.max_body_bytes, cfg.body_timeout)  # 415, 413, 408
+    body = await read_body(request, cfg.max_body_bytes, cfg.body_timeout)  # 415, 413, 408
     obj = parse_json(body) if len(body) < 1 << 16 else await asyncio.to_thread(parse_json, body)
     deadline = arrived + cfg.request_timeout
     sent = await door.admit(tenant, samples_of(obj), affinity_of(auth, obj), deadline)
@@ -159,8 +163,6 @@ async def _generation(request: Request) -> Any:
 async def _light(request: Request) -> Any:
     """Any other request (the models list, the playground, a 404): the key checked on /v1
     before a body is read, then any replica's answer."""
-    from specdec.serve.app import read_at_most, read_within
-
     ctx = _door_ctx(request)
     if request.url.path.startswith("/v1"):
         ctx.keys.tenant(request.headers.get("authorization", ""))
@@ -297,10 +299,8 @@ async def _metrics(request: Request) -> Any:
     """Every replica's /metrics, each sample labelled with its replica, and the edge's own."""
     from starlette.responses import Response
 
-    from specdec.serve.app import _check_operator
-
     ctx = _door_ctx(request)
-    _check_operator(request)
+    check_operator(request)
     door = ctx.door
     headers = _inner_headers(request)
 

@@ -129,7 +129,7 @@ def _prompt_text(x: Any) -> str:
 def samples_of(obj: Any) -> int:
     """The samples a generation asks for (`n`; the replica checks its range, 1 where it is
     not one)."""
-    from specdec.serve.protocol import MAX_N
+    from specdec.serve.validation import MAX_N
 
     n = obj.get("n") if isinstance(obj, dict) else None
     return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1

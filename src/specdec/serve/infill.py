@@ -30,24 +30,25 @@ piece as {"content", "tokens", "stop": false} and the record last, without [DONE
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specdec.backends.fim import Extra
 from specdec.core.metrics import GenerationStats
-from specdec.serve.answers import _events, _watch_disconnect, sample_params
 from specdec.serve.errors import ApiError, bad
-from specdec.serve.protocol import CompletionRequest, GenParams
+from specdec.serve.gen_params import GenParams
 from specdec.serve.requests import Delta, Done, Failed, Status
 from specdec.serve.requests import Request as Sample
+from specdec.serve.samples import sample_events, submitted
+from specdec.serve.wire import CompletionRequest
 
 #: llama.cpp's default temperature (common_params_sampling).
 LLAMA_TEMPERATURE = 0.8
@@ -283,20 +284,19 @@ async def answer(
     reservations: list[Any],
     model: str,
 ) -> Response:
-    """Queue the samples, then answer with the record(s) or a stream of pieces."""
-    for sample, reservation in zip(samples, reservations, strict=True):
-        engine.submit(sample, reservation)
-    watcher = asyncio.create_task(_watch_disconnect(request, engine, samples))
+    """Queue the samples, then answer with the record(s) or a stream of pieces, on serve.samples'
+    skeleton (`submitted`). Unlike serve.answers' `respond`, this does not wait for the request
+    to start before it answers: a stream's 200 goes out at once, and a failure in the queue is
+    its last event."""
     middles = [Middle(req.n_indent, req.t_max_predict_ms) for _ in samples]
     n_ctx = engine.models.n_ctx
-    streaming = False
 
     def final(i: int) -> dict[str, Any]:
         return pick(record(middles[i], params, n_ctx, model, i), req.response_fields)
 
     async def run() -> Any:
         """(i, text, ids) per piece, until every middle has ended or been cut."""
-        async for i, ev in _events(engine, samples):
+        async for i, ev in sample_events(engine, samples):
             m = middles[i]
             if isinstance(ev, Failed):
                 if m.stopped:  # cut by a rule and withdrawn: its end is the cut
@@ -314,47 +314,26 @@ async def answer(
             if all(x.stats is not None or x.stopped for x in middles):
                 return
 
-    async def stream() -> Any:
+    async def stream() -> AsyncIterator[str]:
         try:
-            try:
-                async for i, text, ids in run():
-                    if text or ids:
-                        piece = {"index": i, "content": text, "tokens": list(ids), "stop": False}
-                        yield f"data: {dumps(piece)}\n\n"
-            except ApiError as e:
-                yield f"data: {dumps(e.body())}\n\n"
-                return
-            for i in range(len(middles)):
-                yield f"data: {dumps({**final(i), 'content': ''})}\n\n"
-        finally:
-            for sample in samples:
-                engine.withdraw(sample, Status.CANCELLED)
-            watcher.cancel()
+            async for i, text, ids in run():
+                if text or ids:
+                    piece = {"index": i, "content": text, "tokens": list(ids), "stop": False}
+                    yield f"data: {dumps(piece)}\n\n"
+        except ApiError as e:
+            yield f"data: {dumps(e.body())}\n\n"
+            return
+        for i in range(len(middles)):
+            yield f"data: {dumps({**final(i), 'content': ''})}\n\n"
 
-    try:
+    with submitted(request, engine, samples, reservations) as held:
         if req.stream:
-            streaming = True
-            return StreamingResponse(stream(), media_type="text/event-stream")
+            return held.stream(stream())
         async for _ in run():
             pass
         out = [final(i) for i in range(len(middles))]
         body = out[0] if len(out) == 1 else out
         return Response(dumps(body), media_type="application/json; charset=utf-8")
-    finally:
-        if not streaming:  # the stream's generator owns the samples from here on
-            for sample in samples:
-                engine.withdraw(sample, Status.CANCELLED)
-            watcher.cancel()
-
-
-def make_samples(
-    params: GenParams, loop: Any, arrived: float, deadline: float, tenant: str
-) -> list[Sample]:
-    """The request's samples, sample i seeded with seed + i (serve.answers)."""
-    return [
-        Sample(sample_params(params, i), loop, arrived, deadline, tenant=tenant)
-        for i in range(params.n)
-    ]
 
 
 def prepare(models: Any, req: InfillRequest, model_id: str) -> GenParams:

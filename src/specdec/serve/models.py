@@ -2,7 +2,7 @@
 (serve.tokens), the grammar cache, the default speculation and the k="auto" policies.
 
 The app calls it once per request, `prepare` (off the event loop and off the worker): the
-prompt tokenized, the request validated against the models (serve.protocol.validate_request),
+prompt tokenized, the request validated against the models (serve.validation.validate_request),
 its grammar compiled and its prediction's index built, in a GenParams the worker starts from
 (`generation`). The worker alone runs the models.
 """
@@ -25,18 +25,14 @@ from specdec.core.model import SpecModel, TokenIds
 from specdec.core.policy import AutoPolicies
 from specdec.core.pool import DraftPool
 from specdec.serve.errors import bad
+from specdec.serve.gen_params import GenParams, Structure
 from specdec.serve.keys import ANONYMOUS
-from specdec.serve.protocol import (
-    DEFAULT_MAX_TOKENS,
-    ChatRequest,
-    CompletionRequest,
-    GenParams,
-    Structure,
-)
-from specdec.serve.protocol import validate_request as validate
 from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation
 from specdec.serve.tenant_policies import TenantPolicies
 from specdec.serve.tokens import Tokens
+from specdec.serve.validation import DEFAULT_MAX_TOKENS
+from specdec.serve.validation import validate_request as validate
+from specdec.serve.wire import ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from specdec.serve.config import ServeConfig
@@ -138,7 +134,7 @@ class ServedModels:
             grammars = self.grammars()
             if structure.functions:
                 fmt = self.tokens.tool_format
-                assert fmt is not None, "protocol.validate_request checked the tool format"
+                assert fmt is not None, "validation.validate_request checked the tool format"
                 return grammars.lark(fmt.grammar(list(structure.functions), structure.parallel))
             if structure.regex is not None:
                 return grammars.regex(structure.regex)

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 from specdec.core.metrics import GenerationStats
 from specdec.serve.delivery import Delta, Output
 from specdec.serve.errors import ApiError, cancelled_error, timeout_error, unavailable_error
+from specdec.serve.gen_params import GenParams
 from specdec.serve.keys import ANONYMOUS
-from specdec.serve.protocol import GenParams
 
 if TYPE_CHECKING:
     from specdec.core.decode import Generation

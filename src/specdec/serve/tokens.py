@@ -28,7 +28,7 @@ from specdec.backends.fim import Extra, FimTokens, fim_prompt, fim_tokens, plain
 from specdec.core.drafters import PredictionDrafter, PredictionIndex
 from specdec.core.sampling import TokenLogprob
 from specdec.serve.errors import bad
-from specdec.serve.protocol import GenParams
+from specdec.serve.gen_params import GenParams
 from specdec.serve.tools import ToolFormat, tool_format
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ ANY_ARGUMENTS: dict[str, Any] = {"type": "object"}
 
 
 def tool_call_for_template(call: Any) -> dict[str, Any]:
-    """An assistant's earlier call (protocol.ToolCall) as chat templates take it: arguments as
+    """An assistant's earlier call (serve.wire.ToolCall) as chat templates take it: arguments as
     an object (transformers' convention; Qwen's template writes them with `tojson`), kept as
     the string when it is not JSON."""
     try:
