@@ -40,7 +40,7 @@ from specdec.core.drafters import (
     PredictionIndex,
     common_prefix,
 )
-from specdec.core.metrics import GenerationResult, GenerationStats, Round
+from specdec.core.metrics import GenerationResult, GenerationStats, Round, StopReason
 from specdec.core.model import SpecModel, TokenIds, as_token_list, extend_together
 from specdec.core.pair import check_pair
 from specdec.core.policy import (
@@ -145,7 +145,7 @@ class Generation:
     top_logprobs: int | None = None  # None: no logprobs; n: each token's, and the n likeliest
     tokens: list[int] = field(default_factory=list)  # generated ids
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked
-    stop_reason: str = "length"
+    stop_reason: StopReason = StopReason.LENGTH
     seq: list[int] = field(default_factory=list)  # the committed sequence: prompt + tokens
     last_prefill: int = 0  # prompt tokens the latest `prefill` call put in the cache
     _prefilled: int = -1  # prompt tokens in the target's cache; -1: the prefill has not begun
@@ -181,12 +181,12 @@ class Generation:
 
     @property
     def done(self) -> bool:
-        return self.stop_reason != "length" or len(self.tokens) >= self.max_new_tokens
+        return self.stop_reason != StopReason.LENGTH or len(self.tokens) >= self.max_new_tokens
 
     def prefill(self, chunk: int = PREFILL_CHUNK) -> bool:
         """Put one chunk (at most `chunk` tokens) of the prompt in the target's cache, which
         holds seq[:-1] between rounds; True once all of it is there, or once `cancelled` said
-        so before a chunk (then stop_reason is "cancelled"). The first call keeps the prefix
+        so before a chunk (then stop_reason is CANCELLED). The first call keeps the prefix
         the cache shares with the prompt (reuse_prefix), or empties it."""
         ids = self.prompt[:-1]
         self.last_prefill = 0
@@ -197,7 +197,7 @@ class Generation:
                 self.stats.cached_prompt_tokens = self._prefilled
             if self._prefilled < len(ids):
                 if self.cancelled is not None and self.cancelled():
-                    self.stop_reason = "cancelled"
+                    self.stop_reason = StopReason.CANCELLED
                     return True
                 end = min(len(ids), self._prefilled + chunk)
                 self.target.prefill(ids[self._prefilled : end])
@@ -319,7 +319,7 @@ class Generation:
         stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
         if stop_at is not None:
             new = new[: stop_at + 1]
-            self.stop_reason = "stop"
+            self.stop_reason = StopReason.STOP
         self.tokens += new
         return new
 
@@ -512,7 +512,7 @@ def _config(given: _C | None, cls: type[_C], name: str) -> _C:
 def _loop(gen: Generation) -> Iterator[list[int]]:
     while not gen.prefill():
         pass
-    if gen.stop_reason == "cancelled":
+    if gen.stop_reason is StopReason.CANCELLED:
         return
     try:
         while not gen.done:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from specdec.core.decode import Generation, rounds_together
 from specdec.core.drafters import common_prefix
+from specdec.core.metrics import StopReason
 from specdec.core.processing import GrammarError
 from specdec.serve import scheduler
 from specdec.serve.delivery import Output
@@ -263,7 +264,7 @@ class Cycle:
         self._prefill_costs.add(r.gen.last_prefill, self._clock() - t0)
         if not done:
             return
-        if r.gen.stop_reason == "cancelled":
+        if r.gen.stop_reason is StopReason.CANCELLED:
             self.finish(r, r.stopped() or Status.CANCELLED)
         else:
             r.status = Status.DECODING

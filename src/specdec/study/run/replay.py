@@ -269,6 +269,7 @@ def record(
     from specdec.backends.costs import CurveFiles
     from specdec.core.config import SpecConfig, Warp, runs_as
     from specdec.core.decode import generate
+    from specdec.core.metrics import StopReason
     from specdec.core.policy import AutoPolicies
     from specdec.study.run import bench
 
@@ -295,7 +296,7 @@ def record(
             tuple(ids),
             tuple(res.tokens),
             _tuple(pred),
-            res.stop_reason == "stop",
+            res.stop_reason == StopReason.STOP,
             max_new_tokens,
             hints=_hints(target.tokenizer, prompt.text),
         )
