@@ -197,14 +197,23 @@ def test_the_real_tokenizers_chat_template_output_generates(smol_llamacpp) -> No
 
 
 def test_one_drafter_registry() -> None:
-    """core.config.DRAFTER_RUNS is the one place that names the drafters: the type's literal,
-    the server's names and the model / lookup sets all follow it."""
+    """core.config.DrafterName is the one place that names the drafters: DRAFTER_RUNS has a
+    row for each, in its order, and the server's names and the model / model-free / lookup sets
+    all follow them."""
     import typing
 
-    from specdec.core.config import DRAFTER_RUNS, LOOKUP_DRAFTERS, MODEL_DRAFTERS, DrafterName
+    from specdec.core.config import (
+        DRAFTER_RUNS,
+        DRAFTERS,
+        FREE_DRAFTERS,
+        LOOKUP_DRAFTERS,
+        MODEL_DRAFTERS,
+        DrafterName,
+    )
     from specdec.serve.speculation import SPEC_DRAFTERS
 
-    assert set(typing.get_args(DrafterName)) == set(DRAFTER_RUNS)
-    assert SPEC_DRAFTERS == ("none", *DRAFTER_RUNS)
+    assert DRAFTERS == typing.get_args(DrafterName) == tuple(DRAFTER_RUNS)
+    assert SPEC_DRAFTERS == ("none", *DRAFTERS)
     assert set(MODEL_DRAFTERS) == {"model", "composite"}
+    assert set(FREE_DRAFTERS) == {"lookup", "prediction"}
     assert set(LOOKUP_DRAFTERS) == {"lookup", "prediction", "composite"}
