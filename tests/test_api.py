@@ -26,12 +26,12 @@ def pair_spec() -> PairSpec:
     return PairSpec(v=V, scale=3.0)
 
 
-def test_generate_and_stream_take_prepares_arguments(pair) -> None:
-    """One signature: generate and stream pass their options to prepare, which names every
+def test_generate_and_stream_take_make_generations_arguments(pair) -> None:
+    """One signature: generate and stream pass their options to make_generation, which names every
     keyword and takes the settings whole (spec=, warp=); the configs' fields as plain keywords
     are the convenience layer's alone. An unknown keyword is a TypeError naming it, before any
     model work."""
-    p = inspect.signature(specdec.prepare)
+    p = inspect.signature(specdec.make_generation)
     assert "options" not in p.parameters and "max_new_tokens" in p.parameters
     assert {"spec", "warp"} <= set(p.parameters)
     flat = {f.name for c in (SpecConfig, Warp) for f in dataclasses.fields(c)}

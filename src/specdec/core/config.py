@@ -23,10 +23,10 @@ from specdec.core.checks import check_fraction, check_int
 if TYPE_CHECKING:  # annotations only: the protocols module imports torch
     from specdec.core.protocols import Drafter, KPolicy
 
-#: The drafters by name (core.drafters), in the order the CLI and the server list them: the
-#: one place that names them. A Literal, so a type checker knows the names;
+#: The drafters by name (core.drafters, core.prediction), in the order the CLI and the server
+#: list them: the one place that names them. A Literal, so a type checker knows the names;
 #: DRAFTERS reads them back at run time. A new drafter is a name here, its row in DRAFTER_RUNS
-#: and a case in core.decode.make_drafter (tests/test_api.py holds the two to each other).
+#: and a case in core.generate.make_drafter (tests/test_api.py holds the two to each other).
 DrafterName = Literal["lookup", "prediction", "model", "composite"]
 DRAFTERS: tuple[DrafterName, ...] = get_args(DrafterName)
 #: What each named drafter runs, from which every set of drafters below derives:
@@ -200,10 +200,10 @@ def default_drafter(
 def runs_as(
     drafter: DrafterName | Drafter | None, has_prediction: bool
 ) -> DrafterName | Drafter | None:
-    """The drafter to name to core.decode for `drafter` where a prediction may or may not come
+    """The drafter to name to core.generate for `drafter` where a prediction may or may not come
     with a generation (a server's request, a bench's prompt, a replay's task): "prediction" is
     the prediction, else prompt lookup (DRAFTER_RUNS), so without one it runs as "lookup"; with
-    one it is itself, which core.decode.make_drafter builds as "lookup" with the prediction
+    one it is itself, which core.generate.make_drafter builds as "lookup" with the prediction
     drafted first (a given prediction goes first whatever the drafter). Every other drafter
     runs as itself. make_drafter refuses "prediction" with no prediction: a caller who names it
     directly has a prediction to pass."""

@@ -194,7 +194,7 @@ class Cycle:
         r.started = time.perf_counter()
         r.use = self._pools.begin(r.tenant)
         self.running.append(r)  # from here on, its slot is taken until `finish`
-        try:  # prepare() checks every argument before any model work
+        try:  # make_generation checks every argument before any model work
             pool = r.use.pool if r.use is not None else None
             r.gen = self.models.generation(r, prediction, pool, block if reuse else 0)
         except ValueError as e:

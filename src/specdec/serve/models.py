@@ -17,7 +17,8 @@ from typing import Any
 from specdec.backends import chat as prompting
 from specdec.backends.grammar import Grammar, Grammars
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import Generation, prepare, stream
+from specdec.core.decode import Generation
+from specdec.core.generate import make_generation, stream
 from specdec.core.model import SpecModel
 from specdec.core.pool import DraftPool
 from specdec.serve.errors import bad
@@ -149,11 +150,11 @@ class ServedModels:
         self, r: Request, prediction: object, pool: DraftPool | None, reuse_prefix: int
     ) -> Generation:
         """`r`'s generation in its slot, drafting from `prediction` (Tokens.prediction) and
-        `pool`, set up and checked (decode.prepare: ValueError for a bad argument, before any
+        `pool`, set up and checked (make_generation: ValueError for a bad argument, before any
         model work) but not started."""
         p = r.params
         constraint = self.grammars().constraint(p.grammar) if p.grammar else None
-        return prepare(
+        return make_generation(
             self.targets[r.slot],
             p.prompt_ids,
             **self.stream_args(p.speculation, prediction, pool, r.tenant, r.slot),
@@ -177,7 +178,7 @@ class ServedModels:
         tenant: str = ANONYMOUS,
         slot: int = 0,
     ) -> dict[str, Any]:
-        """`decode.prepare`'s draft, spec, prediction, pool and policies for a request's
+        """`make_generation`'s draft, spec, prediction, pool and policies for a request's
         speculation: the draft model (`slot`'s) only for the drafters that run it, no prediction
         without a drafter (it drafts nothing), the draft pool only for the drafters that run
         prompt lookup, the k="auto" policies of the request's tenant."""

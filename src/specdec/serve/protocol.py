@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from specdec.backends.grammar import Grammar, schema_of
 from specdec.core.checks import shown
 from specdec.core.config import WARP_FIELDS, Warp
-from specdec.core.drafters import PredictionIndex
+from specdec.core.prediction import PredictionIndex
 from specdec.core.processing import Penalties
 from specdec.serve.errors import bad
 from specdec.serve.speculation import SpecDefaults, Speculation, resolve_speculation

@@ -21,11 +21,11 @@ from specdec.backends import chat as prompting
 from specdec.backends import load_model
 from specdec.backends.costs import CurveFiles
 from specdec.core.config import FREE_DRAFTERS, MODEL_DRAFTERS, runs_as
-from specdec.core.decode import generate
-from specdec.core.drafters import PredictionDrafter, PredictionIndex
+from specdec.core.generate import generate
 from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
 from specdec.core.policy import AutoPolicies
+from specdec.core.prediction import PredictionDrafter, PredictionIndex
 from specdec.study.artifacts.runs import round_log
 from specdec.study.engines import anchors, endpoint
 from specdec.study.engines import hf_assisted as hf

@@ -3,10 +3,10 @@ a measured verify curve for the cost side (`specdec replay`).
 
 A greedy output is what the target produces after its prompt, whatever drafted for it (the loop
 is lossless, and greedy decoding is deterministic where the backend is batch-invariant), so a
-replay runs `decode.stream` with a target that answers from the record instead of computing
+replay runs `generate.stream` with a target that answers from the record instead of computing
 (backends.replay.ReplayTarget) and a clock whose seconds are modelled (ModelledClock):
 
-    draft    the drafter decode.make_drafter builds for a live run proposes from the committed
+    draft    the drafter generate.make_drafter builds for a live run proposes from the committed
              context; K comes from the same K policy objects a generation runs
     verify   the replay target's rows are one-hot on the recorded tokens, so greedy_verify
              accepts a draft while it equals the recorded output at its position; the round
@@ -268,7 +268,7 @@ def record(
     from specdec.backends import chat
     from specdec.backends.costs import CurveFiles
     from specdec.core.config import SpecConfig, Warp, runs_as
-    from specdec.core.decode import generate
+    from specdec.core.generate import generate
     from specdec.core.metrics import StopReason
     from specdec.core.policy import AutoPolicies
     from specdec.study.run import bench
