@@ -385,7 +385,7 @@ def regenerate(ref: Reference, prompt_ids: list[int], body: dict[str, Any]) -> l
     prediction) on these prompt ids."""
     from specdec.backends.chat import encode_prediction
     from specdec.core.config import Warp
-    from specdec.core.decode import generate
+    from specdec.core.generate import generate
 
     pred = (body.get("prediction") or {}).get("content")
     return generate(

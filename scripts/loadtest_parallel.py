@@ -426,7 +426,7 @@ def solo_answers(args: argparse.Namespace, results: list[dict[str, Any]]) -> dic
     from specdec.backends import load_model
     from specdec.backends.chat import stop_ids
     from specdec.core.config import Warp
-    from specdec.core.decode import generate
+    from specdec.core.generate import generate
 
     kw: dict[str, Any] = {"n_threads": args.threads} if args.threads else {}
     target = load_model(args.target, deterministic=args.deterministic, **kw)

@@ -31,7 +31,7 @@ import openai
 
 from specdec.backends.mock import MockModel
 from specdec.core.config import Warp
-from specdec.core.decode import generate
+from specdec.core.generate import generate
 from specdec.serve.app import create_app
 from specdec.serve.config import ServeConfig
 from specdec.serve.connections import uvicorn_server

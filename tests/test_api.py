@@ -26,12 +26,12 @@ def pair_spec() -> PairSpec:
     return PairSpec(v=V, scale=3.0)
 
 
-def test_generate_and_stream_take_prepares_arguments(pair) -> None:
-    """One signature: generate and stream pass their options to prepare, which names every
+def test_generate_and_stream_take_make_generations_arguments(pair) -> None:
+    """One signature: generate and stream pass their options to make_generation, which names every
     keyword and takes the settings whole (spec=, warp=); the configs' fields as plain keywords
     are the convenience layer's alone. An unknown keyword is a TypeError naming it, before any
     model work."""
-    p = inspect.signature(specdec.prepare)
+    p = inspect.signature(specdec.make_generation)
     assert "options" not in p.parameters and "max_new_tokens" in p.parameters
     assert {"spec", "warp"} <= set(p.parameters)
     flat = {f.name for c in (SpecConfig, Warp) for f in dataclasses.fields(c)}
@@ -197,14 +197,23 @@ def test_the_real_tokenizers_chat_template_output_generates(smol_llamacpp) -> No
 
 
 def test_one_drafter_registry() -> None:
-    """core.config.DRAFTER_RUNS is the one place that names the drafters: the type's literal,
-    the server's names and the model / lookup sets all follow it."""
+    """core.config.DrafterName is the one place that names the drafters: DRAFTER_RUNS has a
+    row for each, in its order, and the server's names and the model / model-free / lookup sets
+    all follow them."""
     import typing
 
-    from specdec.core.config import DRAFTER_RUNS, LOOKUP_DRAFTERS, MODEL_DRAFTERS, DrafterName
+    from specdec.core.config import (
+        DRAFTER_RUNS,
+        DRAFTERS,
+        FREE_DRAFTERS,
+        LOOKUP_DRAFTERS,
+        MODEL_DRAFTERS,
+        DrafterName,
+    )
     from specdec.serve.speculation import SPEC_DRAFTERS
 
-    assert set(typing.get_args(DrafterName)) == set(DRAFTER_RUNS)
-    assert SPEC_DRAFTERS == ("none", *DRAFTER_RUNS)
+    assert DRAFTERS == typing.get_args(DrafterName) == tuple(DRAFTER_RUNS)
+    assert SPEC_DRAFTERS == ("none", *DRAFTERS)
     assert set(MODEL_DRAFTERS) == {"model", "composite"}
+    assert set(FREE_DRAFTERS) == {"lookup", "prediction"}
     assert set(LOOKUP_DRAFTERS) == {"lookup", "prediction", "composite"}

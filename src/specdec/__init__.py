@@ -8,10 +8,10 @@
 Public API (imported lazily, so `import specdec` stays cheap):
     load_model(spec, device=None, **kw) -> SpecModel       specdec.backends
     generate(target, prompt_ids, *, draft, drafter, k, temperature, ...) -> GenerationResult,
-    stream(...) -> SpecStream, prepare(...) -> Generation    specdec.core.decode
-                 (prepare takes the settings whole, spec=SpecConfig, warp=Warp; generate and
-                 stream take its keywords, or the configs' fields as plain keywords; a
-                 Generation is stepped by the caller)
+    stream(...) -> SpecStream, make_generation(...) -> Generation   specdec.core.generate
+                 (make_generation takes the settings whole, spec=SpecConfig, warp=Warp; generate
+                 and stream take its keywords, or the configs' fields as plain keywords; a
+                 Generation is stepped by the caller: specdec.core.decode)
     SpecConfig, Warp (the same settings as objects)          specdec.core.config
     AutoPolicies (k="auto" kept across generations), CurveFiles (its cost curves on disk)
                                                              specdec.core.policy, backends.costs
@@ -38,10 +38,10 @@ _LAZY = {
     "probs_from_logits": "specdec.core.sampling",
     "rejection_sample": "specdec.core.sampling",
     "greedy_verify": "specdec.core.sampling",
-    "generate": "specdec.core.decode",
+    "generate": "specdec.core.generate",
     "complete": "specdec.backends.fim",
-    "stream": "specdec.core.decode",
-    "prepare": "specdec.core.decode",
+    "stream": "specdec.core.generate",
+    "make_generation": "specdec.core.generate",
     "Generation": "specdec.core.decode",
     "SpecStream": "specdec.core.decode",
     "GenerationResult": "specdec.core.metrics",

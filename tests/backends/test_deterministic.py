@@ -28,7 +28,7 @@ from support import TEST_THREADS
 
 from specdec.backends import load_model
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import generate
+from specdec.core.generate import generate
 from specdec.core.model import SpecModel, SpecModelError
 from specdec.study.run.invariance import compare_nodes, probe_ids, summarize
 

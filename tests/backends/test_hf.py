@@ -17,7 +17,7 @@ import torch
 
 from specdec.backends.hf import HFModel
 from specdec.core.config import Warp
-from specdec.core.decode import generate
+from specdec.core.generate import generate
 from specdec.core.model import SpecModel, SpecModelError
 
 TINY_V = 64

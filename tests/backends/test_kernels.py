@@ -102,7 +102,7 @@ from specdec.backends import load_model
 from specdec.backends.llamacpp_kernels import kernels
 from specdec.backends.llamacpp_lib import package_dir
 from specdec.core.config import Warp
-from specdec.core.decode import generate
+from specdec.core.generate import generate
 m = load_model("llamacpp:smollm2-135m", n_threads=1)
 ids = m.tokenizer.encode("The three primary colours are")
 out = generate(m, ids, warp=Warp(0.0), max_new_tokens=32)

@@ -158,7 +158,7 @@ def test_a_requantized_file_on_sdmm_rows_bit_identical_and_greedy_speculation_ex
     speculation equals target-only token for token."""
     from specdec.backends import load_model
     from specdec.backends.llamacpp_kernels import sdmm_isa
-    from specdec.core.decode import generate
+    from specdec.core.generate import generate
 
     path = requantized(ftype)
     report = inspect_weights(path, sdmm_isa())

@@ -16,7 +16,8 @@ from stats_util import two_sample_chi2
 import specdec.core.decode as decode_mod
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import generate, rounds_together, stream
+from specdec.core.decode import rounds_together
+from specdec.core.generate import generate, stream
 from specdec.study.run.significance import paired_permutation_p
 
 V = 48

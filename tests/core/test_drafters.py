@@ -24,8 +24,8 @@ from specdec.backends.costs import CurveFiles
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
 from specdec.core.cost import MIN_SLOPE, PRIOR_SLOPE
-from specdec.core.decode import generate
 from specdec.core.drafters import CATCHUP_IN_PASS, LookupDrafter, ModelDrafter
+from specdec.core.generate import generate
 from specdec.core.metrics import Round
 from specdec.core.policy import (
     PROBE_AFTER,

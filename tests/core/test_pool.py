@@ -14,7 +14,7 @@ from stats_util import two_sample_chi2
 
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import generate
+from specdec.core.generate import generate
 from specdec.core.pool import KEYS, DraftPool, DraftPools, PoolDrafter
 from specdec.study.run.significance import paired_permutation_p
 

@@ -16,16 +16,12 @@ from stats_util import two_sample_chi2
 
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp, runs_as
-from specdec.core.decode import generate
-from specdec.core.drafters import (
-    CompositeDrafter,
-    LookupDrafter,
-    PredictionDrafter,
-    PredictionIndex,
-)
+from specdec.core.drafters import CompositeDrafter, LookupDrafter
 from specdec.core.edits import MAX_NEW, MAX_RULES, Rewrites, hint_ids, named_rewrites
+from specdec.core.generate import generate
 from specdec.core.metrics import Round
 from specdec.core.policy import CostModelK
+from specdec.core.prediction import PredictionDrafter, PredictionIndex
 from specdec.study.run.significance import paired_permutation_p
 
 V = 16

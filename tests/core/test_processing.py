@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from specdec.backends.mock import MockModel
-from specdec.core.decode import FORCED_PER_ROUND, generate, rounds_together, stream
+from specdec.core.decode import FORCED_PER_ROUND, rounds_together
+from specdec.core.generate import generate, stream
 from specdec.core.processing import FORCED, MAX_BIAS, Penalties, Processor
 from specdec.core.sampling import probs_from_logits, token_logprobs
 from specdec.study.run.significance import paired_permutation_p

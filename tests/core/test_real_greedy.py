@@ -13,7 +13,7 @@ import pytest
 
 from specdec.backends import chat as prompting
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import generate
+from specdec.core.generate import generate
 
 pytestmark = pytest.mark.model
 

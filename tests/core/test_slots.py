@@ -23,7 +23,8 @@ from serverkit import MOCK_SPEC, V, metric, mock_server, wait_for
 from specdec.backends import chat as prompting
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import Generation, generate, rounds_together, stream
+from specdec.core.decode import Generation, rounds_together
+from specdec.core.generate import generate, stream
 from specdec.core.model import SpecModel, SpecModelError, extend_together
 from specdec.core.policy import CostModelK, FixedK, choose_together
 
@@ -106,7 +107,7 @@ def test_greedy_answers_are_the_same_alone_and_in_company(neighbours) -> None:
         assert got[i] == want, f"generation {i} of {n}"
 
 
-@pytest.mark.parametrize("part", ["want", "propose", "settle"])
+@pytest.mark.parametrize("part", ["want", "propose", "accept"])
 def test_a_generation_that_raises_in_a_joint_round_fails_alone(part: str) -> None:
     """Generation 1's drafter, draft or accept walk raises in its third round (a warp that
     leaves no token once did, and failed every request of the pass): it gets its exception,
@@ -445,14 +446,14 @@ def test_neighbours_that_end_early_or_fail_leave_the_others_exact(monkeypatch) -
     import http.client
 
     poison = [47, 46, 45, 44]  # the prompt whose own part of each round raises
-    real = Generation.settle
+    real = Generation.accept
 
-    def settle(self: Generation, *a, **kw):
+    def accept(self: Generation, *a, **kw):
         if self.prompt == poison and self.tokens:
             raise RuntimeError("a neighbour's accept walk broke")
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(Generation, "settle", settle)
+    monkeypatch.setattr(Generation, "accept", accept)
     srv = mock_server(parallel=4, delay=0.002)
     base = {"model": MOCK_SPEC, "temperature": 0, "return_token_ids": True}
     kinds = [{"drafter": "none"}, {"drafter": "lookup", "k": "auto"},

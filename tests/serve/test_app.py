@@ -47,7 +47,7 @@ from serverkit import (
 )
 
 from specdec.core.config import Warp
-from specdec.core.decode import generate
+from specdec.core.generate import generate
 from specdec.serve.connections import GRACEFUL_SHUTDOWN_S
 from specdec.serve.text import TextAssembler
 

@@ -32,7 +32,7 @@ from stats_util import two_sample_chi2
 from specdec.cli import main as cli
 from specdec.cli.serve import resolve_api_keys
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import generate
+from specdec.core.generate import generate
 from specdec.core.pool import DraftPool
 from specdec.serve.config import ServeConfig
 from specdec.serve.cycle import PROMPT_CACHE_BLOCK
@@ -318,7 +318,7 @@ def test_off_is_off() -> None:
     ],
 )
 def test_the_drafters_that_run_prompt_lookup_get_the_pool(drafter: str, reads_pool: bool) -> None:
-    """decode.stream gets the pool for lookup, composite and prediction (whose fallback is
+    """generate.stream gets the pool for lookup, composite and prediction (whose fallback is
     lookup); the draft model alone and "none" never run prompt lookup."""
     engine = Engine(SlowMock(V), None, ServeConfig(target=MOCK_SPEC, draft_pool="key"))
     pool = DraftPool(MIN_POOL_TOKENS)

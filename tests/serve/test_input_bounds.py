@@ -28,7 +28,7 @@ from serverkit import (
     serve_models,
 )
 
-from specdec.core import drafters
+from specdec.core.prediction import PredictionIndex
 from specdec.serve import connections as serve_connections
 from specdec.serve.app import public_model_name
 from specdec.serve.config import ServeConfig
@@ -229,13 +229,13 @@ def test_the_prediction_index_is_built_outside_the_engine_lock(monkeypatch) -> N
     max_tokens = 1."""
     s = serve_models(SlowMock(V, seed=0, name=MOCK_SPEC))
     held: list[bool] = []
-    real = drafters.PredictionIndex.__init__
+    real = PredictionIndex.__init__
 
     def spy(self: Any, prediction: list[int], n_max: int = 8, hints: Any = ()) -> None:
         held.append(s.engine.lock.locked())
         real(self, prediction, n_max, hints)
 
-    monkeypatch.setattr(drafters.PredictionIndex, "__init__", spy)
+    monkeypatch.setattr(PredictionIndex, "__init__", spy)
     s.engine.models.tokenizer = FakeTokenizer()
     try:
         body = {"model": MOCK_SPEC, "prompt": "abc", "max_tokens": 4, "temperature": 0}

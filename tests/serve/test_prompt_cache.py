@@ -1,4 +1,4 @@
-"""Prompt-prefix reuse (decode.stream(reuse_prefix=True), the server's prompt cache): only the
+"""Prompt-prefix reuse (generate.stream(reuse_prefix=True), the server's prompt cache): only the
 part of a prompt the target's cache does not already hold is prefilled, and the output is the
 output of a fresh prefill (mock models are batch-invariant, so exactly)."""
 
@@ -11,7 +11,7 @@ from serverkit import MOCK_SPEC, SlowMock, V, metric, serve_models
 
 from specdec.backends.mock import MockModel
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import generate
+from specdec.core.generate import generate
 from specdec.serve.cycle import PROMPT_CACHE_BLOCK
 from specdec.serve.prompt_store import Entry, PromptStore
 

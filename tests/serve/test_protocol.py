@@ -329,7 +329,7 @@ def test_the_wire_none_is_cores_no_drafter() -> None:
 
 
 def test_speculation_runs_as_the_core_config_it_names() -> None:
-    # "prediction" is lookup with the request's prediction drafted first (core.decode.stream)
+    # "prediction" is lookup with the request's prediction drafted first (core.generate.stream)
     predicted = Speculation(SpecConfig("prediction", "auto"))
     assert predicted.run_config() == SpecConfig("lookup", "auto")
     assert predicted.settings()["drafter"] == "prediction"

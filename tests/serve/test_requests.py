@@ -133,7 +133,7 @@ def test_a_served_request_moves_through_its_statuses_and_ends_with_a_finish_reas
 
 
 def test_a_request_refused_at_admission_leaves_the_lock_free(monkeypatch) -> None:
-    """decode.prepare refusing a request's arguments (a 400 at admission) ends it, and an idle
+    """make_generation refusing a request's arguments (a 400 at admission) ends it, and an idle
     worker then holds no lock: code outside the worker (a warm-up, a test's generate) takes it."""
     from specdec.serve.models import ServedModels
 

@@ -34,7 +34,7 @@ from stream_golden import TemplateTokenizer, capture, golden_server
 
 from specdec.backends import chat as prompting
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import generate
+from specdec.core.generate import generate
 from specdec.core.metrics import GenerationStats, Round
 from specdec.serve.config import ServeConfig
 from specdec.serve.connections import GRACEFUL_SHUTDOWN_S

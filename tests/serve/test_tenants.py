@@ -44,10 +44,10 @@ from serverkit import (
     wait_for,
 )
 
-from specdec.core import drafters
 from specdec.core.config import Warp
 from specdec.core.cost import VerifyCurve
-from specdec.core.decode import generate
+from specdec.core.generate import generate
+from specdec.core.prediction import PredictionIndex
 from specdec.serve import tokens as tokens_mod
 from specdec.serve.config import ServeConfig
 from specdec.serve.engine import Engine
@@ -322,7 +322,7 @@ def test_prediction_indexes_built_ahead_stay_within_their_budget(monkeypatch) ->
     srv = Server(engine, cfg)
     alive: list[weakref.ref] = []
     most = [0]
-    real = drafters.PredictionIndex.__init__
+    real = PredictionIndex.__init__
 
     def spy(self: Any, *args: Any, **kw: Any) -> None:
         real(self, *args, **kw)
@@ -330,7 +330,7 @@ def test_prediction_indexes_built_ahead_stay_within_their_budget(monkeypatch) ->
         alive.append(weakref.ref(self))
         most[0] = max(most[0], sum(r() is not None for r in alive))
 
-    monkeypatch.setattr(drafters.PredictionIndex, "__init__", spy)
+    monkeypatch.setattr(PredictionIndex, "__init__", spy)
     body = {"model": MOCK_SPEC, "prompt": "abc", "max_tokens": 30, "temperature": 0}
     pred = {"type": "content", "content": "0123456789" * 50}
     try:

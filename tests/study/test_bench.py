@@ -18,7 +18,7 @@ from specdec.backends import registry
 from specdec.backends.mock import MockModel
 from specdec.cli.main import main
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import generate
+from specdec.core.generate import generate
 from specdec.study.artifacts import provenance, read, runs, write_json
 from specdec.study.present.tables import format_table
 from specdec.study.run import methods

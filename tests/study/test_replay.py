@@ -2,7 +2,7 @@
 matters: replaying a recorded run reproduces its rounds exactly (same sources, K, accepted and
 emitted counts, round by round), on mock models and on a real model with the prediction drafter,
 k=auto included (fed the run's own round times, the policy makes the run's decisions). There
-is one loop: a replay is core.decode.stream on a target that answers from the record
+is one loop: a replay is core.generate.stream on a target that answers from the record
 (backends/replay.py), so a live run and its replay take the same rounds and commit the same
 tokens (the "one loop" tests).
 
@@ -141,9 +141,9 @@ class _Timed(MockModel):
 
 
 def _live(target, prompt, drafter, k, pred, stops=()):
-    """A greedy live run of decode.generate on a mock target, with its round log; on a _Timed
+    """A greedy live run of generate() on a mock target, with its round log; on a _Timed
     target in modelled time (CURVE's costs; the drafters here draft for free)."""
-    from specdec.core.decode import generate
+    from specdec.core.generate import generate
 
     rounds = []
     kw = {"prediction": pred} if drafter == "prediction" else {}
@@ -173,7 +173,7 @@ def _replayed(target, prompt, drafter, k, pred, stops=()):
     task = loop.Recorded(
         "t", tuple(prompt), tuple(res.tokens), tuple(pred), res.stop_reason == "stop", 60
     )
-    # k=auto as the live run made it (decode._policy: no stored curve), else the replay's name
+    # k=auto as the live run made it (generate._policy: no stored curve), else the replay's name
     policy = (
         make_policy(k, K_MAX_FREE) if k == "auto" else loop.make_replay_policy(str(k), CURVE, 64)
     )
@@ -192,10 +192,10 @@ LIVE_CASES += [("prediction", "auto", True), ("lookup", "auto", True)]
 
 @pytest.mark.parametrize(("drafter", "k", "rejects"), LIVE_CASES)
 def test_a_replay_takes_the_live_runs_rounds(drafter, k, rejects) -> None:
-    """A live greedy run (mock target, decode.generate) and the replay of its output take the
+    """A live greedy run (mock target, generate()) and the replay of its output take the
     same rounds: the same source and K each round, the same accepted and emitted counts, the
     same tokens; k=auto included (the replay feeds it the live rounds' times). Both are the
-    one loop, core.decode.stream, so a change to it reaches the replay."""
+    one loop, core.generate.stream, so a change to it reaches the replay."""
     target = _Timed(16, seed=0, scale=3.0)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     out = _live(target, prompt, None, 1, [])[0].tokens  # target-only, to build a prediction
@@ -343,7 +343,7 @@ def test_record_writes_greedy_outputs_that_replay_reads_back(tmp_path) -> None:
     """`specdec replay --record`: greedy outputs (here drafted by lookup at k=auto on a mock
     pair, greedy-exact) written as JSONL; read back, they are the target-only outputs."""
     from specdec.core.config import Warp
-    from specdec.core.decode import generate
+    from specdec.core.generate import generate
     from specdec.study.run.bench import task_ids
     from specdec.study.run.bench_settings import select_prompts
 

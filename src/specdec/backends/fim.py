@@ -182,7 +182,7 @@ def complete(
     other files included, and the output is distributed exactly as the model's. ValueError
     for a model whose vocabulary has no FIM tokens."""
     from specdec.backends.chat import stop_ids
-    from specdec.core.decode import generate
+    from specdec.core.generate import generate
 
     tokenizer = getattr(model, "tokenizer", None)
     fim = fim_tokens(tokenizer)

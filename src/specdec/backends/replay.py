@@ -1,5 +1,5 @@
 """A replay backend: a target that answers from a recorded greedy output instead of computing,
-and a clock whose seconds are modelled, so that `core.decode.stream` itself re-runs a recorded
+and a clock whose seconds are modelled, so that `core.generate.stream` itself re-runs a recorded
 generation (study.run.replay, `specdec replay`): the loop, the drafters and the K policies are
 the ones a live run executes, not a copy of them.
 

@@ -49,9 +49,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from specdec.backends import chat as prompting
     from specdec.backends.costs import CurveFiles
     from specdec.core.config import SpecConfig, Warp
-    from specdec.core.decode import stream
-    from specdec.core.drafters import PredictionDrafter, PredictionIndex
+    from specdec.core.generate import stream
     from specdec.core.policy import AutoPolicies
+    from specdec.core.prediction import PredictionDrafter, PredictionIndex
 
     cli_args.check_threads(args.threads)
     prediction_text = _read_prediction(args.prediction)  # before minutes of model loading

@@ -16,28 +16,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from specdec.core.checks import check_fraction, check_int
 
 if TYPE_CHECKING:  # annotations only: the protocols module imports torch
     from specdec.core.protocols import Drafter, KPolicy
 
-#: The drafters by name (core.drafters) and what each runs: the one place that says it (a new
-#: drafter is a row here and a case in decode.make_drafter).
+#: The drafters by name (core.drafters, core.prediction), in the order the CLI and the server
+#: list them: the one place that names them. A Literal, so a type checker knows the names;
+#: DRAFTERS reads them back at run time. A new drafter is a name here, its row in DRAFTER_RUNS
+#: and a case in core.generate.make_drafter (tests/test_api.py holds the two to each other).
+DrafterName = Literal["lookup", "prediction", "model", "composite"]
+DRAFTERS: tuple[DrafterName, ...] = get_args(DrafterName)
+#: What each named drafter runs, from which every set of drafters below derives:
 #:   lookup      prompt lookup over the context (and a draft pool)
 #:   prediction  the request's prediction, else prompt lookup
 #:   model       a draft model
 #:   composite   prompt lookup, else the draft model
-DRAFTER_RUNS: dict[str, frozenset[str]] = {
+DRAFTER_RUNS: dict[DrafterName, frozenset[str]] = {
     "lookup": frozenset({"lookup"}),
     "prediction": frozenset({"prediction", "lookup"}),
     "model": frozenset({"model"}),
     "composite": frozenset({"lookup", "model"}),
 }
-DRAFTERS = tuple(DRAFTER_RUNS)
 #: The named drafters that run a draft model.
 MODEL_DRAFTERS = tuple(d for d, runs in DRAFTER_RUNS.items() if "model" in runs)
+#: The named drafters that run none (their drafts cost nothing to make: K_MAX_FREE).
+FREE_DRAFTERS = tuple(d for d, runs in DRAFTER_RUNS.items() if "model" not in runs)
 #: The named drafters that run prompt lookup, so draft from a draft pool too (serve.draft_pools).
 LOOKUP_DRAFTERS = tuple(d for d, runs in DRAFTER_RUNS.items() if "lookup" in runs)
 #: The named K policies (core.policy): cost-model K, transformers' +2/-1 schedule.
@@ -49,7 +55,6 @@ K_MAX_MODEL, K_MAX_FREE = 8, 64
 #: softmax to NaN; vLLM draws the same line (its _SAMPLING_EPS is 1e-5).
 GREEDY_BELOW = 1e-5
 
-DrafterName = Literal["model", "lookup", "composite", "prediction"]
 KName = Literal["auto", "schedule"]
 
 
@@ -89,7 +94,7 @@ def _flag(kind: type, help: str, off: float | None = None) -> dict[str, Any]:
 class Warp:
     """How logits become a distribution (`core.sampling.warped`): temperature, then the
     truncations in llama.cpp's order, top-k, typical-p, top-p, min-p. One field per setting: the
-    CLI's flags (cli.args), the server's request fields (serve.protocol) and the bench's endpoint
+    CLI's flags (cli.args), the server's request fields (serve.wire) and the bench's endpoint
     requests (study.engines.endpoint) are these fields by name."""
 
     temperature: float = field(
@@ -191,7 +196,7 @@ class SpecConfig:
         kind = default_drafter(self.drafter, has_draft_model)
         if kind in MODEL_DRAFTERS and not has_draft_model:
             raise ValueError(f"drafter {kind!r} needs a draft model; pass draft= (or --draft)")
-        if kind in ("lookup", "prediction") and has_draft_model:
+        if kind in FREE_DRAFTERS and has_draft_model:
             raise ValueError(f"drafter {kind!r} uses no draft model; drop draft= (or --draft)")
         return kind
 
@@ -208,12 +213,12 @@ def default_drafter(
 def runs_as(
     drafter: DrafterName | Drafter | None, has_prediction: bool
 ) -> DrafterName | Drafter | None:
-    """The drafter to name to core.decode for `drafter` where a prediction may or may not come
+    """The drafter to name to core.generate for `drafter` where a prediction may or may not come
     with a generation (a server's request, a bench's prompt, a replay's task): "prediction" is
     the prediction, else prompt lookup (DRAFTER_RUNS), so without one it runs as "lookup"; with
-    one it is itself, which core.decode.make_drafter builds as "lookup" with the prediction
+    one it is itself, which core.generate.make_drafter builds as "lookup" with the prediction
     drafted first (a given prediction goes first whatever the drafter). Every other drafter
-    runs as itself. decode refuses "prediction" with no prediction: a caller who names it
+    runs as itself. make_drafter refuses "prediction" with no prediction: a caller who names it
     directly has a prediction to pass."""
     if drafter == "prediction" and not has_prediction:
         return "lookup"

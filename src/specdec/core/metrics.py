@@ -7,6 +7,7 @@ Definitions are written once, here (after vLLM's spec-decode metrics); the bench
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 
 #: The draft source of the tokens a grammar forces (core.processing: drafted on top of K).
 FORCED = "grammar"
@@ -203,9 +204,22 @@ class GenerationStats:
         return d
 
 
+class StopReason(str, Enum):
+    """Why a generation ended (`GenerationResult.stop_reason`). A str enum: what is written out
+    (the bench's runs, `specdec generate --json`) and what the server maps to a request's
+    status (serve.requests.FINISHED_BY) are these strings."""
+
+    LENGTH = "length"  # max_new_tokens reached; also a running generation's, until it stops
+    STOP = "stop"  # a stop id was emitted (the last token)
+    CANCELLED = "cancelled"  # its `cancelled` check said so during the prefill
+
+    def __str__(self) -> str:  # the value, as StrEnum (Python 3.11) has it, in f-strings too
+        return self.value
+
+
 @dataclass
 class GenerationResult:
     tokens: list[int]  # generated ids only (a stop id, if hit, is the last one)
-    stop_reason: str  # "stop" (a stop id was emitted) or "length" (max_new_tokens reached)
+    stop_reason: StopReason
     stats: GenerationStats
     logprobs: list = field(default_factory=list)  # core.sampling.TokenLogprob per token, if asked

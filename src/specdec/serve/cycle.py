@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from specdec.core.decode import Generation, rounds_together
 from specdec.core.drafters import common_prefix
+from specdec.core.metrics import StopReason
 from specdec.core.processing import GrammarError
 from specdec.serve import scheduler
 from specdec.serve.delivery import Output
@@ -193,7 +194,7 @@ class Cycle:
         r.started = time.perf_counter()
         r.use = self._pools.begin(r.tenant)
         self.running.append(r)  # from here on, its slot is taken until `finish`
-        try:  # prepare() checks every argument before any model work
+        try:  # make_generation checks every argument before any model work
             pool = r.use.pool if r.use is not None else None
             r.gen = self.models.generation(
                 p, r.slot, r.tenant, prediction, pool, block if reuse else 0,
@@ -263,7 +264,7 @@ class Cycle:
         self._prefill_costs.add(r.gen.last_prefill, self._clock() - t0)
         if not done:
             return
-        if r.gen.stop_reason == "cancelled":
+        if r.gen.stop_reason is StopReason.CANCELLED:
             self.finish(r, r.abandoned() or Status.CANCELLED)
         else:
             r.status = Status.DECODING

@@ -11,7 +11,7 @@ Scope (`--draft-pool`):
     off      no pool: prompt lookup sees the current request alone.
 
 A request's pool is the one its scope reads and writes: while it runs, prompt lookup (drafters
-lookup, composite, and prediction's fallback) drafts from it (decode.stream(pool=)); once it
+lookup, composite, and prediction's fallback) drafts from it (generate.stream(pool=)); once it
 ends, finished or cut off, its prompt and the tokens it committed are added to it, whatever its
 drafter, so the scope's next request can draft from them. Pools change only between requests
 (one worker), so a request never drafts from text written during its own rounds. The prompt

@@ -3,7 +3,7 @@
 compiled, its prediction's index built) and serve.infill (a FIM prompt's stop ids).
 
 Nothing here parses or checks: these are the values the worker passes down to
-core.decode.prepare, whole.
+core.generate.make_generation, whole.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from specdec.backends.grammar import Grammar
 from specdec.core.config import Warp
-from specdec.core.drafters import PredictionIndex
+from specdec.core.prediction import PredictionIndex
 from specdec.core.processing import Penalties
 from specdec.serve.speculation import Speculation
 from specdec.serve.tools import ToolFormat

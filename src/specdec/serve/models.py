@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from specdec.backends import chat as prompting
 from specdec.backends.grammar import Grammar, Grammars
 from specdec.core.config import SpecConfig, Warp
-from specdec.core.decode import Generation, prepare, stream
-from specdec.core.drafters import PredictionIndex
+from specdec.core.decode import Generation
+from specdec.core.generate import make_generation, stream
 from specdec.core.metrics import Round
 from specdec.core.model import SpecModel, TokenIds
 from specdec.core.policy import AutoPolicies
 from specdec.core.pool import DraftPool
+from specdec.core.prediction import PredictionIndex
 from specdec.serve.errors import bad
 from specdec.serve.gen_params import GenParams, Structure
 from specdec.serve.keys import ANONYMOUS
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 
 class Drafting(TypedDict):
-    """What a request drafts with: decode.prepare's (and stream's) arguments of that name."""
+    """What a request drafts with: make_generation's (and stream's) arguments of that name."""
 
     draft: SpecModel | None
     spec: SpecConfig
@@ -168,11 +169,11 @@ class ServedModels:
         on_round: Callable[[Round], None] | None,
     ) -> Generation:
         """A request's generation in `slot`, drafting from `prediction` (Tokens.prediction) and
-        `pool`, set up and checked (decode.prepare: ValueError for a bad argument, before any
+        `pool`, set up and checked (make_generation: ValueError for a bad argument, before any
         model work) but not started; `cancelled` is polled between prefill chunks."""
         constraint = self.grammars().constraint(p.grammar) if p.grammar else None
         drafting = self.stream_args(p.speculation, prediction, pool, tenant, slot)
-        gen = prepare(
+        gen = make_generation(
             self.targets[slot],
             p.prompt_ids,
             **drafting,
@@ -200,7 +201,7 @@ class ServedModels:
         tenant: str = ANONYMOUS,
         slot: int = 0,
     ) -> Drafting:
-        """`decode.prepare`'s draft, spec, prediction, pool and policies for a request's
+        """`make_generation`'s draft, spec, prediction, pool and policies for a request's
         speculation: the draft model (`slot`'s) only for the drafters that run it, no prediction
         without a drafter (it drafts nothing), the draft pool only for the drafters that run
         prompt lookup, the k="auto" policies of the request's tenant."""

@@ -12,7 +12,7 @@ A round commits its accepted drafts, then one corrected, bonus or target token, 
 token budget or a stop token; so its origins follow from its K, its accepted count and how many
 tokens it committed, and they add up to the completion's tokens.
 
-The engine hears each round's `Round` record through `decode.stream`'s `on_round` hook, just
+The engine hears each round's `Round` record through `generate.stream`'s `on_round` hook, just
 before the stream yields that round's committed tokens.
 """
 
@@ -39,7 +39,7 @@ def origin(r: Round, i: int) -> str:
 class OriginTracker:
     """Each round's token origins and the text each token adds, as a chunk's `speculation`.
 
-    `observe` is `decode.stream`'s on_round; `record(ids)` is called with the chunk the stream
+    `observe` is `generate.stream`'s on_round; `record(ids)` is called with the chunk the stream
     then yields. The text per token comes from a second TextAssembler without stop strings, fed
     one token at a time: a token that ends inside a UTF-8 character adds "" and the one
     completing it adds the character, so the pieces concatenate to the completion's text (up to
@@ -60,7 +60,7 @@ class OriginTracker:
         ones)}]}."""
         r, self._round = self._round, None
         if r is None or r.n_emitted != len(ids):
-            raise RuntimeError("a chunk without its round: decode.stream's on_round was not heard")
+            raise RuntimeError("a chunk without its round: stream's on_round was not heard")
         self._index += 1
         tokens = []
         for i, t in enumerate(ids):

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specdec.core.metrics import GenerationStats
+from specdec.core.metrics import GenerationStats, StopReason
 from specdec.serve.delivery import Delta, Output
 from specdec.serve.errors import ApiError, cancelled_error, timeout_error, unavailable_error
 from specdec.serve.gen_params import GenParams
@@ -103,7 +103,7 @@ _OUTCOME = {
     Status.SHUT_DOWN: "shutdown",
 }
 #: What a generation's own stop reason (core.decode.Generation.stop_reason) ends a request as.
-FINISHED_BY = {"stop": Status.FINISHED_STOP, "length": Status.FINISHED_LENGTH}
+FINISHED_BY = {StopReason.STOP: Status.FINISHED_STOP, StopReason.LENGTH: Status.FINISHED_LENGTH}
 #: The statuses a request can be stopped with from outside the worker (`Request.abandon`).
 STOPS = frozenset({Status.CANCELLED, Status.TIMED_OUT, Status.SHUT_DOWN})
 

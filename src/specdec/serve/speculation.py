@@ -2,7 +2,7 @@
 
 The settings are core.config.SpecConfig's; this module adds only what the server needs on top:
 the start-up SpecConfig with whether a draft model is loaded (`SpecDefaults`), a request's
-SpecConfig resolved against it (`resolve_speculation` -> `Speculation`: what `decode.stream`
+SpecConfig resolved against it (`resolve_speculation` -> `Speculation`: what `generate.stream`
 runs with, and the settings the response echoes), and the wire's name for no drafter, "none"
 (core's drafter None), which is read and written here alone. docs/api-extensions.md has the
 user's view, with the same rules.
@@ -87,7 +87,7 @@ class Speculation:
 
     config  its core.config.SpecConfig. Drafter None (the wire's "none") drafts nothing, not
             even the request's prediction; with any other drafter the prediction is drafted from
-            first (core.decode.stream). p_min is set only for the drafters that run the draft
+            first (core.generate.stream). p_min is set only for the drafters that run the draft
             model, k_max only for the named k ('auto', 'schedule').
     """
 
@@ -114,7 +114,7 @@ class Speculation:
         return drafter if isinstance(drafter, str) else type(drafter).__name__
 
     def run_config(self) -> SpecConfig:
-        """What `decode.stream` runs with: the drafter as it runs without a prediction
+        """What `generate.stream` runs with: the drafter as it runs without a prediction
         (core.config.runs_as: "prediction" is "lookup"). Right with one too: the request's
         prediction is passed beside the config (the engine's stream_args), and lookup with a
         prediction is the prediction drafter."""

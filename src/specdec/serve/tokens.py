@@ -6,7 +6,7 @@ commits, round by round (serve.text.TextAssembler needs the text to find stop st
 private copy of the tokenizer so that a long prompt being tokenized never stalls the running
 streams (HF fast tokenizers cannot be called from two threads at once: "Already borrowed").
 
-A request's prediction is drafted from through its n-gram index (core.drafters.PredictionIndex,
+A request's prediction is drafted from through its n-gram index (core.prediction.PredictionIndex,
 ~1.5 KiB a token). It is built while the request waits, off the engine, as long as the indexes
 alive stay within PREBUILT_INDEX_TOKENS; past that, the worker builds it when the request
 starts, so that waiting requests hold only their token ids.
@@ -25,7 +25,7 @@ from typing import Any
 
 from specdec.backends import chat as prompting
 from specdec.backends.fim import Extra, FimTokens, fim_prompt, fim_tokens, plain_encoder
-from specdec.core.drafters import PredictionDrafter, PredictionIndex
+from specdec.core.prediction import PredictionDrafter, PredictionIndex
 from specdec.core.sampling import TokenLogprob
 from specdec.serve.errors import bad
 from specdec.serve.gen_params import GenParams

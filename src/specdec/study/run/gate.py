@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from specdec.core import decode
 from specdec.core.config import SpecConfig, Warp
+from specdec.core.generate import generate
 from specdec.core.model import SpecModel
 from specdec.study.artifacts import (
     GateArtifact,
@@ -138,9 +138,9 @@ def local_methods(
     def run(method: str, prompt: tuple[str, Any], seed: int, t: float, n: int) -> Sample:
         kw = {"max_new_tokens": n, "warp": Warp(t), "stop_ids": stop_ids, "seed": seed}
         if method == "baseline":
-            r = decode.generate(target, prompt[1], **kw)
+            r = generate(target, prompt[1], **kw)
         else:
-            r = decode.generate(target, prompt[1], draft=draft, spec=SpecConfig(k=k), **kw)
+            r = generate(target, prompt[1], draft=draft, spec=SpecConfig(k=k), **kw)
         return Sample(r.tokens, r.stats.drafted, r.stats.accepted)
 
     return Methods(run, check_pair(draft, target))

@@ -20,12 +20,12 @@ from typing import Any
 from specdec.backends import chat as prompting
 from specdec.backends import load_model
 from specdec.backends.costs import CurveFiles
-from specdec.core.config import DRAFTERS, MODEL_DRAFTERS, runs_as
-from specdec.core.decode import generate
-from specdec.core.drafters import PredictionDrafter, PredictionIndex
+from specdec.core.config import FREE_DRAFTERS, MODEL_DRAFTERS, runs_as
+from specdec.core.generate import generate
 from specdec.core.metrics import Round
 from specdec.core.model import SpecModel
 from specdec.core.policy import AutoPolicies
+from specdec.core.prediction import PredictionDrafter, PredictionIndex
 from specdec.study.artifacts.runs import round_log
 from specdec.study.engines import anchors, endpoint
 from specdec.study.engines import hf_assisted as hf
@@ -190,9 +190,7 @@ def runners(
     policies = AutoPolicies(CurveFiles())
 
     def speculative(drafter: str, k: int | str) -> Runner:
-        free = drafter == WRONG_PREDICTION or (
-            drafter in DRAFTERS and drafter not in MODEL_DRAFTERS
-        )
+        free = drafter == WRONG_PREDICTION or drafter in FREE_DRAFTERS
         d = None if free else draft  # model-free drafters need no draft model
 
         def run(t: Task) -> Mapping[str, Any]:

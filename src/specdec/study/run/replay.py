@@ -3,10 +3,10 @@ a measured verify curve for the cost side (`specdec replay`).
 
 A greedy output is what the target produces after its prompt, whatever drafted for it (the loop
 is lossless, and greedy decoding is deterministic where the backend is batch-invariant), so a
-replay runs `decode.stream` with a target that answers from the record instead of computing
+replay runs `generate.stream` with a target that answers from the record instead of computing
 (backends.replay.ReplayTarget) and a clock whose seconds are modelled (ModelledClock):
 
-    draft    the drafter decode.make_drafter builds for a live run proposes from the committed
+    draft    the drafter generate.make_drafter builds for a live run proposes from the committed
              context; K comes from the same K policy objects a generation runs
     verify   the replay target's rows are one-hot on the recorded tokens, so greedy_verify
              accepts a draft while it equals the recorded output at its position; the round
@@ -268,7 +268,8 @@ def record(
     from specdec.backends import chat
     from specdec.backends.costs import CurveFiles
     from specdec.core.config import SpecConfig, Warp, runs_as
-    from specdec.core.decode import generate
+    from specdec.core.generate import generate
+    from specdec.core.metrics import StopReason
     from specdec.core.policy import AutoPolicies
     from specdec.study.run import bench
 
@@ -295,7 +296,7 @@ def record(
             tuple(ids),
             tuple(res.tokens),
             _tuple(pred),
-            res.stop_reason == "stop",
+            res.stop_reason == StopReason.STOP,
             max_new_tokens,
             hints=_hints(target.tokenizer, prompt.text),
         )
@@ -444,7 +445,7 @@ def reproduce(
 def reproduce_bench(path: str | Path, curve: Curve, tokenizer: Any = None) -> list[Reproduction]:
     """Every logged speculative run of a bench artifact replayed in the order the bench ran
     them (each row's `sequence`), with the policies a bench process keeps: one k=auto policy
-    per drafter kind shared across prompts and methods (decode._policy's key), a fresh one per
+    per drafter kind shared across prompts and methods (generate._policy's key), a fresh one per
     generation otherwise. Each auto policy starts empty, as in a process without a cost store:
     a run whose store held a curve started elsewhere, and parts from its replay (reported)."""
     from specdec.core.config import SpecConfig, runs_as
@@ -463,7 +464,7 @@ def reproduce_bench(path: str | Path, curve: Curve, tokenizer: Any = None) -> li
             task = logged[m][i]
             drafter = task.drafter or "lookup"
             pred = task.other_prediction if drafter == "wrong-prediction" else task.prediction
-            # decode._policy's key: what the bench's drafter ran as (lookup was given none)
+            # generate._policy's key: what the bench's drafter ran as (lookup was given none)
             kind = runs_as(core_drafter(drafter), has_prediction=pred is not None)
             if task.k == "auto":
                 policy = shared.setdefault(kind, CostModelK(k_max))

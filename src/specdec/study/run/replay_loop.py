@@ -13,10 +13,11 @@ from dataclasses import dataclass, field, replace
 from specdec.backends.replay import Charged, CostFn, ModelledClock, ReplayTarget
 from specdec.core.config import DrafterName, Warp, runs_as
 from specdec.core.cost import curve_at
-from specdec.core.decode import make_drafter, stream
-from specdec.core.drafters import CompositeDrafter, Drafter, PredictionDrafter, PredictionIndex
+from specdec.core.drafters import CompositeDrafter, Drafter
+from specdec.core.generate import make_drafter, stream
 from specdec.core.metrics import GenerationStats, Round
 from specdec.core.policy import POLICIES, CostModelK, KPolicy, make_policy
+from specdec.core.prediction import PredictionDrafter, PredictionIndex
 
 #: The model-free drafters a replay runs (bench's names; no draft model: nothing to replay it
 #: on); "prediction-static": the prediction drafter without rewrites (core.edits), as before
@@ -70,7 +71,7 @@ class Curve:
 # ------------------------------------------------------------------------------ the replay
 def task_drafter(kind: str, task: Recorded) -> Drafter:
     """bench's drafter `kind` for one task, as its live run gets it (study.run.methods): built
-    by decode.make_drafter, the prediction first, then prompt lookup; "wrong-prediction" drafts
+    by generate.make_drafter, the prediction first, then prompt lookup; "wrong-prediction" drafts
     from another task's prediction; no prediction at all: lookup alone."""
     if kind not in REPLAY_DRAFTERS:
         raise ValueError(
@@ -209,7 +210,7 @@ def recorded_costs(rounds: Sequence[Round], fallback: CostFn) -> CostFn:
 def run_task(
     task: Recorded, drafter: str, policy: KPolicy, cost: CostFn, curve: Curve, c: float = 0.0
 ) -> ReplayRun:
-    """core.decode.stream over a recorded output (greedy): the target a ReplayTarget reading
+    """core.generate.stream over a recorded output (greedy): the target a ReplayTarget reading
     the record, the drafter `task_drafter`'s, K from `policy`, the phases timed by `cost`
     (backends.replay). A stopped output ends on its stop token, else at its length."""
     if task.stopped and task.output[-1] in task.output[:-1]:
