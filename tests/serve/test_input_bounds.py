@@ -229,13 +229,14 @@ def test_the_prediction_index_is_built_outside_the_engine_lock(monkeypatch) -> N
     max_tokens = 1."""
     s = serve_models(SlowMock(V, seed=0, name=MOCK_SPEC))
     held: list[bool] = []
-    real = PredictionIndex.__init__
+    real = PredictionIndex.build
 
-    def spy(self: Any, prediction: list[int], n_max: int = 8, hints: Any = ()) -> None:
-        held.append(s.engine.lock.locked())
-        real(self, prediction, n_max, hints)
+    def spy(self: Any) -> PredictionIndex:
+        if not self.built:
+            held.append(s.engine.lock.locked())
+        return real(self)
 
-    monkeypatch.setattr(PredictionIndex, "__init__", spy)
+    monkeypatch.setattr(PredictionIndex, "build", spy)
     s.engine.models.tokenizer = FakeTokenizer()
     try:
         body = {"model": MOCK_SPEC, "prompt": "abc", "max_tokens": 4, "temperature": 0}

@@ -329,10 +329,17 @@ def test_the_wire_none_is_cores_no_drafter() -> None:
 
 
 def test_speculation_runs_as_the_core_config_it_names() -> None:
-    # "prediction" is lookup with the request's prediction drafted first (core.generate.stream)
-    predicted = Speculation(SpecConfig("prediction", "auto"))
-    assert predicted.run_config() == SpecConfig("lookup", "auto")
+    # "prediction" runs as itself with the request's prediction (core.generate.make_drafter:
+    # lookup with the prediction drafted first), and as prompt lookup without one: decided once
+    predicted = Speculation(SpecConfig("prediction", "auto"), has_prediction=True)
+    assert predicted.run_config() == SpecConfig("prediction", "auto")
     assert predicted.settings()["drafter"] == "prediction"
+    alone = Speculation(SpecConfig("prediction", "auto"))
+    assert alone.run_config() == SpecConfig("lookup", "auto")
+    assert alone.settings()["drafter"] == "prediction"
+    flags = SpecDefaults(SpecConfig("prediction", "auto"))
+    assert resolve_speculation(None, flags, True).run_config().drafter == "prediction"
+    assert resolve_speculation(None, flags, False).run_config().drafter == "lookup"
     assert Speculation().run_config() == SpecConfig()  # none: no drafter, no draft model
     # p_min is a draft model's setting only
     flags = SpecDefaults(SpecConfig(k=2, p_min=0.3), has_draft=True)

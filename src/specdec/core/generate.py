@@ -215,20 +215,23 @@ def _check_ids(what: str, ids: TokenIds, width: int) -> list[int]:
 
 def _prediction(
     prediction: TokenIds | PredictionIndex | None, width: int
-) -> list[int] | PredictionIndex | None:
-    """The prediction's ids, checked against the vocabulary (an index built beforehand, e.g. by
-    a server off its lock, is kept as it is)."""
+) -> PredictionIndex | None:
+    """The prediction as one checked value: ids become a PredictionIndex, which checks them
+    against the vocabulary; an index already checked against this vocabulary or a narrower one
+    (a server's, at its edge) is taken as it is."""
     if prediction is None:
         return None
-    ids = prediction.tokens if isinstance(prediction, PredictionIndex) else prediction
-    checked = _check_ids("prediction", ids, width)
-    return prediction if isinstance(prediction, PredictionIndex) else checked
+    if not isinstance(prediction, PredictionIndex):
+        return PredictionIndex(as_token_list(prediction, "prediction"), vocab=width)
+    if prediction.vocab is None or prediction.vocab > width:
+        _check_ids("prediction", prediction.tokens, width)
+    return prediction
 
 
 def make_drafter(
     kind: DrafterName | Drafter | None,
     model: ModelDrafter | None,
-    prediction: list[int] | PredictionIndex | None,
+    prediction: PredictionIndex | None,
     start: int,
     pool: DraftPool | None,
 ) -> tuple[Drafter | None, Hashable]:

@@ -20,25 +20,57 @@ from specdec.core.protocols import Proposal
 
 
 class PredictionIndex:
-    """A prediction's token ids and its n-gram index (n-gram -> sorted end positions, the index
-    after the n-gram), for PredictionDrafter. Building it costs O(len x n_max) time and memory,
-    so a server builds it for a request before the request takes the engine. `hints`: rewrites
-    known before the output starts ((old ids, new ids) pairs, e.g. the instruction's "rename X
-    to Y", core.edits), drafted from the start and forgotten like learned ones if they fail."""
+    """A request's prediction, the one value every layer passes: its token ids, checked against
+    the vocabulary once, here (`vocab`; None: the caller checked them), its `hints` (rewrites
+    known before the output starts, (old ids, new ids) pairs, e.g. the instruction's "rename X
+    to Y", core.edits: drafted from the start and forgotten like learned ones if they fail), and
+    its n-gram index for PredictionDrafter (n-gram -> sorted end positions, the index after the
+    n-gram). The index costs O(len x n_max) time and memory, so it is built on demand (`build`,
+    or the first read of `ends`): a server builds it before the request takes the engine."""
 
     def __init__(
         self,
         prediction: list[int],
         n_max: int = 8,
         hints: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+        vocab: int | None = None,
     ) -> None:
         self.tokens = list(prediction)
+        if vocab is not None:
+            bad = next((t for t in self.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"prediction token id {bad} is outside the vocabulary [0, {vocab})"
+                )
+        self.vocab = vocab
         self.n_max = n_max
         self.hints = [(tuple(o), tuple(n)) for o, n in hints]
-        self.ends: dict[tuple[int, ...], list[int]] = {}
-        for end in range(1, len(self.tokens) + 1):
-            for n in range(1, min(n_max, end) + 1):
-                self.ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+        self._ends: dict[tuple[int, ...], list[int]] | None = None
+
+    def with_hints(self, hints: Sequence[tuple[Sequence[int], Sequence[int]]]) -> PredictionIndex:
+        """The same prediction (not checked again) with these hints."""
+        out = PredictionIndex(self.tokens, self.n_max, hints)
+        out.vocab, out._ends = self.vocab, self._ends
+        return out
+
+    @property
+    def built(self) -> bool:
+        return self._ends is not None
+
+    @property
+    def ends(self) -> dict[tuple[int, ...], list[int]]:
+        """The n-gram index (`build`s it on first use)."""
+        return self.build()._ends  # type: ignore[return-value]
+
+    def build(self) -> PredictionIndex:
+        """Build the n-gram index unless it is built; returns self."""
+        if self._ends is None:
+            ends: dict[tuple[int, ...], list[int]] = {}
+            for end in range(1, len(self.tokens) + 1):
+                for n in range(1, min(self.n_max, end) + 1):
+                    ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+            self._ends = ends
+        return self
 
 
 class _Cursor(NamedTuple):

@@ -178,7 +178,8 @@ class Cycle:
             return
         p = r.params
         r.out = Output.for_request(self.models.tokens, p)
-        prediction = self.models.tokens.prediction(p)  # outside the lock, as it was built ahead
+        if p.prediction is not None and p.speculation.drafts:
+            p.prediction.build()  # outside the lock, if it was not built ahead
         self._hold(True)
         scope = self._pools.scope(r.tenant)
         free = sorted(set(range(self.parallel)) - {x.slot for x in self.running})
@@ -197,7 +198,7 @@ class Cycle:
         try:  # make_generation checks every argument before any model work
             pool = r.use.pool if r.use is not None else None
             r.gen = self.models.generation(
-                p, r.slot, r.tenant, prediction, pool, block if reuse else 0,
+                p, r.slot, r.tenant, pool, block if reuse else 0,
                 cancelled=lambda: r.abandoned() is not None, on_round=r.out.on_round,
             )  # fmt: skip
         except ValueError as e:

@@ -28,13 +28,11 @@ class GenParams:
     warp: Warp
     seed: int
     stop: tuple[str, ...]
-    prediction: list[int] | None = None  # token ids of the request's prediction
-    # its n-gram index, built ahead off the engine's lock where the engine's budget allows
-    # (serve.tokens.Tokens.prepare_prediction), else by the worker when the request starts
-    prediction_index: PredictionIndex | None = None
-    # the rewrites the instruction names ((old ids, new ids) pairs: backends.chat.
-    # prediction_hints), for an index the worker builds
-    prediction_hints: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    # the request's prediction, checked at the edge (serve.validation), with the rewrites its
+    # instruction names as hints; its n-gram index built ahead off the engine's lock where the
+    # engine's budget allows (serve.tokens.Tokens.prepare_prediction), else by the worker before
+    # it takes the lock
+    prediction: PredictionIndex | None = None
     speculation: Speculation = Speculation()  # noqa: RUF009 - frozen; the server's defaults applied
     origins: bool = False  # stream_options.include_speculation: token origins per chunk
     penalties: Penalties | None = None  # presence/frequency/repetition penalties, logit_bias

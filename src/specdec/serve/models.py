@@ -21,7 +21,7 @@ from specdec.core.config import SpecConfig, Warp
 from specdec.core.decode import Generation
 from specdec.core.generate import make_generation, stream
 from specdec.core.metrics import Round
-from specdec.core.model import SpecModel, TokenIds
+from specdec.core.model import SpecModel
 from specdec.core.policy import AutoPolicies
 from specdec.core.pool import DraftPool
 from specdec.core.prediction import PredictionIndex
@@ -44,7 +44,7 @@ class Drafting(TypedDict):
 
     draft: SpecModel | None
     spec: SpecConfig
-    prediction: TokenIds | PredictionIndex | None
+    prediction: PredictionIndex | None
     pool: DraftPool | None
     policies: AutoPolicies
 
@@ -161,18 +161,17 @@ class ServedModels:
         p: GenParams,
         slot: int,
         tenant: str,
-        prediction: TokenIds | PredictionIndex | None,
         pool: DraftPool | None,
         reuse_prefix: int,
         *,
         cancelled: Callable[[], bool],
         on_round: Callable[[Round], None] | None,
     ) -> Generation:
-        """A request's generation in `slot`, drafting from `prediction` (Tokens.prediction) and
-        `pool`, set up and checked (make_generation: ValueError for a bad argument, before any
-        model work) but not started; `cancelled` is polled between prefill chunks."""
+        """A request's generation in `slot`, drafting from its prediction and `pool`, set up
+        and checked (make_generation: ValueError for a bad argument, before any model work)
+        but not started; `cancelled` is polled between prefill chunks."""
         constraint = self.grammars().constraint(p.grammar) if p.grammar else None
-        drafting = self.stream_args(p.speculation, prediction, pool, tenant, slot)
+        drafting = self.stream_args(p.speculation, p.prediction, pool, tenant, slot)
         gen = make_generation(
             self.targets[slot],
             p.prompt_ids,
@@ -196,7 +195,7 @@ class ServedModels:
     def stream_args(
         self,
         sp: Speculation,
-        prediction: TokenIds | PredictionIndex | None,
+        prediction: PredictionIndex | None,
         pool: DraftPool | None = None,
         tenant: str = ANONYMOUS,
         slot: int = 0,

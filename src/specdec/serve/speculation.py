@@ -85,13 +85,16 @@ class SpecDefaults:
 class Speculation:
     """One request's speculation, resolved against the server's defaults.
 
-    config  its core.config.SpecConfig. Drafter None (the wire's "none") drafts nothing, not
-            even the request's prediction; with any other drafter the prediction is drafted from
-            first (core.generate.stream). p_min is set only for the drafters that run the draft
-            model, k_max only for the named k ('auto', 'schedule').
+    config          its core.config.SpecConfig, the drafter as the request named it (or the
+                    server's default). Drafter None (the wire's "none") drafts nothing, not even
+                    the request's prediction; with any other drafter the prediction is drafted
+                    from first (core.generate.make_drafter). p_min is set only for the drafters
+                    that run the draft model, k_max only for the named k ('auto', 'schedule').
+    has_prediction  the request carries a prediction, which goes to the core beside the config
     """
 
     config: SpecConfig = SpecConfig()  # noqa: RUF009 - frozen; no drafter: the target alone
+    has_prediction: bool = False
 
     @property
     def drafts(self) -> bool:
@@ -114,11 +117,9 @@ class Speculation:
         return drafter if isinstance(drafter, str) else type(drafter).__name__
 
     def run_config(self) -> SpecConfig:
-        """What `generate.stream` runs with: the drafter as it runs without a prediction
-        (core.config.runs_as: "prediction" is "lookup"). Right with one too: the request's
-        prediction is passed beside the config (the engine's stream_args), and lookup with a
-        prediction is the prediction drafter."""
-        drafter = runs_as(self.config.drafter, has_prediction=False)
+        """What the core runs: the drafter as it runs with or without the request's prediction
+        (core.config.runs_as: "prediction" without one is prompt lookup), decided here once."""
+        drafter = runs_as(self.config.drafter, self.has_prediction)
         return dataclasses.replace(self.config, drafter=drafter)
 
     def settings(self) -> dict[str, Any]:
@@ -151,7 +152,7 @@ def resolve_speculation(raw: Any, defaults: SpecDefaults, has_prediction: bool) 
                     f"speculation.{name}",
                     "invalid_value",
                 )
-        return Speculation()
+        return Speculation()  # drafts nothing: its prediction goes nowhere
     k = defaults.spec.k if k is None else _spec_k("k", k)
     if k_max is not None:
         _spec_k("k_max", k_max, named=False)
@@ -165,7 +166,7 @@ def resolve_speculation(raw: Any, defaults: SpecDefaults, has_prediction: bool) 
     elif isinstance(k, str):  # the server's --k-max bounds the named policies only
         k_max = defaults.spec.k_max
     p_min = defaults.spec.p_min if drafter in MODEL_DRAFTERS else None  # a draft model's setting
-    return Speculation(SpecConfig(drafter, k, k_max, p_min))
+    return Speculation(SpecConfig(drafter, k, k_max, p_min), has_prediction)
 
 
 def _spec_object(raw: Any) -> dict[str, Any]:

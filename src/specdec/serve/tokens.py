@@ -231,22 +231,13 @@ class Tokens:
             return tuple(prompting.prediction_hints(self._tokenizer, instruction))
 
     def prepare_prediction(self, params: GenParams, instruction: str) -> GenParams:
-        """`params` with its prediction's hints, and its index where PREBUILT_INDEX_TOKENS
-        allows (else the worker builds it when the request starts). Call off the event loop."""
-        if not params.prediction or not params.speculation.drafts:
+        """`params` with its prediction's hints, and its index built where
+        PREBUILT_INDEX_TOKENS allows (else the worker builds it when the request starts). Call
+        off the event loop."""
+        pred = params.prediction
+        if pred is None or not params.speculation.drafts:
             return params  # nothing drafts from it
-        hints = self._hints(instruction)
-        tokens = len(params.prediction)
-        if not self._index_budget.take(tokens):
-            return dataclasses.replace(params, prediction_hints=hints)
-        index = PredictionIndex(params.prediction, PredictionDrafter.N_MAX, hints)
-        weakref.finalize(index, self._index_budget.give, tokens)
-        return dataclasses.replace(params, prediction_index=index, prediction_hints=hints)
-
-    @staticmethod
-    def prediction(p: GenParams) -> list[int] | PredictionIndex | None:
-        """What the request drafts from first: its index, built now if it was not built ahead
-        (`prepare_prediction`)."""
-        if p.prediction_index is not None or not p.prediction or not p.speculation.drafts:
-            return p.prediction_index or p.prediction
-        return PredictionIndex(p.prediction, PredictionDrafter.N_MAX, p.prediction_hints)
+        pred = pred.with_hints(self._hints(instruction))
+        if self._index_budget.take(len(pred.tokens)):
+            weakref.finalize(pred.build(), self._index_budget.give, len(pred.tokens))
+        return dataclasses.replace(params, prediction=pred)

@@ -17,6 +17,7 @@ import secrets
 from specdec.backends.grammar import schema_of
 from specdec.core.checks import shown
 from specdec.core.config import WARP_FIELDS, Warp
+from specdec.core.prediction import PredictionDrafter, PredictionIndex
 from specdec.core.processing import Penalties
 from specdec.serve.errors import bad
 from specdec.serve.gen_params import GenParams, Structure
@@ -245,7 +246,11 @@ def _structure(
     return Structure(functions=tuple(functions), parallel=parallel), fmt
 
 
-def _prediction(req: RequestBody, ids: list[int] | None, room: int, vocab: int) -> list[int] | None:
+def _prediction(
+    req: RequestBody, ids: list[int] | None, room: int, vocab: int
+) -> PredictionIndex | None:
+    """The request's prediction as the one value the layers below take (its index not built
+    yet: serve.tokens builds it off the worker's lock)."""
     if req.prediction is None:
         return None
     if ids is None:
@@ -257,9 +262,10 @@ def _prediction(req: RequestBody, ids: list[int] | None, room: int, vocab: int) 
             "prediction",
             "context_length_exceeded",
         )
-    if any(not 0 <= i < vocab for i in ids):
-        raise bad("the prediction holds token ids outside the vocabulary", "prediction")
-    return ids
+    try:
+        return PredictionIndex(ids, PredictionDrafter.N_MAX, vocab=vocab)
+    except ValueError as e:
+        raise bad(str(e), "prediction") from None
 
 
 def _warp(req: RequestBody, vocab: int) -> Warp:
