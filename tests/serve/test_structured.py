@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 from serverkit import Server
+from support import TEST_THREADS
 
 from specdec.backends import load_model
 from specdec.core.config import SpecConfig
@@ -63,7 +64,7 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def srv(qwen05_path) -> Server:
-    target = load_model(TARGET, n_threads=2)
+    target = load_model(TARGET, n_threads=TEST_THREADS)
     engine = Engine(target, model_id=TARGET, spec=SpecConfig(drafter="lookup", k="auto"))
     server = Server(engine, ServeConfig(target=TARGET))
     yield server
@@ -272,7 +273,10 @@ def test_vllms_guided_fields(srv: Server) -> None:
 def srv_drafted(qwen05_path) -> Server:
     """The same model served with a draft model (a second copy of it: the same 151,936-token
     vocabulary), the server's default drafter when `--draft` is given."""
-    target, draft = load_model(TARGET, n_threads=2), load_model(TARGET, n_threads=2)
+    target, draft = (
+        load_model(TARGET, n_threads=TEST_THREADS),
+        load_model(TARGET, n_threads=TEST_THREADS),
+    )
     engine = Engine(target, draft, model_id=TARGET, spec=SpecConfig(drafter="model", k=4))
     server = Server(engine, ServeConfig(target=TARGET))
     yield server
