@@ -60,16 +60,22 @@ test-models: $(STAMP)
 # On a fresh machine the set-up runs side by side: the llama.cpp build is bound by the CPU, the
 # model fetch and Chromium's install by the network, so it takes about the longest of them
 # (Chromium's install does not wait for the pip install either: nothing of it needs the venv).
-# Then two phases. The tests that load no real model and run nothing slow (mocks, statistics,
-# the HTTP server: Python-bound, one core each) run in TEST_WORKERS processes (pytest-xdist),
-# torch on one thread each; the model and slow tests then run one at a time, as llama.cpp's
-# threads spin at barriers and stall while anything else holds a core.
+# Then two phases, each in TEST_WORKERS processes (pytest-xdist). First the tests that load no
+# real model and run nothing slow (mocks, statistics, the HTTP server: Python-bound, one core
+# each), torch on one thread each. Then the model and slow tests, every model on one thread
+# (SPECDEC_TEST_THREADS=1, tests/support.py): llama.cpp's threads spin at barriers and stall
+# while anything else holds a core, one thread has no barrier to wait at, and two workers of
+# one thread each finish sooner than one of two (a step on one thread is ~1.6x one on two, and
+# the servers, subprocesses and Ray start-ups are Python-bound). --dist loadfile keeps each
+# module in one worker (its loaded models and servers built once) and the two Ray modules in
+# the same one (tests/conftest.py).
 TEST_WORKERS ?= 2
 test:
 	$(MAKE) -j3 --no-print-directory venv browser test-models
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not model and not slow" \
 	  --durations=10
-	$(BIN)/python -m pytest -q -m "model or slow" --durations=25
+	SPECDEC_TEST_THREADS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+	  --dist loadfile -m "model or slow" --durations=25
 
 # The edit-test loop: the suite without real models, statistical tests and slow runs (the
 # markers in pyproject.toml; under 2 minutes on the 2-core box). `make test` runs them all.

@@ -103,6 +103,30 @@ _ANSWER = (
 MODEL_FIXTURES = frozenset({"smol_path", "qwen05_path"})
 
 
+#: Modules that `--dist loadfile` sends to one worker together, one after the other: both start
+#: Ray and look at the whole machine's Ray and engine processes (test_cluster counts them before
+#: and after, finds its replicas by name to kill one), which the other's would confuse.
+SHARED_WORKER = {"tests/serve/test_cluster.py": "ray", "tests/serve/test_two_nodes.py": "ray"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadfile` (make test's second phase): each module's tests in one worker, so that a
+    module-scoped fixture (a loaded model, a server, a cluster) is built once, and the modules of
+    SHARED_WORKER in the same one. (xdist_group marks cannot do it: xdist 3.8's loadgroup renames
+    `item._nodeid`, which pytest 9 no longer reads, so every test is its own group.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return SHARED_WORKER.get(module, module)
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import TEST_THREADS
 
 from specdec.backends.weights import (
     ROW_INVARIANT_TYPES,
@@ -58,7 +59,7 @@ def _requantize(src: Path, ftype: int, out: Path, pure: bool = False) -> Path:
     params.ftype = ftype
     params.pure = pure
     params.allow_requantize = True
-    params.nthread = 2
+    params.nthread = 2  # worker threads that join, no spinning barrier: never stalls
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
     assert rc == 0 and out.stat().st_size > 0
     return out
@@ -135,7 +136,7 @@ def test_a_default_load_of_an_uncovered_file_warns_once_naming_the_types(
     from specdec.serve.app import _weights_card
 
     with caplog.at_level(logging.WARNING, logger="specdec.backends.llamacpp"):
-        model = load_model(f"llamacpp:{requantized('iq3_s')}", n_threads=2)
+        model = load_model(f"llamacpp:{requantized('iq3_s')}", n_threads=TEST_THREADS)
     try:
         warned = [r.getMessage() for r in caplog.records if "IQ3_S" in r.getMessage()]
         assert len(warned) == 1 and "deterministic=True" in warned[0]
@@ -165,7 +166,7 @@ def test_a_requantized_file_on_sdmm_rows_bit_identical_and_greedy_speculation_ex
     main_type = {"q5_k_m": "Q5_K", "q3_k_s": "Q3_K"}.get(ftype, ftype.upper())
     assert main_type in report.type_bytes
     with caplog.at_level(logging.WARNING, logger="specdec.backends.llamacpp"):
-        m = load_model(f"llamacpp:{path}", n_threads=2, n_ctx=512)
+        m = load_model(f"llamacpp:{path}", n_threads=TEST_THREADS, n_ctx=512)
     try:
         assert report.invariant and m.batch_invariant
         assert not [r for r in caplog.records if "batch-invariant" in r.getMessage()]

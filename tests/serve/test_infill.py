@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from serverkit import Server, serve_models
+from support import TEST_THREADS
 
 from specdec.backends import load_model
 from specdec.backends.fim import complete
@@ -58,8 +59,8 @@ VIM = {
 @pytest.fixture(scope="module")
 def srv(qwen05_path: Path) -> Iterator[Server]:
     spec = f"llamacpp:{qwen05_path}"
-    target = load_model(spec, n_threads=2)
-    draft = load_model(spec, n_threads=2)
+    target = load_model(spec, n_threads=TEST_THREADS)
+    draft = load_model(spec, n_threads=TEST_THREADS)
     s = serve_models(target, draft, spec=spec)
     yield s
     s.close()
@@ -146,7 +147,7 @@ def test_complete_equals_target_only_with_every_drafter(srv: Server) -> None:
 
 def test_a_model_without_fim_tokens_is_refused_by_name(smol_path: Path) -> None:
     spec = f"llamacpp:{smol_path}"
-    srv = serve_models(load_model(spec, n_threads=2), spec=spec)
+    srv = serve_models(load_model(spec, n_threads=TEST_THREADS), spec=spec)
     try:
         status, raw = _post(srv, "/infill", {"input_prefix": "a", "input_suffix": "b"})
         assert status == 501 and b"fill-in-the-middle" in raw, raw
@@ -168,7 +169,7 @@ def test_two_keys_and_two_files_in_turn_on_one_slot_come_back_from_ram(qwen05_pa
     from specdec.study.run.completion import source
 
     spec = f"llamacpp:{qwen05_path}"
-    target = load_model(spec, n_threads=2)
+    target = load_model(spec, n_threads=TEST_THREADS)
     keys = ("key-a", "key-b")
     s = serve_models(target, spec=spec, api_keys=keys)
     files = [

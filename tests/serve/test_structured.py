@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 from serverkit import Server
+from support import TEST_THREADS
 
 from specdec.backends import load_model
 from specdec.serve.config import ServeConfig
@@ -62,9 +63,9 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def srv(qwen05_path) -> Server:
-    target = load_model(TARGET, n_threads=2)
-    engine = Engine(target, None, ServeConfig(target=TARGET, drafter="lookup", draft_pool="off"))
-    server = Server(engine, ServeConfig(target=TARGET))
+    target = load_model(TARGET, n_threads=TEST_THREADS)
+    cfg = ServeConfig(target=TARGET, drafter="lookup", draft_pool="off")
+    server = Server(Engine(target, None, cfg), cfg)
     yield server
     server.close()
     target.close()
@@ -271,10 +272,10 @@ def test_vllms_guided_fields(srv: Server) -> None:
 def srv_drafted(qwen05_path) -> Server:
     """The same model served with a draft model (a second copy of it: the same 151,936-token
     vocabulary), the server's default drafter when `--draft` is given."""
-    target, draft = load_model(TARGET, n_threads=2), load_model(TARGET, n_threads=2)
+    target = load_model(TARGET, n_threads=TEST_THREADS)
+    draft = load_model(TARGET, n_threads=TEST_THREADS)
     cfg = ServeConfig(target=TARGET, drafter="model", k=4, draft_pool="off")
-    engine = Engine(target, draft, cfg)
-    server = Server(engine, ServeConfig(target=TARGET))
+    server = Server(Engine(target, draft, cfg), cfg)
     yield server
     server.close()
     target.close()
