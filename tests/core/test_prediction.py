@@ -203,6 +203,24 @@ def test_prediction_is_lossless_at_t1(target, prediction) -> None:
     assert p > P_MIN, f"chi2={chi2:.1f} dof={dof} p_perm={p:.4f} p_table={p_table:.4f}"
 
 
+def test_a_prediction_is_checked_once_and_indexed_on_demand(target) -> None:
+    """PredictionIndex is the one value a prediction travels as: its ids are checked against a
+    vocabulary once (a narrower one checks them again), and its n-gram index is built when
+    first read, not on construction (a server builds it off the worker's lock)."""
+    index = PredictionIndex([1, 2, 3, 1, 2], vocab=V)
+    assert index.vocab == V and not index.built
+    assert index.ends[(1, 2)] == [2, 5] and index.built
+    assert index.with_hints([([1], [4])]).built  # the same prediction: its index comes along
+    with pytest.raises(ValueError, match="token id 3 is outside the vocabulary"):
+        index.check(3)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        PredictionIndex([0, V], vocab=V)
+    wide = PredictionIndex([V + 1])  # checked by no one yet: the core checks it
+    target.reset()
+    with pytest.raises(ValueError, match=f"token id {V + 1} is outside"):
+        generate(target, PROMPT, prediction=wide)
+
+
 def test_bad_predictions_are_refused_before_any_work(target) -> None:
     target.reset()
     with pytest.raises(ValueError, match="outside the vocabulary"):

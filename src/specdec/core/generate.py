@@ -223,9 +223,7 @@ def _prediction(
         return None
     if not isinstance(prediction, PredictionIndex):
         return PredictionIndex(as_token_list(prediction, "prediction"), vocab=width)
-    if prediction.vocab is None or prediction.vocab > width:
-        _check_ids("prediction", prediction.tokens, width)
-    return prediction
+    return prediction.check(width)
 
 
 def make_drafter(

@@ -36,16 +36,25 @@ class PredictionIndex:
         vocab: int | None = None,
     ) -> None:
         self.tokens = list(prediction)
+        self.vocab: int | None = None
+        self.n_max = n_max
+        self.hints = [(tuple(o), tuple(n)) for o, n in hints]
+        self._ends: dict[tuple[int, ...], list[int]] | None = None
         if vocab is not None:
+            self.check(vocab)
+
+    def check(self, vocab: int) -> PredictionIndex:
+        """Self, its ids checked to lie in [0, vocab) (ValueError naming the first that does
+        not): the one check of a prediction's ids. An index checked against this vocabulary or
+        a narrower one is not read again."""
+        if self.vocab is None or self.vocab > vocab:
             bad = next((t for t in self.tokens if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(
                     f"prediction token id {bad} is outside the vocabulary [0, {vocab})"
                 )
-        self.vocab = vocab
-        self.n_max = n_max
-        self.hints = [(tuple(o), tuple(n)) for o, n in hints]
-        self._ends: dict[tuple[int, ...], list[int]] | None = None
+            self.vocab = vocab
+        return self
 
     def with_hints(self, hints: Sequence[tuple[Sequence[int], Sequence[int]]]) -> PredictionIndex:
         """The same prediction (not checked again) with these hints."""
