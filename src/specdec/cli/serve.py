@@ -95,8 +95,7 @@ def _argparse_type(parse: Any) -> Any:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    flags = {f.name: getattr(args, f.name) for f, s in settings() if s.cli}
-    flags["allowed_hosts"] = tuple(flags["allowed_hosts"] or ())
+    flags = {f.name: _field_value(getattr(args, f.name), f.default) for f, s in settings() if s.cli}
     cfg = ServeConfig(
         **flags,
         api_keys=resolve_api_keys(args.api_key, args.api_key_file, args.api_keys_file, os.environ),
@@ -107,6 +106,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         return serve_cluster(cfg)
     return serve(cfg)
+
+
+def _field_value(value: Any, default: Any) -> Any:
+    """A flag's value as its field takes it: a repeatable flag's list (None: not given) as the
+    tuple its field holds."""
+    return tuple(value or ()) if isinstance(default, tuple) else value
 
 
 def resolve_api_keys(
