@@ -239,7 +239,7 @@ def expected(
             e.target,
             prompt_ids,
             draft=e.draft,
-            spec=e.defaults.spec,
+            spec=e.defaults.config,
             warp=Warp(temperature),
             max_new_tokens=max_tokens,
             seed=seed,

@@ -88,6 +88,6 @@ def test_the_engine_takes_its_settings_from_the_one_record() -> None:
     assert (engine.parallel, engine.max_queue) == (2, 5)
     assert engine.cycle.running_per_key == 1 and engine.cycle.prefill_share == 0.25
     assert not engine.cycle.prompt_cache and engine.cycle._store is None
-    assert engine.models.defaults.spec == cfg.spec_config()
+    assert engine.models.defaults.config == cfg.spec_config()
     on = Engine(MockModel(16, seed=0), None, dataclasses.replace(cfg, prompt_cache=None))
     assert on.cycle.prompt_cache and on.cycle._store is not None  # the mock is batch-invariant

@@ -301,7 +301,7 @@ def test_submit_to_an_engine_whose_worker_is_not_running_is_503_at_once() -> Non
 # ---------------------------------------------------------------------------- speculation
 def test_speculation_defaults_come_from_the_start_up_flags() -> None:
     no_flags = SpecDefaults(SpecConfig(k="auto"), has_draft=False)
-    assert no_flags.drafter is None and no_flags.spec.k == "auto"
+    assert no_flags.drafter is None and no_flags.config.k == "auto"
     assert SpecDefaults() == no_flags  # the server's default K is auto
     # no drafter flag: a request's prediction is drafted from, else the target decodes alone
     sp = resolve_speculation(None, no_flags, has_prediction=True)

@@ -189,7 +189,7 @@ class ServedModels:
         )
         # in company, K at most the server's k_max for its kind of drafter (a request's own
         # fixed K, up to MAX_REQUEST_K, would set its neighbours' rounds)
-        gen.k_company = self.defaults.spec.resolved_k_max(gen.drafts_with_model)
+        gen.k_company = self.defaults.config.resolved_k_max(gen.drafts_with_model)
         return gen
 
     def stream_args(

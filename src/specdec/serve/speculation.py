@@ -51,25 +51,25 @@ DEFAULT_K = "auto"
 class SpecDefaults:
     """The server's start-up speculation: what a request that does not say gets.
 
-    spec       the start-up flags (serve.config.ServeConfig.spec_config). Its drafter None with no
+    config     the start-up flags (serve.config.ServeConfig.spec_config). Its drafter None with no
                draft model: no flag chose one, so a request's prediction is drafted from (else
                prompt lookup), and without a prediction the target decodes alone
     has_draft  a draft model is loaded: "model" and "composite" need one
     """
 
-    spec: SpecConfig = SpecConfig(k=DEFAULT_K)  # noqa: RUF009 - frozen
+    config: SpecConfig = SpecConfig(k=DEFAULT_K)  # noqa: RUF009 - frozen
     has_draft: bool = False
 
     @property
     def drafter(self) -> DrafterName | Drafter | None:
         """The default drafter (core.config.default_drafter: "model" with a draft model when no
         flag chose one); None when none is chosen."""
-        return default_drafter(self.spec.drafter, self.has_draft)
+        return default_drafter(self.config.drafter, self.has_draft)
 
     def card(self) -> dict[str, Any]:
         """/v1/models' `speculation`: what a request may ask of this server, and what it gets
         by default (drafter null: no flag chose one, so a request's prediction, else nothing)."""
-        k, k_max = self.spec.k, self.spec.k_max
+        k, k_max = self.config.k, self.config.k_max
         return {
             "drafters": [d for d in SPEC_DRAFTERS if self.has_draft or d not in MODEL_DRAFTERS],
             "default": {
@@ -153,7 +153,7 @@ def resolve_speculation(raw: Any, defaults: SpecDefaults, has_prediction: bool) 
                     "invalid_value",
                 )
         return Speculation()  # drafts nothing: its prediction goes nowhere
-    k = defaults.spec.k if k is None else _spec_k("k", k)
+    k = defaults.config.k if k is None else _spec_k("k", k)
     if k_max is not None:
         _spec_k("k_max", k_max, named=False)
         if not isinstance(k, str):
@@ -164,8 +164,8 @@ def resolve_speculation(raw: Any, defaults: SpecDefaults, has_prediction: bool) 
                 "invalid_value",
             )
     elif isinstance(k, str):  # the server's --k-max bounds the named policies only
-        k_max = defaults.spec.k_max
-    p_min = defaults.spec.p_min if drafter in MODEL_DRAFTERS else None  # a draft model's setting
+        k_max = defaults.config.k_max
+    p_min = defaults.config.p_min if drafter in MODEL_DRAFTERS else None  # a draft model's setting
     return Speculation(SpecConfig(drafter, k, k_max, p_min), has_prediction)
 
 
