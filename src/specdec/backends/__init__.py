@@ -44,6 +44,12 @@ DETERMINISTIC_HELP = (
 __all__ = ["BACKENDS", "load_model", "load_tokenizer_of", "parse_spec"]
 
 
+def draft_spec(spec: str | None) -> str | None:
+    """--draft as a model spec: None when not given or 'none' (any case): every command's and
+    `specdec serve`'s rule."""
+    return None if spec is None or spec.lower() == "none" else spec
+
+
 def parse_spec(spec: str) -> tuple[str, str]:
     """'BACKEND:REST' -> (backend, rest), with an error that lists the valid backends."""
     from specdec.core.model import SpecModelError

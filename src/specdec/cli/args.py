@@ -14,7 +14,7 @@ import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from specdec.backends import DETERMINISTIC_HELP, DEVICE_HELP, THREADS_HELP
+from specdec.backends import DETERMINISTIC_HELP, DEVICE_HELP, THREADS_HELP, draft_spec
 from specdec.core.config import DRAFTERS, WARP_FIELDS, Warp, parse_k
 
 if TYPE_CHECKING:
@@ -184,11 +184,6 @@ def spec_options(args: argparse.Namespace) -> dict[str, Any]:
 def warp_options(args: argparse.Namespace) -> dict[str, Any]:
     """The flags of `add_sampling_args` as core.config.Warp's keywords (None: not given)."""
     return {name: getattr(args, name) for name in WARP_FIELDS}
-
-
-def draft_spec(spec: str | None) -> str | None:
-    """--draft as a model spec: None when not given or 'none' (any case)."""
-    return None if spec is None or spec.lower() == "none" else spec
 
 
 def load_pair(

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
-from specdec.backends import DETERMINISTIC_HELP, DEVICE_HELP, THREADS_HELP
+from specdec.backends import DETERMINISTIC_HELP, DEVICE_HELP, THREADS_HELP, draft_spec
 from specdec.core.config import DRAFTERS, SpecConfig, parse_k
 from specdec.serve.connections import DEFAULT_WRITE_TIMEOUT_S
 from specdec.serve.draft_pools import (
@@ -92,11 +92,6 @@ def settings() -> list[tuple[Field[Any], Setting]]:
     return [(f, f.metadata["setting"]) for f in fields(ServeConfig)]
 
 
-def _model(text: str) -> str | None:
-    """--draft's value: a model spec, or None for 'none' (any case)."""
-    return None if text.lower() == "none" else text
-
-
 @dataclass(frozen=True)
 class ServeConfig:
     """`specdec serve` flags, one to one."""
@@ -109,7 +104,7 @@ class ServeConfig:
     draft: str | None = setting(
         None,
         metavar="SPEC",
-        parse=_model,
+        parse=draft_spec,
         help="draft model SPEC, or none (str; default none: target-only unless --drafter lookup)",
     )
     # None: "model" with a draft; without one a request's prediction (else prompt lookup), and
