@@ -178,7 +178,7 @@ class Cycle:
             return
         p = r.params
         r.out = Output.for_request(self.models.tokens, p)
-        if p.prediction is not None and p.speculation.drafts:
+        if p.prediction is not None:
             p.prediction.build()  # outside the lock, if it was not built ahead
         self._hold(True)
         scope = self._pools.scope(r.tenant)

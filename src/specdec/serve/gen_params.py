@@ -28,10 +28,10 @@ class GenParams:
     warp: Warp
     seed: int
     stop: tuple[str, ...]
-    # the request's prediction, checked at the edge (serve.validation), with the rewrites its
-    # instruction names as hints; its n-gram index built ahead off the engine's lock where the
-    # engine's budget allows (serve.tokens.Tokens.prepare_prediction), else by the worker before
-    # it takes the lock
+    # the request's prediction where something drafts from it (None with drafter "none"),
+    # checked at the edge (serve.validation), with the rewrites its instruction names as hints;
+    # its n-gram index built ahead off the engine's lock where the engine's budget allows
+    # (serve.tokens.Tokens.prepare_prediction), else by the worker before it takes the lock
     prediction: PredictionIndex | None = None
     speculation: Speculation = Speculation()  # noqa: RUF009 - frozen; the server's defaults applied
     origins: bool = False  # stream_options.include_speculation: token origins per chunk

@@ -108,7 +108,7 @@ class ServedModels:
         params = validate(req, self.n_ctx, vocab, prompt, pred, self.defaults, fmt)
         if params.structure is not None:  # checked now, a 400 before the queue
             params = dataclasses.replace(params, grammar=self.grammar(params.structure))
-        if params.prediction:  # its hints, and its index if it may be built ahead
+        if params.prediction is not None:  # its hints, and its index if it may be built ahead
             params = tokens.prepare_prediction(params, _instruction(req))
         if ends:
             params = dataclasses.replace(params, stop_ids=ends)

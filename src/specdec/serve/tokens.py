@@ -235,8 +235,8 @@ class Tokens:
         PREBUILT_INDEX_TOKENS allows (else the worker builds it when the request starts). Call
         off the event loop."""
         pred = params.prediction
-        if pred is None or not params.speculation.drafts:
-            return params  # nothing drafts from it
+        if pred is None:
+            return params
         pred = pred.with_hints(self._hints(instruction))
         if self._index_budget.take(len(pred.tokens)):
             weakref.finalize(pred.build(), self._index_budget.give, len(pred.tokens))

@@ -98,7 +98,8 @@ def validate_request(
         warp,
         seed,
         stops,
-        prediction,
+        # checked either way; carried only where something drafts from it
+        prediction if speculation.drafts else None,
         speculation=speculation,
         origins=req.include_speculation,
         penalties=_penalties(req, vocab),
