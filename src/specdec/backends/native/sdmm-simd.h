@@ -19,9 +19,22 @@ _Static_assert(SDMM_TILE == 4 || SDMM_TILE == 8 || SDMM_TILE == 16,
  * integer sums are what stays in registers); past it the group's weights are read again. */
 #define SDMM_CHUNK 64
 
-SD_INLINE void prefetch_block(const void * blk, size_t size) {
-    for (size_t l = 0; l < size; l += 64) {
-        _mm_prefetch((const char *) blk + SDMM_PREFETCH_BYTES + l, _MM_HINT_T1);
+/* A share of the prefetch of the block SDMM_PREFETCH_BYTES ahead: its lines [first, first +
+ * count) from `at` (at NULL: none). A kernel with sub-blocks issues it a sub-block at a time:
+ * a whole block's lines at once (52 for Q6_K) fill the queue of misses and the loads beside them
+ * wait (docs/kernels.md). */
+typedef struct {
+    const char * at;
+    int first, count;
+} sdmm_ahead;
+
+/* Share j of nj of pf's lines (nj a constant: the division is a shift) */
+SD_INLINE void prefetch_share(sdmm_ahead pf, int j, int nj) {
+    if (pf.at == NULL) {
+        return;
+    }
+    for (int l = pf.first + pf.count * j / nj; l < pf.first + pf.count * (j + 1) / nj; l++) {
+        _mm_prefetch(pf.at + 64 * l, _MM_HINT_T1);
     }
 }
 
@@ -106,13 +119,14 @@ SD_INLINE void mins_float(const sdmm_half * d16, const sdmm_half * dmin16,
  * sub-block's weights are unpacked once into registers and multiplied into every row of the
  * tile. Q5_K's super-block is Q4_K's with fifth bits qh (NULL: Q4_K; the branch folds away). */
 SD_INLINE void q4k_block(const sdmm_q4k_r16 * blk, const uint8_t (*qh)[64], const sdmm_act * a,
-                         const int NT, int h, float * facc) {
+                         const int NT, int h, float * facc, sdmm_ahead pf) {
     const vint m4 = vi_set1_8(0x0F);
     vint sumi[SDMM_TILE];
     for (int t = 0; t < NT; t++) {
         sumi[t] = vi_zero();
     }
     for (int j = 0; j < 8; j++) {
+        prefetch_share(pf, j, 8);
         vint lo[4], hi[4];
         for (int c = 0; c < 4; c++) {
             const vint L = vi_load(blk->qs[j][c] + 4 * SD_VL * h);
@@ -207,13 +221,14 @@ SD_INLINE void q2k_block(const sdmm_q2k_r16 * blk, const sdmm_act * a, const int
 /* The same for an IQ4_XS super-block: 8 sub-blocks of 32 values looked up from 4-bit indices
  * (Q4_K's layout), a signed scale each, one float term. */
 SD_INLINE void iq4xs_block(const sdmm_iq4xs_r16 * blk, const sdmm_act * a, const int NT, int h,
-                           float * facc) {
+                           float * facc, sdmm_ahead pf) {
     const vint m4 = vi_set1_8(0x0F), table = iq4_table();
     vint sumi[SDMM_TILE];
     for (int t = 0; t < NT; t++) {
         sumi[t] = vi_zero();
     }
     for (int j = 0; j < 8; j++) {
+        prefetch_share(pf, j, 8);
         vint w[8]; /* values 32j+4c.. (c = 0..3), then 32j+16+4c.. */
         for (int c = 0; c < 4; c++) {
             const vint L = vi_load(blk->qs[j][c] + 4 * SD_VL * h);
@@ -255,13 +270,14 @@ SD_INLINE void iq4xs_block(const sdmm_iq4xs_r16 * blk, const sdmm_act * a, const
 
 /* The same for a Q6_K super-block: row t's outputs facc[t * SDMM_R ..] += its float term. */
 SD_INLINE void q6k_block(const sdmm_q6k_r16 * blk, const sdmm_act * a, const int NT,
-                         int h, float * facc) {
+                         int h, float * facc, sdmm_ahead pf) {
     const vint m4 = vi_set1_8(0x0F), m30 = vi_set1_8(0x30);
     vint sumi[SDMM_TILE];
     for (int t = 0; t < NT; t++) {
         sumi[t] = vi_zero();
     }
     for (int j = 0; j < 16; j++) {
+        prefetch_share(pf, j, 16);
         const vint L0 = vi_load(blk->ql[j][0] + 4 * SD_VL * h);
         const vint L1 = vi_load(blk->ql[j][1] + 4 * SD_VL * h);
         const vint H = vi_load(blk->qh[j] + 4 * SD_VL * h);
@@ -446,19 +462,30 @@ SD_INLINE void f16_block(const sdmm_f16_r16 * blk, const int bf16, const sdmm_ac
     }
 }
 
-/* One block of rows h of a group times a tile of NT activation rows (at, of the type's kind). */
+/* One block of rows h of a group times a tile of NT activation rows (at, of the type's kind),
+ * issuing the prefetch share pf (the 32-value blocks' few lines at once). */
 SD_INLINE void sdmm_tile(int type, const void * blk, const void * at, const int NT, int h,
-                         float * facc) {
+                         float * facc, sdmm_ahead pf) {
+    switch (type) { /* these spread their share over their sub-blocks (Q2_K's, short and bound
+                     * by compute, ran slower so) */
+        case SDMM_TYPE_Q4_K:
+        case SDMM_TYPE_Q5_K:
+        case SDMM_TYPE_Q6_K:
+        case SDMM_TYPE_IQ4_XS:
+            break;
+        default:
+            prefetch_share(pf, 0, 1);
+    }
     switch (type) {
         case SDMM_TYPE_Q4_K:
-            q4k_block((const sdmm_q4k_r16 *) blk, NULL, (const sdmm_act *) at, NT, h, facc);
+            q4k_block((const sdmm_q4k_r16 *) blk, NULL, (const sdmm_act *) at, NT, h, facc, pf);
             break;
         case SDMM_TYPE_Q5_K:
             q4k_block(&((const sdmm_q5k_r16 *) blk)->lo, ((const sdmm_q5k_r16 *) blk)->qh,
-                      (const sdmm_act *) at, NT, h, facc);
+                      (const sdmm_act *) at, NT, h, facc, pf);
             break;
         case SDMM_TYPE_Q6_K:
-            q6k_block((const sdmm_q6k_r16 *) blk, (const sdmm_act *) at, NT, h, facc);
+            q6k_block((const sdmm_q6k_r16 *) blk, (const sdmm_act *) at, NT, h, facc, pf);
             break;
         case SDMM_TYPE_Q4_0: {
             const sdmm_q4_0_r16 * g = (const sdmm_q4_0_r16 *) blk;
@@ -487,7 +514,7 @@ SD_INLINE void sdmm_tile(int type, const void * blk, const void * at, const int 
             q2k_block((const sdmm_q2k_r16 *) blk, (const sdmm_act *) at, NT, h, facc);
             break;
         case SDMM_TYPE_IQ4_XS:
-            iq4xs_block((const sdmm_iq4xs_r16 *) blk, (const sdmm_act *) at, NT, h, facc);
+            iq4xs_block((const sdmm_iq4xs_r16 *) blk, (const sdmm_act *) at, NT, h, facc, pf);
             break;
         case SDMM_TYPE_IQ4_NL: {
             const sdmm_iq4nl_r16 * g = (const sdmm_iq4nl_r16 *) blk;
@@ -516,16 +543,20 @@ SD_INLINE void sdmm_rows(int type, size_t group_bytes, size_t act_bytes, const v
     memset(facc, 0, sizeof(float) * (size_t) b * SDMM_R);
     const int nh = valid >= SDMM_R ? SDMM_R / SD_VL : (valid + SD_VL - 1) / SD_VL;
     const int ntiles = (b + SDMM_TILE - 1) / SDMM_TILE, base = b / ntiles, extra = b % ntiles;
+    const int lines = (int) ((group_bytes + 63) / 64);
     for (int s = 0; s < nsb; s++) {
         const void * blk = (const char *) w + (size_t) s * group_bytes;
-        prefetch_block(blk, group_bytes);
+        const char * ahead = (const char *) blk + SDMM_PREFETCH_BYTES;
         for (int h = 0; h < nh; h++) {
             for (int t = 0, i = 0, nt; t < ntiles; t++, i += nt) {
                 nt = base + (t < extra);
+                /* the first tile of each h prefetches part h of the block ahead */
+                const int first = lines * h / nh, count = lines * (h + 1) / nh - first;
+                const sdmm_ahead pf = {t == 0 ? ahead : NULL, first, count};
                 const char * at = a + ((size_t) s * sb + i) * act_bytes;
                 float * ft = facc + i * SDMM_R + h * SD_VL;
                 switch (nt) {
-#define SDMM_CASE_(n) case n: sdmm_tile(type, blk, at, n, h, ft); break;
+#define SDMM_CASE_(n) case n: sdmm_tile(type, blk, at, n, h, ft, pf); break;
                     SDMM_CASE_(1) SDMM_CASE_(2) SDMM_CASE_(3)
 #if SDMM_TILE > 4
                     SDMM_CASE_(4) SDMM_CASE_(5) SDMM_CASE_(6) SDMM_CASE_(7)
@@ -535,7 +566,7 @@ SD_INLINE void sdmm_rows(int type, size_t group_bytes, size_t act_bytes, const v
                     SDMM_CASE_(13) SDMM_CASE_(14) SDMM_CASE_(15)
 #endif
 #undef SDMM_CASE_
-                    default: sdmm_tile(type, blk, at, SDMM_TILE, h, ft); break;
+                    default: sdmm_tile(type, blk, at, SDMM_TILE, h, ft, pf); break;
                 }
             }
         }

@@ -59,7 +59,8 @@ extern "C" {
  * a few rows of activations a super-block takes long enough that the hardware prefetchers fall
  * behind and memory latency shows (measured: on an Intel Xeon, 8 rows x a 151,936-row Q4_K
  * matrix ran 2.4x slower than from cache without a prefetch; on an AMD EPYC, 8 rows x the Q6_K
- * output matrix ran twice as slow with none or with one 4 KiB ahead into L1 as with this one). */
+ * output matrix ran twice as slow with none or with one 4 KiB ahead into L1 as with this one).
+ * The K-quants' kernels issue it a share per sub-block, not a block's lines at once (sdmm_ahead). */
 #define SDMM_PREFETCH_BYTES 16384
 
 /* ggml type ids of the weight types sdmm multiplies (ggml.h's enum ggml_type; sdmm-buft.cpp
