@@ -4,6 +4,7 @@
 #   make study   regenerate the committed results/ (takes a while; run on an idle machine)
 #   make study-kernels  specdec's kernels against stock llama.cpp's: verify curves, profile, c
 #   make study-anchors  stock llama.cpp's servers beside specdec's (builds them once, ~4 min)
+#   make kernel-table  the kernels in llama-bench: specdec's twin, stock, ik_llama.cpp (idle)
 #   make soak-hostile  the server's hostile soak (results/cpu/loadtest_hostile.json)
 #   make completion-replay  code completion against llama-server's /infill (~30 min, idle)
 #   make lint    ruff check + format check
@@ -23,7 +24,7 @@ LLAMA_BUILD := src/specdec/backends/llamacpp_build.py $(wildcard src/specdec/bac
 TARGET ?= llamacpp:qwen2.5-coder-1.5b
 DRAFT  ?= llamacpp:qwen2.5-coder-0.5b
 
-.PHONY: venv browser test lint demo study study-kernels anchors study-anchors soak-hostile \
+.PHONY: venv browser test lint demo study study-kernels anchors study-anchors kernel-table soak-hostile \
   completion-replay clean
 
 venv: $(STAMP) $(LLAMA_STAMP)
@@ -172,6 +173,21 @@ anchors: venv
 	$(BIN)/specdec anchors build
 	$(BIN)/specdec anchors build --twin
 	$(BIN)/specdec anchors build --peer ik $(if $(IK_SRC),--src $(IK_SRC))
+
+# specdec's kernels in llama.cpp's own harness (the twin) beside stock llama.cpp and ik_llama.cpp
+# (IK_SRC as for `anchors`; unset, its sdist), each class this CPU runs: the native builds, and on
+# an AVX-512 host the AVX2 class's too (docs/kernels.md's tables, printed). One run, idle.
+KERNEL_CLASSES := $(STUDY)/kernel-classes
+kernel-table: anchors
+	$(BIN)/specdec models fetch qwen2.5-coder-1.5b
+	$(BIN)/python scripts/llama_bench_classes.py --peers stock,twin,ik \
+	  --out $(KERNEL_CLASSES)/llama-bench-native.json
+	if grep -qw avx512f /proc/cpuinfo; then \
+	  for peer in stock-avx2 twin-avx2; do $(BIN)/specdec anchors build --peer $$peer || exit 1; done; \
+	  $(BIN)/specdec anchors build --peer ik-avx2 $(if $(IK_SRC),--src $(IK_SRC)) || exit 1; \
+	  $(BIN)/python scripts/llama_bench_classes.py --peers stock-avx2,twin-avx2,ik-avx2 \
+	    --out $(KERNEL_CLASSES)/llama-bench-avx2.json; \
+	fi
 
 study-anchors: anchors
 	$(BIN)/specdec models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b

@@ -67,12 +67,40 @@ def main() -> int:
         "rounds": rows,
     }
     write_json(args.out, record)
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}\n")
+    print(table(record))
     return 0
 
 
 def _name(x: dict) -> str:
     return f"pp{x['n_prompt']}" if x["n_prompt"] else f"tg{x['n_gen']}"
+
+
+def table(record: dict) -> str:
+    """docs/kernels.md's table of a run: tok/s per peer and test, round by round, then each
+    other peer's time against the twin's (the twin twin-avx2 on the AVX2 class), per round."""
+    rounds = record["rounds"]
+    tests = [_name(x) for x in next(iter(rounds.values()))[0]]
+    rate = {
+        p: {t: [next(x["avg_ts"] for x in r if _name(x) == t) for r in rs] for t in tests}
+        for p, rs in rounds.items()
+    }
+    lines = [f"| {record['host_class']} host, llama-bench, tok/s | {' | '.join(tests)} |"]
+    lines.append("|---|" + "---|" * len(tests))
+    for p in rounds:
+        lines.append(
+            f"| {p} | "
+            + " | ".join(" / ".join(f"{v:.1f}" for v in rate[p][t]) for t in tests)
+            + " |"
+        )
+    twin = next((p for p in rounds if p.startswith("twin")), None)
+    for p in rounds:
+        if twin is None or p == twin:
+            continue
+        pairs = {t: zip(rate[twin][t], rate[p][t], strict=True) for t in tests}
+        ratios = [" / ".join(f"{b / a:.2f}" for a, b in pairs[t]) for t in tests]
+        lines.append(f"| the twin's time / {p}'s | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
