@@ -548,10 +548,10 @@ SD_INLINE void sdmm_rows(int type, size_t group_bytes, size_t act_bytes, const v
         const void * blk = (const char *) w + (size_t) s * group_bytes;
         const char * ahead = (const char *) blk + SDMM_PREFETCH_BYTES;
         for (int h = 0; h < nh; h++) {
+            /* the first tile of each h prefetches part h of the block ahead */
+            const int first = lines * h / nh, count = lines * (h + 1) / nh - first;
             for (int t = 0, i = 0, nt; t < ntiles; t++, i += nt) {
                 nt = base + (t < extra);
-                /* the first tile of each h prefetches part h of the block ahead */
-                const int first = lines * h / nh, count = lines * (h + 1) / nh - first;
                 const sdmm_ahead pf = {t == 0 ? ahead : NULL, first, count};
                 const char * at = a + ((size_t) s * sb + i) * act_bytes;
                 float * ft = facc + i * SDMM_R + h * SD_VL;
