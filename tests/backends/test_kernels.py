@@ -169,8 +169,8 @@ v = rng.uniform(-1, 1, (n_kv, d)).astype(np.float16)
 q = rng.uniform(-2, 2, (rows, d)).astype(np.float32)
 out = np.zeros((rows, d), np.float32)
 kv = (P(kb.ctypes.data), ctypes.c_size_t(d // 32 * 34), P(v.ctypes.data), ctypes.c_size_t(2 * d))
-res = lib.sdfa_attend(isa, d, n_kv, ctypes.c_float(0.125), *kv, P(q.ctypes.data), None, rows,
-                      P(out.ctypes.data))
+res = lib.sdfa_attend(isa, d, n_kv, ctypes.c_float(0.125), *kv, P(q.ctypes.data), None, 1, rows,
+                      64, P(out.ctypes.data))
 assert res == 0
 h.update(out.tobytes())
 print(h.hexdigest())

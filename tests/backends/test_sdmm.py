@@ -67,7 +67,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sdfa_attend.restype = ctypes.c_int
     lib.sdfa_attend.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
     lib.sdfa_attend.argtypes += [ptr, ctypes.c_size_t, ptr, ctypes.c_size_t, ptr, ptr]
-    lib.sdfa_attend.argtypes += [ctypes.c_int, ptr]
+    lib.sdfa_attend.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr]
     return lib
 
 
@@ -493,30 +493,22 @@ def test_packed_sizes() -> None:
 
 
 # ------------------------------------------------------------------------------------- sdfa
-def _attend(lib, isa: int, q, k_blocks, v, mask, n_kv: int) -> np.ndarray:
-    """sdfa's attention of q [rows, d] over the first n_kv positions of one KV head."""
+def _attend(lib, isa: int, q, k_blocks, v, mask, n_kv: int, group: int = 1, walk: int = 64):
+    """sdfa's attention of q [rows, d] over the first n_kv positions of one KV head, in walks of
+    `walk` rows; row r's mask is mask[r // group], one pointer for each `group` rows as for the
+    query heads of one token."""
     rows, d = q.shape
     out = np.empty((rows, d), dtype=np.float32)
     m = None if mask is None else np.ascontiguousarray(mask[:, :n_kv])
     args = (isa, d, n_kv, 1.0 / np.sqrt(d), k_blocks.ctypes.data, k_blocks.shape[1])
     args += (v.ctypes.data, v.shape[1] * 2, q.ctypes.data, None if m is None else m.ctypes.data)
-    assert lib.sdfa_attend(*args, rows, out.ctypes.data) == 0
+    assert lib.sdfa_attend(*args, group, rows, walk, out.ctypes.data) == 0
     return out
 
 
-@pytest.mark.parametrize(
-    "d,n_kv,rows,pad",
-    [(128, 300, 37, 0), (64, 33, 20, 0), (128, 1, 5, 0), (256, 70, 17, 0), (128, 768, 21, 240)],
-)
-def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int, pad: int) -> None:
-    """sdfa: every path gives the reference's bits; a row alone, and a row whose cache ends
-    where its mask does (a single step sees a shorter cache than the batch it verifies), give
-    its bits in a tile; within float32 rounding of a float64 softmax attention. `pad` masks the
-    last positions for every row, as llama.cpp pads its cache to 256 cells: the SIMD paths stop
-    walking there, the reference does not."""
-    lib = _lib()
-    rng = np.random.default_rng(d + n_kv + rows)
-    k = np.zeros((n_kv, d // 32, 34), dtype=np.uint8)  # ggml's block_q8_0: fp16 d, 32 int8
+def _kv(rng: np.random.Generator, n_kv: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """A q8_0 K cache (ggml's block_q8_0: fp16 d, 32 int8) and an f16 V cache of one KV head."""
+    k = np.zeros((n_kv, d // 32, 34), dtype=np.uint8)
     k[:, :, :2] = (
         rng.uniform(0.01, 0.03, (n_kv, d // 32))
         .astype(np.float16)
@@ -524,8 +516,30 @@ def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int, 
         .reshape(n_kv, -1, 2)
     )
     k[:, :, 2:] = rng.integers(-127, 128, (n_kv, d // 32, 32)).astype(np.int8).view(np.uint8)
-    k = k.reshape(n_kv, -1)
-    v = rng.uniform(-1, 1, (n_kv, d)).astype(np.float16)
+    return k.reshape(n_kv, -1), rng.uniform(-1, 1, (n_kv, d)).astype(np.float16)
+
+
+@pytest.mark.parametrize(
+    "d,n_kv,rows,pad",
+    [
+        (128, 300, 37, 0),
+        (64, 33, 20, 0),
+        (128, 1, 5, 0),
+        (256, 70, 17, 0),
+        (128, 768, 21, 240),
+        (128, 130, 150, 0),
+    ],
+)
+def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int, pad: int) -> None:
+    """sdfa: every path gives the reference's bits; a row alone, and a row whose cache ends
+    where its mask does (a single step sees a shorter cache than the batch it verifies), give
+    its bits in a tile, and in walks of any size (150 rows: walks of 64, and of 8 and 1); within
+    float32 rounding of a float64 softmax attention. `pad` masks the last positions for every
+    row, as llama.cpp pads its cache to 256 cells: the SIMD paths stop walking there, the
+    reference does not."""
+    lib = _lib()
+    rng = np.random.default_rng(d + n_kv + rows)
+    k, v = _kv(rng, n_kv, d)
     q = rng.uniform(-3, 3, (rows, d)).astype(np.float32)
     # row r sees positions before n_kv - pad - 3 (r % 7); every fifth row also not the first 20
     limit = n_kv - pad - 3 * (np.arange(rows) % 7)
@@ -535,6 +549,9 @@ def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int, 
     outs = {isa: _attend(lib, isa, q, k, v, mask, n_kv) for isa in _isas(lib)}
     for isa, out in outs.items():
         assert _same_bits(out, outs[0]), f"sdfa {SDMM_ISAS[isa]} differs from ref"
+        for walk in (1, 8):
+            walked = _attend(lib, isa, q, k, v, mask, n_kv, walk=walk)
+            assert _same_bits(walked, out), f"{SDMM_ISAS[isa]} in walks of {walk}"
         for r in range(rows):
             alone = _attend(lib, isa, q[r : r + 1], k, v, mask[r : r + 1], n_kv)
             assert _same_bits(alone[0], out[r]), f"{SDMM_ISAS[isa]} row {r} alone"
@@ -548,3 +565,28 @@ def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int, 
     total = w.sum(1, keepdims=True)
     ref = np.where(total > 0, (w @ v.astype(np.float64)) / np.where(total > 0, total, 1), 0)
     assert np.abs(outs[0] - ref).max() < 1e-5
+
+
+@pytest.mark.parametrize("group", [1, 2, 6, 7, 12])
+def test_attention_rows_sharing_a_mask_row(group: int) -> None:
+    """The query heads of one token share one mask row (one pointer, as llama.cpp hands them
+    over): sdfa converts it once per block and spreads it over their lanes, up to four such runs
+    in a tile, lane by lane beyond (group 1 and 2 on AVX2). The same bits as each row given its
+    own copy, on every path, whole blocks and a partial last one, in walks of 64 and of 8."""
+    lib = _lib()
+    rng = np.random.default_rng(group)
+    d, n_kv, tokens = 64, 203, 9
+    k, v = _kv(rng, n_kv, d)
+    rows = tokens * group
+    q = rng.uniform(-3, 3, (rows, d)).astype(np.float32)
+    # token t sees positions before n_kv - 9 + t (causal), with an additive bias of its own
+    bias = rng.uniform(-2, 2, (tokens, n_kv)).astype(np.float16)
+    seen = np.arange(n_kv)[None, :] < (n_kv - tokens + np.arange(tokens))[:, None]
+    token_mask = np.where(seen, bias, np.float16(-np.inf))
+    own = np.repeat(token_mask, group, axis=0)  # each row its own copy
+    for isa in _isas(lib):
+        out = _attend(lib, isa, q, k, v, own, n_kv)
+        assert _same_bits(out, _attend(lib, 0, q, k, v, own, n_kv)), SDMM_ISAS[isa]
+        for walk in (64, 8):
+            shared = _attend(lib, isa, q, k, v, token_mask, n_kv, group=group, walk=walk)
+            assert _same_bits(shared, out), f"{SDMM_ISAS[isa]}, shared rows, walks of {walk}"

@@ -9,7 +9,7 @@ SD_TARGET_PUSH_PATH_BELOW_AVX512(SD_FEATURES_AVX2)
 #    define SD_VL 8
 #    include "sdfa-simd.h"
 
-void sdfa_kernel_avx2(const sdfa_tile * t) {
+void sdfa_kernel_avx2(const sdfa_walk * t) {
     sdfa_kernel_simd(t);
 }
 

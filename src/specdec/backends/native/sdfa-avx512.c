@@ -9,7 +9,7 @@ SD_TARGET_PUSH_PATH(SD_FEATURES_AVX512)
 #    define SD_VL 16
 #    include "sdfa-simd.h"
 
-void sdfa_kernel_avx512(const sdfa_tile * t) {
+void sdfa_kernel_avx512(const sdfa_walk * t) {
     sdfa_kernel_simd(t);
 }
 

@@ -1,5 +1,6 @@
-/* sdfa's SIMD kernel, written once for SD_VL lanes (sd-simd.h): SD_VL query rows in the lanes of
- * one vector for the scores and the softmax, each row's output in d/SD_VL vectors for the V sum.
+/* sdfa's SIMD kernel, written once for SD_VL lanes (sd-simd.h): a walk's rows in tiles of SD_VL,
+ * a tile's rows in the lanes of one vector for the scores and the softmax, each row's output in
+ * d/SD_VL vectors for the V sum.
  * The arithmetic is sdfa.h's, operation for operation (sdfa.c's reference spells it out), so the
  * AVX2 (sdfa-avx2.c) and AVX-512 (sdfa-avx512.c) instances give the same bits. Include it with
  * SD_VL defined, inside the file's SD_TARGET_PUSH. */
@@ -28,17 +29,17 @@ SD_INLINE vfloat sdfa_exp_v(vfloat x) {
     return vf_maskz(ok, vf_mul(y, vf_as_bits(e)));
 }
 
-/* Positions before the last one some row of the tile sees (its mask is not -inf there): past it
- * every block is masked for every row and would add exactly nothing (sdfa.h), so the walk stops
- * there. llama.cpp pads the cache it attends over to a multiple of 256 cells, masked. */
-SD_INLINE int sdfa_live(const sdfa_tile * t) {
+/* Positions before the last one some row of `rows` sees (its mask is not -inf there): past it
+ * every block is masked for each of them and would add exactly nothing (sdfa.h), so their walk
+ * stops there. llama.cpp pads the cache it attends over to a multiple of 256 cells, masked. */
+SD_INLINE int sdfa_live(const uint16_t * const * mask, int rows, int n_kv) {
     int live = 0;
-    for (int r = 0; r < t->rows; r++) {
-        if (t->mask[r] == NULL) {
-            return t->n_kv;
+    for (int r = 0; r < rows; r++) {
+        if (mask[r] == NULL) {
+            return n_kv;
         }
-        int p = t->n_kv;
-        while (p > live && t->mask[r][p - 1] == SDFA_F16_NEG_INF) {
+        int p = n_kv;
+        while (p > live && mask[r][p - 1] == SDFA_F16_NEG_INF) {
             p--;
         }
         live = p;
@@ -46,104 +47,239 @@ SD_INLINE int sdfa_live(const sdfa_tile * t) {
     return live;
 }
 
-SD_INLINE void sdfa_kernel_simd(const sdfa_tile * t) {
+/* Positions per register block of the scores (SD_VL accumulators, a query and a key in
+ * registers: 10 of AVX2's 16, 18 of AVX-512's 32) and lane-vectors per block of a row's V sum. */
+enum { SDFA_JB = SD_VL, SDFA_CB = 8, SDFA_TILES = SDFA_MAX_ROWS / SD_VL };
+
+/* A tile's mask, lanes = rows: rows sharing a mask row (the query heads of one token) are a run
+ * whose block of values is converted once and broadcast, each later run blended over the lanes
+ * from its first row on; a tile of more runs than this fills its lanes one by one. */
+#define SDFA_MAX_RUNS 4
+
+/* One tile of SD_VL rows: its queries transposed (lanes = rows), its softmax state and its mask. */
+typedef struct {
+    _Alignas(64) float qt[SDFA_MAX_D][SD_VL];
+    vfloat M, S;
+    int rows, nblk, runs; /* runs < 0: more than SDFA_MAX_RUNS */
+    const uint16_t * run[SDFA_MAX_RUNS];
+    float first[SDFA_MAX_RUNS];
+} sdfa_lanes;
+
+/* s[j] = q . k_j summed over i in order, for the block's positions j0 .. j0 + SDFA_JB. Not
+ * inlined: alone, the compiler keeps every accumulator in a register. */
+static __attribute__((noinline)) void sdfa_scores(const float (*qt)[SD_VL],
+                                                  const float (*kf)[SDFA_MAX_D], int d, int j0,
+                                                  float (*s)[SD_VL]) {
+    vfloat a[SDFA_JB];
+    for (int j = 0; j < SDFA_JB; j++) {
+        a[j] = vf_zero();
+    }
+    for (int i = 0; i < d; i++) {
+        const vfloat qv = vf_load(qt[i]);
+        for (int j = 0; j < SDFA_JB; j++) {
+            a[j] = vf_fmadd(qv, vf_set1(kf[j0 + j][i]), a[j]);
+        }
+    }
+    for (int j = 0; j < SDFA_JB; j++) {
+        vf_store(s[j0 + j], a[j]);
+    }
+}
+
+/* acc[c0 .. c0+n) lane-vectors = acc * alpha, then += p_j v_j for j in order (p_j at
+ * p[j * SD_VL]), the n vectors held in registers */
+SD_INLINE void sdfa_values(float * acc, float alpha, const float * p,
+                           const float (*vf)[SDFA_MAX_D], int c0, int n) {
+    vfloat o[SDFA_CB];
+    const vfloat ar = vf_set1(alpha);
+    for (int c = 0; c < n; c++) {
+        o[c] = vf_mul(vf_load(acc + SD_VL * (c0 + c)), ar);
+    }
+    for (int j = 0; j < SDFA_P; j++) {
+        const vfloat pr = vf_set1(p[j * SD_VL]);
+        for (int c = 0; c < n; c++) {
+            o[c] = vf_fmadd(pr, vf_load(vf[j] + SD_VL * (c0 + c)), o[c]);
+        }
+    }
+    for (int c = 0; c < n; c++) {
+        vf_store(acc + SD_VL * (c0 + c), o[c]);
+    }
+}
+
+/* The rows `rows` of the walk (from row r0) into lane tile l: queries, mask runs, live blocks. */
+SD_INLINE void sdfa_lanes_init(sdfa_lanes * l, const sdfa_walk * t, int r0) {
+    const int d = t->d, R = t->rows - r0 < SD_VL ? t->rows - r0 : SD_VL;
+    l->rows = R;
+    for (int i = 0; i < d; i++) {
+        for (int r = 0; r < SD_VL; r++) {
+            l->qt[i][r] = r < R ? t->q[r0 + r][i] : 0.0f;
+        }
+    }
+    l->M = vf_set1(-INFINITY);
+    l->S = vf_zero();
+    l->nblk = (sdfa_live(t->mask + r0, R, t->n_kv) + SDFA_P - 1) / SDFA_P;
+    l->runs = 0;
+    for (int r = 0; r < R && t->mask[r0] != NULL; r++) {
+        if (l->runs > 0 && t->mask[r0 + r] == l->run[l->runs - 1]) {
+            continue;
+        }
+        if (l->runs == SDFA_MAX_RUNS) {
+            l->runs = -1;
+            break;
+        }
+        l->run[l->runs] = t->mask[r0 + r];
+        l->first[l->runs++] = (float) r;
+    }
+}
+
+/* Block b's mask for the tile's lanes, lane r's at mv[j][r] */
+SD_INLINE void sdfa_mask(const sdfa_lanes * l, const sdfa_walk * t, int r0, int b,
+                         float (*mv)[SD_VL]) {
+    const int p0 = b * SDFA_P;
+    if (l->runs > 0 && p0 + SDFA_P <= t->n_kv) {
+        _Alignas(64) float lane[SD_VL], mr[SDFA_MAX_RUNS][SDFA_P];
+        for (int r = 0; r < SD_VL; r++) {
+            lane[r] = (float) r;
+        }
+        for (int u = 0; u < l->runs; u++) {
+            for (int e = 0; e < SDFA_P / SD_VL; e++) {
+                vf_store(mr[u] + SD_VL * e, vf_from_f16(l->run[u] + p0 + SD_VL * e));
+            }
+        }
+        const vfloat lanes = vf_load(lane);
+        for (int j = 0; j < SDFA_P; j++) {
+            vfloat m = vf_set1(mr[0][j]);
+            for (int u = 1; u < l->runs; u++) {
+                m = vf_blend(vf_ge(lanes, vf_set1(l->first[u])), m, vf_set1(mr[u][j]));
+            }
+            vf_store(mv[j], m);
+        }
+        return;
+    }
+    for (int j = 0; j < SDFA_P; j++) {
+        const int p = p0 + j;
+        for (int r = 0; r < SD_VL; r++) { /* past the cache: masked (sdfa.c) */
+            const uint16_t * m = r < l->rows ? t->mask[r0 + r] : NULL;
+            mv[j][r] = p >= t->n_kv ? -INFINITY : m != NULL ? _cvtsh_ss(m[p]) : 0.0f;
+        }
+    }
+}
+
+/* Block b's keys dequantized and values in f32 (0 past the cache, sdfa.c); the next block's
+ * rows prefetched, so that they arrive while this one is computed. */
+SD_INLINE void sdfa_block_kv(const sdfa_walk * t, int b, float (*kf)[SDFA_MAX_D],
+                             float (*vf)[SDFA_MAX_D]) {
+    const int d = t->d;
+    for (int j = 0; j < SDFA_P; j++) {
+        const int p = b * SDFA_P + j, pn = p + SDFA_P;
+        if (pn < t->n_kv) {
+            const char * kn = (const char *) t->k + (size_t) pn * t->k_stride;
+            const char * vn = (const char *) t->v + (size_t) pn * t->v_stride;
+            for (int o = 0; o < d * 34 / 32; o += 64) {
+                _mm_prefetch(kn + o, _MM_HINT_T0);
+            }
+            _mm_prefetch(kn + d * 34 / 32 - 1, _MM_HINT_T0);
+            for (int o = 0; o < 2 * d; o += 64) {
+                _mm_prefetch(vn + o, _MM_HINT_T0);
+            }
+        }
+        if (p >= t->n_kv) {
+            memset(kf[j], 0, sizeof(float) * (size_t) d);
+            memset(vf[j], 0, sizeof(float) * (size_t) d);
+            continue;
+        }
+        const sdfa_block_q8_0 * k =
+            (const sdfa_block_q8_0 *) ((const char *) t->k + (size_t) p * t->k_stride);
+        for (int c = 0; c < d / 32; c++) {
+            const vfloat dk = vf_set1(_cvtsh_ss(k[c].d));
+            for (int e = 0; e < 32 / SD_VL; e++) {
+                vf_store(kf[j] + 32 * c + SD_VL * e, vf_mul(vf_from_i8(k[c].qs + SD_VL * e), dk));
+            }
+        }
+        const uint16_t * v = (const uint16_t *) ((const char *) t->v + (size_t) p * t->v_stride);
+        for (int c = 0; c < d / SD_VL; c++) {
+            vf_store(vf[j] + SD_VL * c, vf_from_f16(v + SD_VL * c));
+        }
+    }
+}
+
+/* One walk: each block of 16 positions is read and converted once, then every lane tile takes
+ * its scores, softmax and V sum from it (each tile to its own last live block). */
+SD_INLINE void sdfa_kernel_simd(const sdfa_walk * t) {
     enum { W = SD_VL };
-    const int d = t->d, R = t->rows, nblk = (sdfa_live(t) + SDFA_P - 1) / SDFA_P, nv = d / W;
-    _Alignas(64) float qt[SDFA_MAX_D][W];      /* the rows' queries, transposed: lanes = rows */
+    const int d = t->d, nv = d / W, ntiles = (t->rows + W - 1) / W;
+    sdfa_lanes lt[SDFA_TILES];
+    _Alignas(64) float acc[SDFA_MAX_ROWS][SDFA_MAX_D];
     _Alignas(64) float kf[SDFA_P][SDFA_MAX_D]; /* this block's keys, dequantized */
     _Alignas(64) float vf[SDFA_P][SDFA_MAX_D]; /* this block's values, in f32 */
-    _Alignas(64) float mv[SDFA_P][W];          /* this block's mask, per row */
-    _Alignas(64) float pj[SDFA_P][W];          /* this block's softmax weights, per row */
-    _Alignas(64) float alpha[W];
-    _Alignas(64) float acc[W][SDFA_MAX_D];
-    for (int i = 0; i < d; i++) {
-        for (int r = 0; r < W; r++) {
-            qt[i][r] = r < R ? t->q[r][i] : 0.0f;
-        }
+    int nblk = 0;
+    for (int l = 0; l < ntiles; l++) {
+        sdfa_lanes_init(&lt[l], t, W * l);
+        nblk = lt[l].nblk > nblk ? lt[l].nblk : nblk;
     }
-    memset(acc, 0, sizeof(acc));
-    vfloat M = vf_set1(-INFINITY), S = vf_zero();
+    for (int r = 0; r < t->rows; r++) {
+        memset(acc[r], 0, sizeof(float) * (size_t) d);
+    }
     for (int b = 0; b < nblk; b++) {
-        for (int j = 0; j < SDFA_P; j++) {
-            const int p = b * SDFA_P + j;
-            if (p >= t->n_kv) { /* past the cache: masked, and v = 0 (sdfa.c) */
-                memset(kf[j], 0, sizeof(float) * (size_t) d);
-                memset(vf[j], 0, sizeof(float) * (size_t) d);
-                for (int r = 0; r < W; r++) {
-                    mv[j][r] = -INFINITY;
-                }
+        sdfa_block_kv(t, b, kf, vf);
+        for (int l = 0; l < ntiles; l++) {
+            sdfa_lanes * tl = &lt[l];
+            if (b >= tl->nblk) {
                 continue;
             }
-            const sdfa_block_q8_0 * k =
-                (const sdfa_block_q8_0 *) ((const char *) t->k + (size_t) p * t->k_stride);
-            for (int c = 0; c < d / 32; c++) {
-                const vfloat dk = vf_set1(_cvtsh_ss(k[c].d));
-                for (int e = 0; e < 32 / W; e++) {
-                    vf_store(kf[j] + 32 * c + W * e, vf_mul(vf_from_i8(k[c].qs + W * e), dk));
-                }
+            _Alignas(64) float mv[SDFA_P][W]; /* the block's mask, lanes = rows */
+            _Alignas(64) float sv[SDFA_P][W]; /* its scores */
+            _Alignas(64) float pj[SDFA_P][W]; /* its softmax weights */
+            _Alignas(64) float alpha[W];
+            sdfa_mask(tl, t, W * l, b, mv);
+            for (int j0 = 0; j0 < SDFA_P; j0 += SDFA_JB) {
+                sdfa_scores((const float (*)[W]) tl->qt, (const float (*)[SDFA_MAX_D]) kf, d, j0, sv);
             }
-            const uint16_t * v = (const uint16_t *) ((const char *) t->v + (size_t) p * t->v_stride);
-            for (int c = 0; c < nv; c++) {
-                vf_store(vf[j] + W * c, vf_from_f16(v + W * c));
+            const vfloat scale = vf_set1(t->scale);
+            vfloat s[SDFA_P];
+            vfloat mb = vf_fmadd(vf_load(sv[0]), scale, vf_load(mv[0]));
+            s[0] = mb;
+            for (int j = 1; j < SDFA_P; j++) {
+                s[j] = vf_fmadd(vf_load(sv[j]), scale, vf_load(mv[j]));
+                mb = vf_max(s[j], mb);
             }
-            for (int r = 0; r < W; r++) {
-                mv[j][r] = r < R && t->mask[r] ? _cvtsh_ss(t->mask[r][p]) : 0.0f;
-            }
-        }
-        /* scores: 16 positions' dot products side by side, each summed over i in order */
-        vfloat s[SDFA_P];
-        for (int j = 0; j < SDFA_P; j++) {
-            s[j] = vf_zero();
-        }
-        for (int i = 0; i < d; i++) {
-            const vfloat qv = vf_load(qt[i]);
+            const vfloat Mn = vf_max(mb, tl->M);
+            const vmask some = vf_ne(Mn, vf_set1(-INFINITY));
+            const vfloat a = vf_blend(some, vf_set1(1.0f), sdfa_exp_v(vf_sub(tl->M, Mn)));
+            vfloat S = vf_mul(tl->S, a);
             for (int j = 0; j < SDFA_P; j++) {
-                s[j] = vf_fmadd(qv, vf_set1(kf[j][i]), s[j]);
+                const vfloat pv = vf_maskz(some, sdfa_exp_v(vf_sub(s[j], Mn)));
+                S = vf_add(S, pv);
+                vf_store(pj[j], pv);
             }
-        }
-        const vfloat scale = vf_set1(t->scale);
-        vfloat mb = vf_fmadd(s[0], scale, vf_load(mv[0]));
-        s[0] = mb;
-        for (int j = 1; j < SDFA_P; j++) {
-            s[j] = vf_fmadd(s[j], scale, vf_load(mv[j]));
-            mb = vf_max(s[j], mb);
-        }
-        const vfloat Mn = vf_max(mb, M);
-        const vmask some = vf_ne(Mn, vf_set1(-INFINITY));
-        const vfloat a = vf_blend(some, vf_set1(1.0f), sdfa_exp_v(vf_sub(M, Mn)));
-        S = vf_mul(S, a);
-        for (int j = 0; j < SDFA_P; j++) {
-            const vfloat pv = vf_maskz(some, sdfa_exp_v(vf_sub(s[j], Mn)));
-            S = vf_add(S, pv);
-            vf_store(pj[j], pv);
-        }
-        vf_store(alpha, a);
-        M = Mn;
-        /* values: each row's d outputs in d/W lane-vectors, summed over j in order */
-        for (int r = 0; r < R; r++) {
-            vfloat o[SDFA_MAX_D / W];
-            const vfloat ar = vf_set1(alpha[r]);
-            for (int c = 0; c < nv; c++) {
-                o[c] = vf_mul(vf_load(acc[r] + W * c), ar);
-            }
-            for (int j = 0; j < SDFA_P; j++) {
-                const vfloat pr = vf_set1(pj[j][r]);
-                for (int c = 0; c < nv; c++) {
-                    o[c] = vf_fmadd(pr, vf_load(vf[j] + W * c), o[c]);
+            vf_store(alpha, a);
+            tl->M = Mn;
+            tl->S = S;
+            /* values: each row's d outputs in d/W lane-vectors, summed over j in order */
+            for (int r = 0; r < tl->rows; r++) {
+                float * ar = acc[W * l + r];
+                int c0 = 0;
+                for (; c0 + SDFA_CB <= nv; c0 += SDFA_CB) {
+                    sdfa_values(ar, alpha[r], &pj[0][r], (const float (*)[SDFA_MAX_D]) vf, c0,
+                                SDFA_CB);
                 }
-            }
-            for (int c = 0; c < nv; c++) {
-                vf_store(acc[r] + W * c, o[c]);
+                for (; c0 < nv; c0 += 32 / W) { /* d % 32 == 0 */
+                    sdfa_values(ar, alpha[r], &pj[0][r], (const float (*)[SDFA_MAX_D]) vf, c0,
+                                32 / W);
+                }
             }
         }
     }
-    _Alignas(64) float Ss[W];
-    vf_store(Ss, S);
-    for (int r = 0; r < R; r++) {
-        const vfloat inv = vf_set1(Ss[r] == 0.0f ? 0.0f : 1.0f / Ss[r]);
-        for (int c = 0; c < nv; c++) {
-            const vfloat o = vf_mul(vf_load(acc[r] + W * c), inv);
-            vf_storeu(t->out[r] + W * c, vf_add(o, vf_zero())); /* + 0: every zero +0 (sdfa.h) */
+    for (int l = 0; l < ntiles; l++) {
+        _Alignas(64) float Ss[W];
+        vf_store(Ss, lt[l].S);
+        for (int r = 0; r < lt[l].rows; r++) {
+            const vfloat inv = vf_set1(Ss[r] == 0.0f ? 0.0f : 1.0f / Ss[r]);
+            const float * ar = acc[W * l + r];
+            for (int c = 0; c < nv; c++) {
+                const vfloat o = vf_mul(vf_load(ar + W * c), inv);
+                /* + 0: every zero leaves as +0 (sdfa.h) */
+                vf_storeu(t->out[W * l + r] + W * c, vf_add(o, vf_zero()));
+            }
         }
     }
 }

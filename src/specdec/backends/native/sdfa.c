@@ -31,7 +31,7 @@ static float sdfa_exp(float x) {
     return y * two_n;
 }
 
-void sdfa_kernel_ref(const sdfa_tile * t) {
+void sdfa_kernel_ref(const sdfa_walk * t) {
     const int d = t->d, nblk = (t->n_kv + SDFA_P - 1) / SDFA_P;
     for (int r = 0; r < t->rows; r++) {
         float acc[SDFA_MAX_D] = {0};
@@ -97,10 +97,6 @@ int sdfa_isa_selected(void) {
     return sd_isa_select_once(&selected, sdfa_isa_supported);
 }
 
-int sdfa_tile_width(int isa) {
-    return isa == SD_ISA_AVX512 ? 16 : isa == SD_ISA_AVX2 || isa == SD_ISA_AVXVNNI ? 8 : 1;
-}
-
 sdfa_kernel_fn sdfa_kernel(int isa) {
     if (!sdfa_isa_supported(isa)) {
         return NULL;
@@ -122,18 +118,18 @@ sdfa_kernel_fn sdfa_kernel(int isa) {
 
 int sdfa_attend(int isa, int d, int n_kv, float scale, const void * k, size_t k_stride,
                 const uint16_t * v, size_t v_stride, const float * q, const uint16_t * mask,
-                int rows, float * out) {
+                int group, int rows, int walk, float * out) {
     const sdfa_kernel_fn kernel = sdfa_kernel(isa);
-    if (kernel == NULL || d < 32 || d > SDFA_MAX_D || d % 32 != 0 || n_kv < 1 || rows < 1) {
+    if (kernel == NULL || d < 32 || d > SDFA_MAX_D || d % 32 != 0 || n_kv < 1 || rows < 1 ||
+        group < 1 || walk < 1 || walk > SDFA_MAX_ROWS) {
         return -1;
     }
-    const int w = sdfa_tile_width(isa);
-    for (int r0 = 0; r0 < rows; r0 += w) {
-        sdfa_tile t = {d, n_kv, scale, k, k_stride, v, v_stride, 0, {0}, {0}, {0}};
-        t.rows = rows - r0 < w ? rows - r0 : w;
+    for (int r0 = 0; r0 < rows; r0 += walk) {
+        sdfa_walk t = {d, n_kv, scale, k, k_stride, v, v_stride, 0, {0}, {0}, {0}};
+        t.rows = rows - r0 < walk ? rows - r0 : walk;
         for (int r = 0; r < t.rows; r++) {
             t.q[r] = q + (size_t) (r0 + r) * d;
-            t.mask[r] = mask ? mask + (size_t) (r0 + r) * n_kv : NULL;
+            t.mask[r] = mask ? mask + (size_t) ((r0 + r) / group) * n_kv : NULL;
             t.out[r] = out + (size_t) (r0 + r) * d;
         }
         kernel(&t);

@@ -1,13 +1,14 @@
 /* sdfa: specdec's flash attention for a q8_0 K cache and an f16 V cache, one walk of the cache
- * for a whole tile of query rows, and batch-invariant by construction.
+ * for many query rows, and batch-invariant by construction.
  *
  * Why: ggml's CPU flash attention walks the KV cache once per query row and head, with a
  * scalar exp and one dot product reduced per position; a verify of b tokens over c cached
  * positions pays b x heads walks. Here the rows sharing a KV head (its query heads, for every
- * token of the pass) are tiled W at a time (W = 16 on AVX-512, 8 on AVX2), one SIMD lane per
- * row for the scores, and each K and V row is read once per tile.
+ * token of the pass) walk the cache together, up to SDFA_MAX_ROWS at a time: each block of
+ * positions is read and converted to f32 once, then taken by every tile of W rows (W = 16 on
+ * AVX-512, 8 on AVX2), one SIMD lane per row for the scores.
  *
- * Each row's arithmetic is fixed whatever the tile, the batch or the instruction set:
+ * Each row's arithmetic is fixed whatever the tile, the walk, the batch or the instruction set:
  *   score  s_p = fma(sum_d fma(q_d, k_pd), scale, mask_p): the dot accumulated over d in order,
  *          in float, from the f32 query and the exactly dequantized q8_0 key;
  *   blocks of P = 16 positions from position 0: M' = max(M, max_j s_j), alpha = exp(M - M'),
@@ -17,8 +18,8 @@
  * exp is sdfa's own (Cody-Waite reduction and a degree-5 polynomial, SDFA_EXP_* below, the same
  * operations on every path). Positions past the cache or masked to -inf add exactly nothing (but
  * for a zero's sign, which the final + 0 makes +0 on every path), so a single step and a row of a
- * batch, whose caches end in different places, get the same bits, and a walk may stop after the
- * last position a row sees.
+ * batch, whose caches end in different places, get the same bits, and a tile's walk may stop
+ * after the last position its rows see.
  */
 #pragma once
 
@@ -41,7 +42,7 @@ typedef struct {
 #define SDFA_P 16       /* positions per softmax block */
 #define SDFA_F16_NEG_INF 0xFC00 /* a mask's -inf, as f16 bits */
 #define SDFA_MAX_D 256  /* largest head dimension (DK = DV) */
-#define SDFA_MAX_W 16   /* rows per tile on the widest path */
+#define SDFA_MAX_ROWS 64 /* rows per walk: 8 tiles on AVX2, 4 on AVX-512 */
 
 /* sdfa's exp(x), Cephes' expf (cephes/single/expf.c): n = round(x * log2 e), r = x - n ln 2 in two
  * steps (ln 2 = LN2_HI + LN2_LO, LN2_HI exact in 9 bits so n * LN2_HI is exact), then
@@ -58,7 +59,7 @@ typedef struct {
 #define SDFA_EXP_P0 5.0000001201e-1f
 #define SDFA_EXP_MIN (-87.0f)
 
-/* One tile of query rows against one KV head. */
+/* One walk: query rows against one KV head. */
 typedef struct {
     int d;                      /* head dimension of K, V and the queries: 32 <= d <= 256, d % 32
                                    == 0 (a K row is whole q8_0 blocks) */
@@ -68,30 +69,30 @@ typedef struct {
     size_t k_stride;
     const uint16_t * v;         /* f16 rows: position p at (char *) v + p * v_stride */
     size_t v_stride;
-    int rows;                   /* rows in this tile, 1..W */
-    const float * q[SDFA_MAX_W];      /* row r's f32 query (d values) */
-    const uint16_t * mask[SDFA_MAX_W];/* row r's f16 mask over positions (NULL: no mask) */
-    float * out[SDFA_MAX_W];          /* row r's output (d values) */
-} sdfa_tile;
+    int rows;                   /* rows in this walk, 1..SDFA_MAX_ROWS */
+    const float * q[SDFA_MAX_ROWS];       /* row r's f32 query (d values) */
+    const uint16_t * mask[SDFA_MAX_ROWS]; /* row r's f16 mask over positions (NULL: no mask; rows
+                                             of one token share theirs) */
+    float * out[SDFA_MAX_ROWS];           /* row r's output (d values) */
+} sdfa_walk;
 
 /* sdfa's paths (enum sd_isa): can this CPU run `isa` (every feature of its list in sd-isa.h;
  * AVX-512 without VNNI is enough), the one it runs (sd_isa_select: $SPECDEC_MM_ISA forces sdmm
- * and sdfa alike, else the best; -1 if the named one cannot run here), rows per tile on it, and
- * the kernels. */
+ * and sdfa alike, else the best; -1 if the named one cannot run here), and the kernels. */
 int sdfa_isa_supported(int isa);
 int sdfa_isa_selected(void);
-int sdfa_tile_width(int isa);
-typedef void (*sdfa_kernel_fn)(const sdfa_tile * t);
+typedef void (*sdfa_kernel_fn)(const sdfa_walk * t);
 sdfa_kernel_fn sdfa_kernel(int isa);
-void sdfa_kernel_ref(const sdfa_tile * t);
-void sdfa_kernel_avx2(const sdfa_tile * t);
-void sdfa_kernel_avx512(const sdfa_tile * t);
+void sdfa_kernel_ref(const sdfa_walk * t);
+void sdfa_kernel_avx2(const sdfa_walk * t);
+void sdfa_kernel_avx512(const sdfa_walk * t);
 
-/* For tests: attention of `rows` query rows (row r's query at q + r*d, mask row at
- * mask + r*n_kv or none) against one KV head, tiled at the path's width; out: rows x d. */
+/* For tests: attention of `rows` query rows (row r's query at q + r*d) against one KV head, in
+ * walks of `walk` rows (1..SDFA_MAX_ROWS); row r's mask row at mask + (r / group)*n_kv, the same
+ * pointer for each `group` rows as for a token's query heads, or none; out: rows x d. */
 int sdfa_attend(int isa, int d, int n_kv, float scale, const void * k, size_t k_stride,
                 const uint16_t * v, size_t v_stride, const float * q, const uint16_t * mask,
-                int rows, float * out);
+                int group, int rows, int walk, float * out);
 
 #ifdef __cplusplus
 }
