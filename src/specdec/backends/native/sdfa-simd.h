@@ -136,7 +136,8 @@ SD_INLINE void sdfa_mask(const sdfa_lanes * l, const sdfa_walk * t, int r0, int 
                          float (*mv)[SD_VL]) {
     const int p0 = b * SDFA_P;
     if (l->runs > 0 && p0 + SDFA_P <= t->n_kv) {
-        _Alignas(64) float lane[SD_VL], mr[SDFA_MAX_RUNS][SDFA_P];
+        _Alignas(64) float lane[SD_VL];
+        _Alignas(64) float mr[SDFA_MAX_RUNS][SDFA_P];
         for (int r = 0; r < SD_VL; r++) {
             lane[r] = (float) r;
         }
