@@ -528,12 +528,16 @@ def _kv(rng: np.random.Generator, n_kv: int, d: int) -> tuple[np.ndarray, np.nda
         (256, 70, 17, 0),
         (128, 768, 21, 240),
         (128, 130, 150, 0),
+        (32, 50, 9, 0),
+        (96, 40, 13, 0),
+        (160, 35, 11, 0),
     ],
 )
 def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int, pad: int) -> None:
     """sdfa: every path gives the reference's bits; a row alone, and a row whose cache ends
     where its mask does (a single step sees a shorter cache than the batch it verifies), give
-    its bits in a tile, and in walks of any size (150 rows: walks of 64, and of 8 and 1); within
+    its bits in a tile, and in walks of any size (150 rows: walks of 64, and of 8 and 1), and
+    without a mask too; head sizes 32 to 256, so that a row's V sum ends in a short block; within
     float32 rounding of a float64 softmax attention. `pad` masks the last positions for every
     row, as llama.cpp pads its cache to 256 cells: the SIMD paths stop walking there, the
     reference does not."""
@@ -552,6 +556,8 @@ def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int, 
         for walk in (1, 8):
             walked = _attend(lib, isa, q, k, v, mask, n_kv, walk=walk)
             assert _same_bits(walked, out), f"{SDMM_ISAS[isa]} in walks of {walk}"
+        unmasked = _attend(lib, isa, q, k, v, None, n_kv)  # no mask: every position seen
+        assert _same_bits(unmasked, _attend(lib, 0, q, k, v, None, n_kv)), "no mask"
         for r in range(rows):
             alone = _attend(lib, isa, q[r : r + 1], k, v, mask[r : r + 1], n_kv)
             assert _same_bits(alone[0], out[r]), f"{SDMM_ISAS[isa]} row {r} alone"

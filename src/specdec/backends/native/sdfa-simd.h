@@ -53,7 +53,8 @@ enum { SDFA_JB = SD_VL, SDFA_CB = 8, SDFA_TILES = SDFA_MAX_ROWS / SD_VL };
 
 /* A tile's mask, lanes = rows: rows sharing a mask row (the query heads of one token) are a run
  * whose block of values is converted once and broadcast, each later run blended over the lanes
- * from its first row on; a tile of more runs than this fills its lanes one by one. */
+ * from its first row on; a tile of more runs than this (or with a row without a mask) fills its
+ * lanes one by one. */
 #define SDFA_MAX_RUNS 4
 
 /* One tile of SD_VL rows: its queries transposed (lanes = rows), its softmax state and its mask. */
@@ -76,6 +77,7 @@ static __attribute__((noinline)) void sdfa_scores(const float (*qt)[SD_VL],
     }
     for (int i = 0; i < d; i++) {
         const vfloat qv = vf_load(qt[i]);
+#pragma GCC unroll 16
         for (int j = 0; j < SDFA_JB; j++) {
             a[j] = vf_fmadd(qv, vf_set1(kf[j0 + j][i]), a[j]);
         }
@@ -96,6 +98,7 @@ SD_INLINE void sdfa_values(float * acc, float alpha, const float * p,
     }
     for (int j = 0; j < SDFA_P; j++) {
         const vfloat pr = vf_set1(p[j * SD_VL]);
+#pragma GCC unroll 8
         for (int c = 0; c < n; c++) {
             o[c] = vf_fmadd(pr, vf_load(vf[j] + SD_VL * (c0 + c)), o[c]);
         }
@@ -122,7 +125,7 @@ SD_INLINE void sdfa_lanes_init(sdfa_lanes * l, const sdfa_walk * t, int r0) {
         if (l->runs > 0 && t->mask[r0 + r] == l->run[l->runs - 1]) {
             continue;
         }
-        if (l->runs == SDFA_MAX_RUNS) {
+        if (l->runs == SDFA_MAX_RUNS || t->mask[r0 + r] == NULL) {
             l->runs = -1;
             break;
         }

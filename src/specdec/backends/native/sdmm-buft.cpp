@@ -256,12 +256,16 @@ bool ggml_sdfa_forward(const ggml_compute_params * params, ggml_tensor * dst) {
     GGML_ASSERT(kernel != nullptr);
     // Rows sharing a KV head of one stream (its query heads, for every token of the pass in
     // that stream: llama.cpp's sequences with a KV cache each, --parallel) walk its cache
-    // together, SDFA_MAX_ROWS at a time; walks go to the threads in contiguous ranges. A row's
-    // output never depends on its walk, nor on the other streams: each stream's cells start at
-    // 0, as they would alone.
+    // together, up to SDFA_MAX_ROWS at a time, in walks short enough that every thread has one
+    // where the rows allow (in whole tiles of 16, the widest path's); walks go to the threads in
+    // contiguous ranges. A row's output never depends on its walk, nor on the other streams:
+    // each stream's cells start at 0, as they would alone.
     const int64_t n_tokens = q->ne[1], n_kv_head = k->ne[2], group = q->ne[2] / k->ne[2];
-    const int64_t rows = n_tokens * group, w = SDFA_MAX_ROWS;
-    const int64_t walks = (rows + w - 1) / w, units = q->ne[3] * n_kv_head * walks;
+    const int64_t rows = n_tokens * group, heads = q->ne[3] * n_kv_head;
+    const int64_t per_head = (params->nth + heads - 1) / heads;  // walks each head needs
+    const int64_t even = ((rows + per_head - 1) / per_head + 15) / 16 * 16;
+    const int64_t w = even < SDFA_MAX_ROWS ? even : SDFA_MAX_ROWS;
+    const int64_t walks = (rows + w - 1) / w, units = heads * walks;
     const int64_t u0 = units * params->ith / params->nth, u1 = units * (params->ith + 1) / params->nth;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t s = u / (n_kv_head * walks), g = u / walks % n_kv_head, r0 = (u % walks) * w;
