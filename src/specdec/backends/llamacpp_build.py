@@ -106,7 +106,9 @@ def fetch_sdist(
     dest.mkdir(parents=True, exist_ok=True)
     path = dest / f"{package.replace('-', '_')}-{version}.tar.gz"
     if not path.is_file():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
+        # the package from source, its build requirements as wheels: `--no-binary :all:` would
+        # build those from source too (cmake and ninja among them) only to read the metadata
+        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", package, "--no-deps"]
         cmd += ["--quiet", "-d", str(dest), f"{package}=={version}"]
         try:
             subprocess.run(cmd, check=True, timeout=timeout, capture_output=True, text=True)
