@@ -67,14 +67,15 @@ test-models: $(STAMP)
 # (SPECDEC_TEST_THREADS=1, tests/support.py): llama.cpp's threads spin at barriers and stall
 # while anything else holds a core, one thread has no barrier to wait at, and two workers of
 # one thread each finish sooner than one of two (a step on one thread is ~1.6x one on two, and
-# the servers, subprocesses and Ray start-ups are Python-bound). --dist loadfile keeps each
-# module in one worker (its loaded models and servers built once) and the two Ray modules in
-# the same one (tests/conftest.py).
+# the servers, subprocesses and Ray start-ups are Python-bound). In both, --dist loadfile keeps
+# each module in one worker (its loaded models, servers and statistical baselines built once),
+# the two Ray modules in the same one, and a free worker takes the costliest module left, by
+# tests/durations.json (tests/schedule.py; SPECDEC_TEST_DURATIONS=1 make test rewrites it).
 TEST_WORKERS ?= 2
 test:
 	$(MAKE) -j3 --no-print-directory venv browser test-models
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not model and not slow" \
-	  --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+	  -m "not model and not slow" --durations=10
 	SPECDEC_TEST_THREADS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
 	  --dist loadfile -m "model or slow" --durations=25
 

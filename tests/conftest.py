@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from schedule import DurationRecorder, make_scheduler, wants_recording
 from support import TEST_THREADS, PairSpec
 
 from specdec.backends import load_model
@@ -103,28 +104,15 @@ _ANSWER = (
 MODEL_FIXTURES = frozenset({"smol_path", "qwen05_path"})
 
 
-#: Modules that `--dist loadfile` sends to one worker together, one after the other: both start
-#: Ray and look at the whole machine's Ray and engine processes (test_cluster counts them before
-#: and after, finds its replicas by name to kill one), which the other's would confuse.
-SHARED_WORKER = {"tests/serve/test_cluster.py": "ray", "tests/serve/test_two_nodes.py": "ray"}
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """`--dist loadfile` (make test's second phase): each module's tests in one worker, so that a
-    module-scoped fixture (a loaded model, a server, a cluster) is built once, and the modules of
-    SHARED_WORKER in the same one. (xdist_group marks cannot do it: xdist 3.8's loadgroup renames
-    `item._nodeid`, which pytest 9 no longer reads, so every test is its own group.)"""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
+    """`--dist loadfile` (make test's two phases): whole modules, costliest first (schedule.py)"""
+    return make_scheduler(config, log) if config.getvalue("dist") == "loadfile" else None
 
-    class ModuleScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return SHARED_WORKER.get(module, module)
 
-    return ModuleScheduling(config, log)
+def pytest_configure(config: pytest.Config) -> None:
+    if wants_recording():
+        config.pluginmanager.register(DurationRecorder(), "specdec-durations")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -417,8 +417,8 @@ def test_the_size_check_catches_a_long_module_and_function(tmp_path: Path) -> No
 
 
 #: The test modules that belong to no one package: the public API as a user calls it, and the
-#: checks of the repository itself (docs, this layout).
-CROSS_CUTTING_TESTS = {"test_api.py", "test_docs.py", "test_layout.py"}
+#: checks of the repository itself (docs, this layout, the suite's scheduler).
+CROSS_CUTTING_TESTS = {"test_api.py", "test_docs.py", "test_layout.py", "test_schedule.py"}
 
 
 def test_tests_mirror_the_packages() -> None:
