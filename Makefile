@@ -11,6 +11,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+PY_STAMP := $(VENV)/.python
 STAMP  := $(VENV)/.installed
 
 # llama-cpp-python is built from the pinned source with specdec's patches, -march=native for this
@@ -18,6 +19,7 @@ STAMP  := $(VENV)/.installed
 # CPU). The stamp is keyed by the CPU's flags too, so on a new host `make` builds it again.
 CPU_KEY     := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cksum | cut -d' ' -f1)
 LLAMA_STAMP := $(VENV)/.llama-cpp-$(CPU_KEY)
+WHEEL_STAMP := $(VENV)/.llama-wheel-$(CPU_KEY)
 LLAMA_BUILD := src/specdec/backends/llamacpp_build.py $(wildcard src/specdec/backends/patches/*.patch) \
   $(wildcard src/specdec/backends/native/*)
 
@@ -29,14 +31,24 @@ DRAFT  ?= llamacpp:qwen2.5-coder-0.5b
 
 venv: $(STAMP) $(LLAMA_STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(PY_STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip wheel
+	touch $@
+
+$(STAMP): $(PY_STAMP) requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
-$(LLAMA_STAMP): $(STAMP) $(LLAMA_BUILD)
+# The wheel is built (two cores) while pip installs the requirements (the network, one core): it
+# needs none of them (pip builds it in an isolated environment), only the venv's pip.
+$(WHEEL_STAMP): $(PY_STAMP) $(LLAMA_BUILD)
+	rm -f $(VENV)/.llama-wheel-*
+	MAKEFLAGS= MFLAGS= PYTHONPATH=src $(BIN)/python -m specdec.backends.llamacpp_build wheel
+	touch $@
+
+$(LLAMA_STAMP): $(STAMP) $(WHEEL_STAMP)
 	rm -f $(VENV)/.llama-cpp-*
 	MAKEFLAGS= MFLAGS= $(BIN)/python -m specdec.backends.llamacpp_build install
 	touch $@
