@@ -4,11 +4,12 @@ namespaces), Ray's token authentication on, one replica per node (one CPU each).
 
     token      a client without the cluster's token is refused
     both       a burst of streams is served by both nodes' replicas
-    cut        the worker's link goes down mid-burst: its streams end with an error event (Ray
-               declares the node dead), none hangs, the head's complete
+    cut        the worker's link goes down once every stream of a burst has text: the worker's
+               streams end with an error event (Ray declares the node dead), none hangs, the
+               head's complete
     after      the next burst completes, on the head's replica
 
-Needs root and iproute2 (CI has both; elsewhere it says what is missing). ~2 minutes; `slow`.
+Needs root and iproute2 (CI has both; elsewhere it says what is missing). ~1.5 minutes; `slow`.
 """
 
 from __future__ import annotations
@@ -32,15 +33,30 @@ pytestmark = [pytest.mark.slow, pytest.mark.model]
 HEAD_IP, WORKER_IP, PREFIX = "10.231.0.1", "10.231.0.2", 24
 RAY_PORT, HTTP_PORT = 6390, 8000
 BIN = Path(sys.executable).parent
-#: Ray declares a node dead after this many missed health checks, a second apart (default: ~30 s)
-FAST_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "5"}
+#: Ray declares a node dead after 5 failed health checks, here a second apart and each given 2 s
+#: (Ray's defaults: 3 s apart and 10 s each, ~55 s from the cut to the streams' error events)
+FAST_DEATH = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "5",
+}
 
 #: The client, run inside the head's namespace: streams a burst at the edge and prints each
-#: stream's replica, text length, error event and seconds as one JSON line.
+#: stream's replica, text length, error event and seconds as one JSON line. Given a command
+#: (argv 6, JSON), it runs it once every stream has its first text: the worker's link is cut
+#: while its streams are running, however fast this host generates (each has max_tokens to go,
+#: the streams' first texts come within one prefill of each other).
 BURST = """
-import concurrent.futures, http.client, json, sys, time
+import concurrent.futures, http.client, json, subprocess, sys, threading, time
 host, model = sys.argv[1], sys.argv[5]
 port, n, max_tokens = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+cut = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
+lock, first = threading.Lock(), []
+def has_text(i):
+    with lock:
+        first.append(i)
+        if cut and len(first) == n:  # a thread of its own: every stream goes on reading
+            threading.Thread(target=subprocess.run, args=(cut,), kwargs={"check": True}).start()
 def one(i):
     t0 = time.monotonic()
     c = http.client.HTTPConnection(host, port, timeout=150)
@@ -60,6 +76,9 @@ def one(i):
                 out["error"] = event["error"]["message"]
             else:
                 out["text"] += len(event["choices"][0].get("text") or "")
+                if out["text"] and "first" not in out:
+                    out["first"] = time.monotonic() - t0
+                    has_text(i)
     out["s"] = time.monotonic() - t0
     return out
 with concurrent.futures.ThreadPoolExecutor(n) as pool:
@@ -171,11 +190,13 @@ class Nodes:
         self.procs.append(proc)
         return proc
 
-    def burst(self, n: int, max_tokens: int, timeout: float = 180) -> list[dict[str, Any]]:
+    def burst(
+        self, n: int, max_tokens: int, cut: list[str] | None = None, timeout: float = 180
+    ) -> list[dict[str, Any]]:
         script = self.tmp / "burst.py"
         script.write_text(BURST)
         args = [sys.executable, str(script), HEAD_IP, str(HTTP_PORT), str(n), str(max_tokens)]
-        args.append(self.target)
+        args += [self.target, *([json.dumps(cut)] if cut else [])]
         out = self.run(self.head, *args, timeout=timeout)
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout)
@@ -240,12 +261,10 @@ def test_two_nodes_with_token_auth_serve_and_survive_a_cut_link(
     replicas = {s["replica"] for s in both}
     assert len(replicas) == 2, both  # one replica on each node
 
-    cut = subprocess.Popen(
-        ["sh", "-c", f"sleep 3; ip -n {nodes.worker} link set {nodes.worker_if} down"]
-    )
+    # the link goes down once all four streams have text: the worker's two are mid-stream
+    cut = ["ip", "-n", nodes.worker, "link", "set", nodes.worker_if, "down"]
     t0 = time.monotonic()
-    during = nodes.burst(4, 400)
-    cut.wait(10)
+    during = nodes.burst(4, 128, cut=cut)
     assert time.monotonic() - t0 < 150  # none hung
     failed = [s for s in during if s["error"]]
     assert failed and all("replica" in s["error"] and not s["done"] for s in failed), during
