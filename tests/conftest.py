@@ -111,7 +111,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if wants_recording():
+    if wants_recording(config):
         config.pluginmanager.register(DurationRecorder(), "specdec-durations")
 
 

@@ -74,8 +74,9 @@ def make_scheduler(config, log, seconds: dict[str, float] | None = None):
 
 
 class DurationRecorder:
-    """Sums each test's setup, call and teardown seconds as the reports arrive (in the
-    controller under xdist) and merges them into tests/durations.json at the end."""
+    """Sums each test's setup, call and teardown seconds as the reports arrive and merges them
+    into tests/durations.json at the end; registered in the controller alone under xdist
+    (conftest), which receives every worker's reports."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -84,8 +85,6 @@ class DurationRecorder:
         self.seconds[report.nodeid] += report.duration
 
     def pytest_sessionfinish(self, session) -> None:
-        if hasattr(session.config, "workerinput"):  # a worker: the controller writes
-            return
         merged = load_durations()
         for nodeid, s in self.seconds.items():
             merged.pop(nodeid, None)
@@ -94,5 +93,6 @@ class DurationRecorder:
         DURATIONS.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
 
 
-def wants_recording() -> bool:
-    return os.environ.get("SPECDEC_TEST_DURATIONS") == "1"
+def wants_recording(config) -> bool:
+    """Asked for, and this is not an xdist worker (the controller writes the file)."""
+    return os.environ.get("SPECDEC_TEST_DURATIONS") == "1" and not hasattr(config, "workerinput")
