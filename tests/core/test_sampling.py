@@ -13,7 +13,7 @@ import pytest
 import torch
 from stats_util import gof_chi2, kl
 
-from specdec.core.sampling import greedy_verify, probs_from_logits, rejection_sample
+from specdec.core.sampling import greedy_verify, probs_from_logits, rejection_sample, sample
 
 V = 30
 N_TRIALS = 50_000
@@ -221,6 +221,18 @@ def test_non_finite_input_is_a_clear_error(bad: float) -> None:
         probs_from_logits(logits, 1.0)
 
 
+def test_no_drafts_with_an_empty_q_is_plain_sampling_from_p0() -> None:
+    """K = 0 with q of shape [0, V] (a round whose drafts the grammar all cut, q kept as its
+    empty slice): the one emitted token is p[0]'s draw, as with q None."""
+    p = _dirichlet(1.0, 21)[None]  # [1, V]
+    empty = torch.empty(0, dtype=torch.long)
+    got = [rejection_sample(empty, torch.empty(0, V), p, torch.Generator().manual_seed(s))
+           for s in range(20)]  # fmt: skip
+    want = [rejection_sample(empty, None, p, torch.Generator().manual_seed(s)) for s in range(20)]
+    assert [(t.tolist(), n) for t, n in got] == [(t.tolist(), n) for t, n in want]
+    assert all(n == 0 and len(t) == 1 for t, n in got)
+
+
 def test_shape_and_value_errors() -> None:
     g = torch.Generator().manual_seed(0)
     p = torch.full((2, V), 1.0 / V)
@@ -230,6 +242,10 @@ def test_shape_and_value_errors() -> None:
         rejection_sample(torch.tensor([1]), None, torch.rand(2, V) * 5, g)
     with pytest.raises(ValueError, match="out of range"):
         rejection_sample(torch.tensor([V]), None, p, g)
+    with pytest.raises(ValueError, match="negative entries"):
+        rejection_sample(torch.tensor([1]), None, -p, g)  # logits-like, not a distribution
+    with pytest.raises(ValueError, match="total mass nan"):
+        sample(torch.full((V,), float("nan")), g)
     with pytest.raises(ValueError, match="greedy"):
         probs_from_logits(torch.zeros(V), 0.0)
     with pytest.raises(ValueError, match=">= 0"):
@@ -381,8 +397,6 @@ def test_general_rule_on_one_hots_equals_greedy() -> None:
 def test_inverse_cdf_sampler_matches_p_and_skips_zero_mass() -> None:
     """`sample` (inverse CDF, not torch.multinomial) on a row with holes and an unnormalized
     scale: zero-mass tokens never drawn, frequencies match p (chi-square, 50,000 draws)."""
-    from specdec.core.sampling import sample
-
     p = _zipf(11).double()
     p[::3] = 0.0  # every third token impossible, including the first
     p[-1] = 0.0  # and the last: the round-up fallback must not land on it

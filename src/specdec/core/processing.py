@@ -242,10 +242,10 @@ class Processor:
     def commit(self, tokens: Sequence[int]) -> None:
         """The committed tokens: counted, and consumed by the grammar."""
         self.ahead = []
-        if self.penalties is not None:
-            for t in tokens:
-                self._counts[t] += 1
-                self._seen[t] = True
+        if self.penalties is not None and tokens:
+            ids = torch.tensor(list(tokens), dtype=torch.long)  # a repeated id counts each time
+            self._counts.index_put_((ids,), torch.ones(len(ids)), accumulate=True)
+            self._seen[ids] = True
         if self.constraint is not None:
             self.constraint.consume(tokens)
 

@@ -15,6 +15,7 @@ the CPU in float32: bit-reproducible across devices and free of fp16 underflow i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,9 +135,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     never drawn.
     """
     cdf = probs.reshape(-1).to(torch.float64).cumsum(0)  # [V]
-    total = cdf[-1]
-    if not bool(total > 0) or not bool(torch.isfinite(total)):
-        raise ValueError(f"cannot sample from a row with total mass {float(total)}")
+    total = cdf[-1].item()  # a Python float (a double): one read where two checks need it
+    if not (total > 0 and math.isfinite(total)):
+        raise ValueError(f"cannot sample from a row with total mass {total}")
     u = torch.rand(1, generator=generator, dtype=torch.float64) * total  # [1] in [0, total)
     i = int(torch.searchsorted(cdf, u, right=True))  # first i with cdf[i] > u
     if i >= cdf.numel():  # u rounded up to total: the last token with mass
@@ -147,15 +148,20 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
 def _check_dist(name: str, t: torch.Tensor, rows: int, width: int) -> None:
     if t.dim() != 2 or t.shape[0] != rows or t.shape[1] != width:
         raise ValueError(f"{name} must have shape [{rows}, {width}], got {tuple(t.shape)}")
+    if rows == 0:  # q of a round whose drafts were all cut: no row to check (no reduction)
+        return
     # Two reductions cover it all: NaN or inf anywhere makes a row sum non-finite, and a NaN
     # makes min() NaN, which fails `>= 0`. Why not three elementwise checks: this runs every
-    # round on [K+1, V] rows, and each full pass over them costs as much as the accept walk.
+    # round on [K+1, V] rows, and each full pass over them costs as much as the accept walk. The
+    # extremes come back in one read: on the small rows of a test, each read costs more than
+    # the arithmetic.
     sums = t.sum(-1)  # [rows]
-    if not bool(torch.isfinite(sums).all()):
+    lo, hi, least = torch.stack([*torch.aminmax(sums), t.min()]).tolist()  # NaN propagates
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         _check_finite(name, t)
-    if not bool(t.min() >= 0):
+    if not least >= 0:
         raise ValueError(f"{name} has negative entries; pass probabilities, not logits")
-    if ((sums - 1).abs() > ROW_SUM_TOL).any():
+    if not max(abs(lo - 1), abs(hi - 1)) <= ROW_SUM_TOL:
         raise ValueError(f"{name} rows must sum to 1 (got {sums.tolist()}); pass probabilities")
 
 
@@ -189,8 +195,9 @@ def rejection_sample(
     p = p.to("cpu", torch.float32)
     V = p.shape[-1]
     _check_dist("p", p, K + 1, V)
-    if K and (int(x.min()) < 0 or int(x.max()) >= V):
-        raise ValueError(f"draft token out of range [0, {V}): {x.tolist()}")
+    xs = x.tolist()  # K is small: the walk's bookkeeping is Python's, its arithmetic torch's
+    if K and (min(xs) < 0 or max(xs) >= V):
+        raise ValueError(f"draft token out of range [0, {V}): {xs}")
     rows = torch.arange(K)
     p_x = p[rows, x]  # [K] p_i(x_i)
     if q is None:
@@ -202,21 +209,21 @@ def rejection_sample(
 
     # r_i < min(1, p/q)  <=>  r_i * q < p  for q > 0 and r_i < 1: division-free.
     r = torch.rand(K, generator=generator)  # [K]
-    accepted = (q_x > 0) & (r * q_x < p_x)  # [K] bool
-    n_accepted = K if bool(accepted.all()) else int((~accepted).to(torch.int8).argmax())
+    accepted = ((q_x > 0) & (r * q_x < p_x)).tolist()  # [K] bool
+    n_accepted = next((i for i, a in enumerate(accepted) if not a), K)
 
     if n_accepted < K:  # recovered token at the first rejected position
         i = n_accepted
         if q is None:
             residual = p[i].clone()
-            residual[x[i]] = 0.0  # max(0, p - onehot(x_i))
+            residual[xs[i]] = 0.0  # max(0, p - onehot(x_i))
         else:
             residual = (p[i] - q[i]).clamp_min(0.0)  # [V]
         mass = float(residual.sum())
         y = sample(residual / mass if mass > RESIDUAL_EPS else p[i], generator)
     else:  # bonus token from p[K], free from the verify pass
         y = sample(p[K], generator)
-    tokens = torch.cat([x[:n_accepted], torch.tensor([y], dtype=torch.long)])  # [n_accepted + 1]
+    tokens = torch.tensor([*xs[:n_accepted], y], dtype=torch.long)  # [n_accepted + 1]
     return tokens, n_accepted
 
 
