@@ -33,7 +33,7 @@ def synchronize(device: torch.device | str | None) -> None:
     """Wait for queued work on `device` so a following clock read is honest."""
     if device is None:
         return
-    dev = device if isinstance(device, torch.device) else torch.device(device)
+    dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     elif dev.type == "mps":
