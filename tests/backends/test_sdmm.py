@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -374,6 +375,26 @@ def test_each_path_runs_exactly_where_the_cpu_has_what_it_was_compiled_for() -> 
             want = name is None or lists[name] <= flags
             assert bool(supported(isa)) == want, f"{SDMM_ISAS[isa]}: {name}"
     assert not lib.sdmm_isa_supported(len(SDMM_ISAS)) and not lib.sdfa_isa_supported(-1)
+
+
+def test_a_native_build_holds_the_paths_this_cpu_runs_and_no_other() -> None:
+    """The installed build is for this CPU (-march=native: SD_NATIVE_BUILD, sd-isa.h): a path
+    the CPU cannot run is not compiled at all (its kernels, its peak probe and sdfa's AVX-512
+    kernel are absent from the library, not merely refused), and every path it can run is; the
+    AVX2 path and the reference are always there."""
+    import llama_cpp
+
+    from specdec.backends import llamacpp_build
+
+    lib = _lib()
+    info = llamacpp_build.installed_manifest(Path(llama_cpp.__file__).parent)
+    assert info is not None and info["flavor"] == "native", info
+    for isa, name in enumerate(SDMM_ISAS):
+        kernels = {hasattr(lib, f"sdmm_kernel_{g}_{name}") for g in ("q4k", "q6k", "q8_0", "f16")}
+        assert kernels == {name in ("ref", "avx2") or bool(lib.sdmm_isa_supported(isa))}, name
+    assert hasattr(lib, "sdmm_avx512_peak_macs") == bool(lib.sdmm_isa_supported(3))
+    assert hasattr(lib, "sdmm_avxvnni_peak_macs") == bool(lib.sdmm_isa_supported(2))
+    assert hasattr(lib, "sdfa_kernel_avx512") == bool(lib.sdfa_isa_supported(3))
 
 
 def test_this_build_runs_the_best_path_the_cpu_has() -> None:

@@ -3,7 +3,7 @@
 #include "sd-common.h"
 #include "sdfa.h"
 
-#if SD_X86
+#if SD_BUILDS_AVX512 /* sd-isa.h */
 SD_TARGET_PUSH_PATH(SD_FEATURES_AVX512)
 
 #    define SD_VL 16
@@ -14,4 +14,4 @@ void sdfa_kernel_avx512(const sdfa_walk * t) {
 }
 
 SD_TARGET_POP
-#endif /* x86-64 */
+#endif /* SD_BUILDS_AVX512 */

@@ -89,7 +89,7 @@ void sdfa_kernel_ref(const sdfa_walk * t) {
 }
 
 int sdfa_isa_supported(int isa) {
-    return sd_isa_runs(isa, SD_CPU_HAS(SD_FEATURES_AVX512));
+    return sd_isa_runs(isa, SD_BUILDS_AVX512 && SD_CPU_HAS(SD_FEATURES_AVX512));
 }
 
 int sdfa_isa_selected(void) {
@@ -108,6 +108,8 @@ sdfa_kernel_fn sdfa_kernel(int isa) {
         case SD_ISA_AVX2:
         case SD_ISA_AVXVNNI: /* nothing in sdfa uses VNNI: its AVX2 kernel */
             return sdfa_kernel_avx2;
+#endif
+#if SD_BUILDS_AVX512
         case SD_ISA_AVX512:
             return sdfa_kernel_avx512;
 #endif

@@ -3,7 +3,7 @@
 #include "sd-common.h"
 #include "sdmm.h"
 
-#if SD_X86
+#if SD_BUILDS_AVX512_VNNI /* sd-isa.h */
 SD_TARGET_PUSH_PATH(SD_FEATURES_AVX512_VNNI)
 
 #    define SD_VL 16
@@ -27,4 +27,4 @@ SDMM_KERNEL(sdmm_kernel_bf16_avx512, SDMM_TYPE_BF16)
 SDMM_PEAK(sdmm_avx512_peak_macs, dpbusd)
 
 SD_TARGET_POP
-#endif /* x86-64 */
+#endif /* SD_BUILDS_AVX512_VNNI */

@@ -5,7 +5,7 @@
 #include "sd-common.h"
 #include "sdmm.h"
 
-#if SD_X86
+#if SD_BUILDS_AVXVNNI /* sd-isa.h */
 #    ifdef SD_AVXVNNI_EVEX /* tests only (sd-isa.h): vpdpbusd's AVX-512 encoding */
 SD_TARGET_PUSH_PATH(SD_FEATURES_AVXVNNI)
 #    else
@@ -34,4 +34,4 @@ SDMM_KERNEL(sdmm_kernel_bf16_avxvnni, SDMM_TYPE_BF16)
 SDMM_PEAK(sdmm_avxvnni_peak_macs, dpbusd)
 
 SD_TARGET_POP
-#endif /* x86-64 */
+#endif /* SD_BUILDS_AVXVNNI */

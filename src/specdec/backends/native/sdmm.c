@@ -626,10 +626,19 @@ static float ref_bf16(const void * blk, int r, const void * A, float acc) {
 /* the types                                                                                  */
 
 /* a group layout's kernels, by path (NULL where the path is not compiled in) */
+#if SD_BUILDS_AVXVNNI
+#    define SDMM_AVXVNNI_(g) sdmm_kernel_##g##_avxvnni
+#else
+#    define SDMM_AVXVNNI_(g) NULL
+#endif
+#if SD_BUILDS_AVX512_VNNI
+#    define SDMM_AVX512_(g) sdmm_kernel_##g##_avx512
+#else
+#    define SDMM_AVX512_(g) NULL
+#endif
 #if SD_X86
-#    define SDMM_KERNELS_(g)                                                                      \
-        {sdmm_kernel_##g##_ref, sdmm_kernel_##g##_avx2, sdmm_kernel_##g##_avxvnni,             \
-         sdmm_kernel_##g##_avx512}
+#    define SDMM_KERNELS_(g) \
+        {sdmm_kernel_##g##_ref, sdmm_kernel_##g##_avx2, SDMM_AVXVNNI_(g), SDMM_AVX512_(g)}
 #else
 #    define SDMM_KERNELS_(g) {sdmm_kernel_##g##_ref}
 #endif
@@ -776,7 +785,7 @@ SDMM_REF_(sdmm_kernel_bf16_ref, SDMM_TYPE_BF16)
 /* dispatch                                                                                   */
 
 int sdmm_isa_supported(int isa) {
-    return sd_isa_runs(isa, SD_CPU_HAS(SD_FEATURES_AVX512_VNNI));
+    return sd_isa_runs(isa, SD_BUILDS_AVX512_VNNI && SD_CPU_HAS(SD_FEATURES_AVX512_VNNI));
 }
 
 int sdmm_isa_selected(void) {
@@ -795,10 +804,14 @@ sdmm_kernel_fn sdmm_kernel(int type, int isa) {
 double sdmm_peak_macs(long iters) {
 #if SD_X86
     switch (sdmm_isa_selected()) {
+#    if SD_BUILDS_AVX512_VNNI
         case SD_ISA_AVX512:
             return sdmm_avx512_peak_macs(iters);
+#    endif
+#    if SD_BUILDS_AVXVNNI
         case SD_ISA_AVXVNNI:
             return sdmm_avxvnni_peak_macs(iters);
+#    endif
         case SD_ISA_AVX2:
             return sdmm_avx2_peak_macs(iters);
         default:
