@@ -94,3 +94,71 @@ def test_real_tokenizer_loads_past_a_stray_file(smol_path):
     tok = tokenizer.load_tokenizer(smol_path)
     assert len(tok) == 49152 and (final / tokenizer._META).is_file()
     assert not (final / "stray.txt").exists()
+
+
+def _tiny_gguf(
+    path: Path, file_type: int, extra: dict[str, str] | None = None, **kv: object
+) -> Path:
+    """A GGUF of metadata alone: a tokenizer's fields (`kv` overrides them), `file_type`."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_file_type(file_type)
+    w.add_quantization_version(2)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(kv.get("tokens", ["a", "b", "ab"]))
+    w.add_token_merges(kv.get("merges", ["a b"]))
+    w.add_token_types([1, 1, 1])
+    for k, v in (extra or {}).items():
+        w.add_string(k, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_the_metadata_key_leaves_out_what_a_requantization_rewrites(tmp_path):
+    """Equal for files that differ in what llama.cpp's quantize rewrites (the file type, the
+    quantization version, its quantize.* records); different when a tokenizer field differs."""
+    key = tokenizer.gguf_metadata_key
+    base = key(_tiny_gguf(tmp_path / "a.gguf", 2))
+    assert key(_tiny_gguf(tmp_path / "b.gguf", 15, {"quantize.imatrix.file": "x.dat"})) == base
+    assert key(_tiny_gguf(tmp_path / "c.gguf", 2, tokens=["a", "b", "ba"])) != base
+    assert key(_tiny_gguf(tmp_path / "d.gguf", 2, merges=["b a"])) != base
+    assert key(_tiny_gguf(tmp_path / "e.gguf", 2, {"general.name": "other"})) != base
+    (tmp_path / "f.gguf").write_bytes(b"GGML" + bytes(40))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        key(tmp_path / "f.gguf")
+
+
+@pytest.mark.model
+def test_a_requantized_file_takes_its_sources_tokenizer_without_converting(
+    smol_path, tmp_path, monkeypatch
+):
+    """A file whose metadata differs from smollm2's only in the file type (as a requantization's
+    does) and whose bytes differ elsewhere (another file key) gets smollm2's conversion: the
+    GGUF converter is not called again, and the tokenizer encodes alike."""
+    import struct
+
+    from transformers import AutoTokenizer
+
+    tok = tokenizer.load_tokenizer(smol_path)
+    data = bytearray(smol_path.read_bytes())
+    at = data.index(b"general.file_type") + len(b"general.file_type")
+    assert struct.unpack_from("<I", data, at)[0] == 4  # uint32
+    struct.pack_into("<I", data, at + 4, 2)  # MOSTLY_Q4_0
+    twin = tmp_path / "smollm2-q4_0.gguf"
+    twin.write_bytes(bytes(data) + b"\0" * 64)  # another size and tail: another file key
+    assert tokenizer.gguf_cache_key(twin) != tokenizer.gguf_cache_key(smol_path)
+    real = AutoTokenizer.from_pretrained
+
+    def no_conversion(*args: object, **kw: object) -> object:
+        assert "gguf_file" not in kw, "the GGUF tokenizer was converted again"
+        return real(*args, **kw)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_conversion)
+    again = tokenizer.load_tokenizer(twin)
+    text = "def count(n):\n    return n + 1  # café"
+    assert again(text)["input_ids"] == tok(text)["input_ids"] and len(again) == len(tok)
+    assert converted_dir("tokenizers", twin).is_dir()

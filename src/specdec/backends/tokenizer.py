@@ -7,7 +7,9 @@ never re-tokenizes. Whether two models share one is `core.pair.check_pair`.
                                 a GGUF vocabulary with transformers takes seconds to tens of
                                 seconds (150k tokens + merges), so the converted tokenizer is
                                 saved once under $SPECDEC_HOME/tokenizers/<key>/ and reloaded
-                                from there (well under a second).
+                                from there (well under a second). A file requantized from
+                                another holds the same tokenizer: its conversion is the first's,
+                                found by the metadata's key (gguf_metadata_key), not made again.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -47,11 +51,56 @@ def gguf_cache_key(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()[:_KEY_HEX]
 
 
-def converted_dir(kind: str, gguf_path: str | os.PathLike[str]) -> Path:
-    """$SPECDEC_HOME/<kind>/<key>: where conversions of `gguf_path` of this kind are cached."""
+#: GGUF value types of a fixed size (bytes), and the two of variable size (gguf.GGUFValueType)
+_GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+#: What llama.cpp's quantize rewrites in the metadata it copies (llama_model_quantize_impl)
+_REQUANT_KEYS = ("general.file_type", "general.quantization_version")
+
+
+def _gguf_value_end(buf: mmap.mmap, off: int, vtype: int) -> int:
+    if vtype in _GGUF_FIXED:
+        return off + _GGUF_FIXED[vtype]
+    if vtype == _GGUF_STRING:
+        return off + 8 + struct.unpack_from("<Q", buf, off)[0]
+    if vtype == _GGUF_ARRAY:
+        etype, n = struct.unpack_from("<IQ", buf, off)
+        off += 12
+        if etype in _GGUF_FIXED:
+            return off + n * _GGUF_FIXED[etype]
+        for _ in range(n):
+            off = _gguf_value_end(buf, off, etype)
+        return off
+    raise ValueError(f"GGUF value type {vtype} is not one gguf defines")
+
+
+def gguf_metadata_key(path: str | os.PathLike[str]) -> str:
+    """A key for what a GGUF file's conversions depend on: sha256 over its metadata's key-value
+    records as stored, but those a requantization rewrites (_REQUANT_KEYS, quantize.*), so every
+    file requantized from one model shares it. The records are walked, not parsed: gguf-py's
+    reader builds an array per element (seconds for 150k tokens), this takes ~0.1 s."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        magic, version, _, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{path} is not a GGUF file of version 2 or later")
+        h = hashlib.sha256(b"gguf-metadata:")
+        off = 24
+        for _ in range(n_kv):
+            start, klen = off, struct.unpack_from("<Q", buf, off)[0]
+            key = buf[off + 8 : off + 8 + klen].decode("utf-8", "replace")
+            vtype = struct.unpack_from("<I", buf, off + 8 + klen)[0]
+            off = _gguf_value_end(buf, off + 12 + klen, vtype)
+            if key not in _REQUANT_KEYS and not key.startswith("quantize."):
+                h.update(buf[start:off])
+        return h.hexdigest()[:_KEY_HEX]
+
+
+def converted_dir(kind: str, gguf_path: str | os.PathLike[str], key: str | None = None) -> Path:
+    """$SPECDEC_HOME/<kind>/<key>: where conversions of `gguf_path` of this kind are cached
+    (`key`: under that name instead of the file's)."""
     from specdec.backends.registry import specdec_home
 
-    return specdec_home() / kind / gguf_cache_key(gguf_path)
+    return specdec_home() / kind / (key or gguf_cache_key(gguf_path))
 
 
 def _is_current(final: Path, version: str) -> bool:
@@ -70,10 +119,15 @@ def _remove(path: Path) -> None:
 
 
 def cached_conversion(
-    kind: str, gguf_path: str | os.PathLike[str], save: Any, *, redo: bool = False
+    kind: str,
+    gguf_path: str | os.PathLike[str],
+    save: Any,
+    *,
+    redo: bool = False,
+    key: str | None = None,
 ) -> Path:
-    """Directory holding the `kind` conversion of `gguf_path`, created by `save(tmp_dir)` if absent
-    (or if `redo`).
+    """Directory holding the `kind` conversion of `gguf_path` (under `key` if given), created by
+    `save(tmp_dir)` if absent (or if `redo`).
 
     The directory is written under a temporary name and renamed into place, so a crash or a
     concurrent loader never sees a half-written conversion. A conversion made by another
@@ -81,7 +135,7 @@ def cached_conversion(
     """
     import transformers
 
-    final = converted_dir(kind, gguf_path)
+    final = converted_dir(kind, gguf_path, key)
     version = transformers.__version__
     if not redo and _is_current(final, version):
         return final
@@ -135,8 +189,23 @@ def load_tokenizer(path_or_dir: str | os.PathLike[str]) -> Any:
     if path.is_dir():
         return AutoTokenizer.from_pretrained(path)
 
-    def convert(out: Path) -> None:
+    def convert_file(out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         tok.save_pretrained(out)
 
+    def convert(out: Path) -> None:
+        # by the metadata's key first: a requantized file's tokenizer is its source's, converted
+        # once (hard links where the filesystem allows; the stamp is written anew)
+        meta = "m" + gguf_metadata_key(path)
+        shared = cached_conversion("tokenizers", path, convert_file, key=meta)
+        skip = shutil.ignore_patterns(_META)
+        shutil.copytree(shared, out, ignore=skip, dirs_exist_ok=True, copy_function=_link)
+
     return load_conversion("tokenizers", path, convert, AutoTokenizer.from_pretrained)
+
+
+def _link(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
