@@ -162,3 +162,11 @@ def test_a_requantized_file_takes_its_sources_tokenizer_without_converting(
     text = "def count(n):\n    return n + 1  # café"
     assert again(text)["input_ids"] == tok(text)["input_ids"] and len(again) == len(tok)
     assert converted_dir("tokenizers", twin).is_dir()
+    # The shared conversion damaged: the next file with that metadata converts it again (as
+    # a file's own damaged conversion is) instead of failing on every load.
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", real)
+    meta = converted_dir("tokenizers", smol_path, "m" + tokenizer.gguf_metadata_key(smol_path))
+    (meta / "tokenizer.json").write_text("{truncated")
+    third = tmp_path / "smollm2-other.gguf"
+    third.write_bytes(bytes(data) + b"\1" * 64)
+    assert tokenizer.load_tokenizer(third)(text)["input_ids"] == tok(text)["input_ids"]

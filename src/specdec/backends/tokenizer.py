@@ -166,19 +166,22 @@ def cached_conversion(
     return final
 
 
-def load_conversion(kind: str, gguf_path: str | os.PathLike[str], save: Any, load: Any) -> Any:
-    """`load(dir)` of the cached `kind` conversion of `gguf_path` (made by `save` if absent).
+def load_conversion(
+    kind: str, gguf_path: str | os.PathLike[str], save: Any, load: Any, key: str | None = None
+) -> Any:
+    """`load(dir)` of the cached `kind` conversion of `gguf_path` (made by `save` if absent;
+    under `key` if given).
 
     A cached conversion that fails to load (a file in it damaged or replaced) is made again, once:
     the cache is ours and disposable, so any failure to read it is the cache's until a fresh
     conversion fails too.
     """
-    final = cached_conversion(kind, gguf_path, save)  # a failing conversion raises from here
+    final = cached_conversion(kind, gguf_path, save, key=key)  # a failing conversion raises here
     try:
         return load(final)
     except Exception as e:  # see the docstring; the retry re-raises
         log.warning("cached conversion %s failed to load (%s); converting again", final, e)
-        return load(cached_conversion(kind, gguf_path, save, redo=True))
+        return load(cached_conversion(kind, gguf_path, save, redo=True, key=key))
 
 
 def load_tokenizer(path_or_dir: str | os.PathLike[str]) -> Any:
@@ -193,19 +196,16 @@ def load_tokenizer(path_or_dir: str | os.PathLike[str]) -> Any:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         tok.save_pretrained(out)
 
+    def loads(d: Path) -> Path:
+        AutoTokenizer.from_pretrained(d)
+        return d
+
     def convert(out: Path) -> None:
         # by the metadata's key first: a requantized file's tokenizer is its source's, converted
-        # once (hard links where the filesystem allows; the stamp is written anew)
+        # once and copied (a copy: damage to one stays there; one that fails to load is made
+        # again, as the file's own conversion is)
         meta = "m" + gguf_metadata_key(path)
-        shared = cached_conversion("tokenizers", path, convert_file, key=meta)
-        skip = shutil.ignore_patterns(_META)
-        shutil.copytree(shared, out, ignore=skip, dirs_exist_ok=True, copy_function=_link)
+        shared = load_conversion("tokenizers", path, convert_file, loads, key=meta)
+        shutil.copytree(shared, out, ignore=shutil.ignore_patterns(_META), dirs_exist_ok=True)
 
     return load_conversion("tokenizers", path, convert, AutoTokenizer.from_pretrained)
-
-
-def _link(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
