@@ -122,11 +122,14 @@ def _drafting_of_b(poisoned: bool) -> dict[str, Any]:
 def test_one_key_s_traffic_does_not_steer_another_key_s_k() -> None:
     """Finding 1: with one AutoPolicies per engine, B drafted 4 (3 of 4 runs) or 24 tokens in
     64 against 42-44 in its control, 56-58 rounds at K = 0 against 9-10. Per key, B's drafting
-    is its control's (the verify-cost curve is shared, so within noise, not to the token)."""
+    is its control's (the verify-cost curve is shared, so within noise, not to the token): its
+    accepted drafts, what speculation gains, and its rounds at K = 0. (Drafted counts compared
+    so failed once in ten runs on 2026-12-07: the control drafted 57, 44 accepted, the poisoned
+    43, 42 accepted; the broken engine's accepted drafts are at most its 4 or 24 drafted.)"""
     control = _drafting_of_b(poisoned=False)
     poisoned = _drafting_of_b(poisoned=True)
     assert control["drafted"] >= 20, control  # B's own text does draft
-    assert poisoned["drafted"] >= 0.8 * control["drafted"], (poisoned, control)
+    assert poisoned["accepted"] >= 0.8 * control["accepted"], (poisoned, control)
     idle = int(poisoned["k_histogram"].get("0", 0))
     assert idle <= int(control["k_histogram"].get("0", 0)) + 5, (poisoned, control)
 
