@@ -595,11 +595,25 @@ def gguf_metadata(path: Path) -> dict[str, str]:
     return meta
 
 
+def gguf_records(path: Path, visit: Callable[[str, bytes], None]) -> None:
+    """`visit(key, record)` for each key-value record of a GGUF file's header, in order, the
+    record as stored (its key, type and value bytes); ValueError if it is not a GGUF file."""
+    import gguf
+
+    with Path(path).open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic at offset 0)")
+        _gguf_header(buf, gguf, visit=visit)
+
+
 def _gguf_header(
-    buf: mmap.mmap, gguf: ModuleType, meta: dict[str, str] | None = None
+    buf: mmap.mmap,
+    gguf: ModuleType,
+    meta: dict[str, str] | None = None,
+    visit: Callable[[str, bytes], None] | None = None,
 ) -> list[GGUFTensor]:
-    """The tensors the header lists (and, into `meta`, the general.* strings); raises
-    struct.error if it is cut."""
+    """The tensors the header lists (and, into `meta`, the general.* strings; to `visit`, each
+    key-value record as stored); raises struct.error if it is cut."""
     VT = gguf.GGUFValueType
     fixed = {VT.UINT8: "B", VT.INT8: "b", VT.UINT16: "H", VT.INT16: "h", VT.UINT32: "I"}
     fixed |= {VT.INT32: "i", VT.FLOAT32: "f", VT.BOOL: "?", VT.UINT64: "Q", VT.INT64: "q"}
@@ -648,12 +662,12 @@ def _gguf_header(
         skip_str()
         key = bytes(buf[start + 8 : pos]).decode("utf-8", "replace")
         vtype = take("I")
-        if meta is not None and key.startswith("general.") and VT(vtype) == VT.STRING:
-            at = pos
-            skip_str()
-            meta[key] = bytes(buf[at + 8 : pos]).decode("utf-8", "replace")
-            continue
+        at = pos
         v = value(vtype)
+        if meta is not None and key.startswith("general.") and VT(vtype) == VT.STRING:
+            meta[key] = bytes(buf[at + 8 : pos]).decode("utf-8", "replace")
+        if visit is not None:
+            visit(key, buf[start:pos])
         if key == gguf.Keys.General.ALIGNMENT and v:
             align = v
     infos = []

@@ -17,10 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import mmap
 import os
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -51,48 +49,24 @@ def gguf_cache_key(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()[:_KEY_HEX]
 
 
-#: GGUF value types of a fixed size (bytes), and the two of variable size (gguf.GGUFValueType)
-_GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
 #: What llama.cpp's quantize rewrites in the metadata it copies (llama_model_quantize_impl)
 _REQUANT_KEYS = ("general.file_type", "general.quantization_version")
-
-
-def _gguf_value_end(buf: mmap.mmap, off: int, vtype: int) -> int:
-    if vtype in _GGUF_FIXED:
-        return off + _GGUF_FIXED[vtype]
-    if vtype == _GGUF_STRING:
-        return off + 8 + struct.unpack_from("<Q", buf, off)[0]
-    if vtype == _GGUF_ARRAY:
-        etype, n = struct.unpack_from("<IQ", buf, off)
-        off += 12
-        if etype in _GGUF_FIXED:
-            return off + n * _GGUF_FIXED[etype]
-        for _ in range(n):
-            off = _gguf_value_end(buf, off, etype)
-        return off
-    raise ValueError(f"GGUF value type {vtype} is not one gguf defines")
 
 
 def gguf_metadata_key(path: str | os.PathLike[str]) -> str:
     """A key for what a GGUF file's conversions depend on: sha256 over its metadata's key-value
     records as stored, but those a requantization rewrites (_REQUANT_KEYS, quantize.*), so every
-    file requantized from one model shares it. The records are walked, not parsed: gguf-py's
-    reader builds an array per element (seconds for 150k tokens), this takes ~0.1 s."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        magic, version, _, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-        if magic != b"GGUF" or version < 2:
-            raise ValueError(f"{path} is not a GGUF file of version 2 or later")
-        h = hashlib.sha256(b"gguf-metadata:")
-        off = 24
-        for _ in range(n_kv):
-            start, klen = off, struct.unpack_from("<Q", buf, off)[0]
-            key = buf[off + 8 : off + 8 + klen].decode("utf-8", "replace")
-            vtype = struct.unpack_from("<I", buf, off + 8 + klen)[0]
-            off = _gguf_value_end(buf, off + 12 + klen, vtype)
-            if key not in _REQUANT_KEYS and not key.startswith("quantize."):
-                h.update(buf[start:off])
-        return h.hexdigest()[:_KEY_HEX]
+    file requantized from one model shares it (the header walked, well under a second)."""
+    from specdec.backends.registry import gguf_records
+
+    h = hashlib.sha256(b"gguf-metadata:")
+
+    def visit(key: str, record: bytes) -> None:
+        if key not in _REQUANT_KEYS and not key.startswith("quantize."):
+            h.update(record)
+
+    gguf_records(Path(path), visit)
+    return h.hexdigest()[:_KEY_HEX]
 
 
 def converted_dir(kind: str, gguf_path: str | os.PathLike[str], key: str | None = None) -> Path:
