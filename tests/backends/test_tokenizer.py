@@ -141,8 +141,6 @@ def test_a_requantized_file_takes_its_sources_tokenizer_without_converting(
     GGUF converter is not called again, and the tokenizer encodes alike."""
     import struct
 
-    from transformers import AutoTokenizer
-
     tok = tokenizer.load_tokenizer(smol_path)
     data = bytearray(smol_path.read_bytes())
     at = data.index(b"general.file_type") + len(b"general.file_type")
@@ -151,22 +149,107 @@ def test_a_requantized_file_takes_its_sources_tokenizer_without_converting(
     twin = tmp_path / "smollm2-q4_0.gguf"
     twin.write_bytes(bytes(data) + b"\0" * 64)  # another size and tail: another file key
     assert tokenizer.gguf_cache_key(twin) != tokenizer.gguf_cache_key(smol_path)
-    real = AutoTokenizer.from_pretrained
+    real = tokenizer.gguf_tokenizer
 
-    def no_conversion(*args: object, **kw: object) -> object:
-        assert "gguf_file" not in kw, "the GGUF tokenizer was converted again"
-        return real(*args, **kw)
+    def no_conversion(path: object) -> object:
+        raise AssertionError("the GGUF tokenizer was converted again")
 
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_conversion)
+    monkeypatch.setattr(tokenizer, "gguf_tokenizer", no_conversion)
     again = tokenizer.load_tokenizer(twin)
     text = "def count(n):\n    return n + 1  # café"
     assert again(text)["input_ids"] == tok(text)["input_ids"] and len(again) == len(tok)
     assert converted_dir("tokenizers", twin).is_dir()
     # The shared conversion damaged: the next file with that metadata converts it again (as
     # a file's own damaged conversion is) instead of failing on every load.
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", real)
+    monkeypatch.setattr(tokenizer, "gguf_tokenizer", real)
     meta = converted_dir("tokenizers", smol_path, "m" + tokenizer.gguf_metadata_key(smol_path))
     (meta / "tokenizer.json").write_text("{truncated")
     third = tmp_path / "smollm2-other.gguf"
     third.write_bytes(bytes(data) + b"\1" * 64)
     assert tokenizer.load_tokenizer(third)(text)["input_ids"] == tok(text)["input_ids"]
+
+
+def _tiny_tokenizer_gguf(path: Path, arch: str) -> Path:
+    """A GGUF of metadata alone holding a small tokenizer of the kind `arch`'s files hold (BPE
+    for llama and qwen2, sentencepiece with scores for gemma3)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(64)
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(1)
+    if arch == "gemma3":
+        pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581", "a", "b", "\u2581a", "ab"]
+        pieces.append("\u2581ab")
+        w.add_tokenizer_model("llama")
+        w.add_token_list(pieces)
+        w.add_token_scores([0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0])
+        w.add_token_types([3, 3, 3, 2, 1, 1, 1, 1, 1, 1])
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+        w.add_pad_token_id(0)
+    else:
+        pieces = ["a", "b", "\u0120", "ab", "\u0120a", "<|endoftext|>"]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+        w.add_token_list(pieces)
+        w.add_token_merges(["a b", "\u0120 a"])
+        w.add_token_types([1, 1, 1, 1, 1, 3])
+        w.add_eos_token_id(5)
+        w.add_bos_token_id(5)
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", sorted(tokenizer.GGUF_TOKENIZER_CLASSES))
+def test_a_gguf_tokenizer_is_converted_as_autotokenizer_converts_it(tmp_path, arch):
+    """The conversion without the model config (GGUF_TOKENIZER_CLASSES) gives AutoTokenizer's
+    class and saves the same files, byte for byte, for every architecture it takes."""
+    from transformers import AutoTokenizer
+
+    path = _tiny_tokenizer_gguf(tmp_path / f"{arch}.gguf", arch)
+    ours, theirs = (
+        tokenizer.gguf_tokenizer(path),
+        AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name),
+    )
+    assert type(ours) is type(theirs)
+    assert type(ours).__name__ == tokenizer.GGUF_TOKENIZER_CLASSES[arch]
+    for tok, out in ((ours, tmp_path / "ours"), (theirs, tmp_path / "theirs")):
+        tok.save_pretrained(out)
+    files = sorted(p.name for p in (tmp_path / "ours").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "theirs").iterdir())
+    assert "tokenizer.json" in files and "chat_template.jinja" in files
+    for name in files:
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "theirs" / name).read_bytes()
+    assert ours(" ab a b")["input_ids"] == theirs(" ab a b")["input_ids"]
+
+
+def test_files_autotokenizer_may_read_otherwise_take_its_own_path(tmp_path, monkeypatch):
+    """A Mistral model's "llama" file, a file with a tokenizer_config.json beside it and an
+    architecture not in the table go through AutoTokenizer itself."""
+    from transformers import AutoTokenizer
+
+    calls: list[str] = []
+    monkeypatch.setattr(
+        AutoTokenizer, "from_pretrained", lambda d, gguf_file: calls.append(gguf_file) or gguf_file
+    )
+    mistral = _tiny_tokenizer_gguf(tmp_path / "m.gguf", "llama")
+    data = mistral.read_bytes().replace(b"tiny-llama", b"Mistral-7b")
+    mistral.write_bytes(data)
+    assert tokenizer.gguf_tokenizer(mistral) == "m.gguf"
+    other = _tiny_tokenizer_gguf(tmp_path / "phi.gguf", "phi3")
+    assert tokenizer.gguf_tokenizer(other) == "phi.gguf"
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    qwen = _tiny_tokenizer_gguf(beside / "q.gguf", "qwen2")
+    assert type(tokenizer.gguf_tokenizer(qwen)).__name__ == "Qwen2Tokenizer" and len(calls) == 2
+    (beside / "tokenizer_config.json").write_text("{}")
+    assert tokenizer.gguf_tokenizer(qwen) == "q.gguf" and len(calls) == 3

@@ -10,6 +10,8 @@ never re-tokenizes. Whether two models share one is `core.pair.check_pair`.
                                 from there (well under a second). A file requantized from
                                 another holds the same tokenizer: its conversion is the first's,
                                 found by the metadata's key (gguf_metadata_key), not made again.
+    gguf_tokenizer(path)        the conversion itself: transformers' own GGUF tokenizer, built
+                                without the model config it reads only to choose the class.
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ _KEY_HEAD_BYTES = 16 * 1024 * 1024
 _KEY_TAIL_BYTES = 1024 * 1024
 _KEY_HEX = 16
 _META = "specdec-conversion.json"
+
+#: GGUF architecture -> the tokenizer class transformers' AutoTokenizer gives a file of it. The
+#: class is all AutoTokenizer needs the model config for, and it builds that config with gguf-py's
+#: reader, which makes an array per vocabulary entry (most of a conversion's time); the class
+#: builds the tokenizer from the file alike either way. Each entry is checked against
+#: AutoTokenizer (tests/backends/test_tokenizer.py); other files take AutoTokenizer's path.
+GGUF_TOKENIZER_CLASSES = {
+    "llama": "TokenizersBackend",
+    "qwen2": "Qwen2Tokenizer",
+    "gemma3": "GemmaTokenizer",
+}
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +171,26 @@ def load_conversion(
         return load(cached_conversion(kind, gguf_path, save, redo=True, key=key))
 
 
+def gguf_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The HF tokenizer transformers converts from a .gguf file, as AutoTokenizer gives it."""
+    import transformers
+
+    from specdec.backends.registry import gguf_metadata
+
+    path = Path(path)
+    meta = gguf_metadata(path)
+    name = GGUF_TOKENIZER_CLASSES.get(meta.get("general.architecture", ""))
+    # AutoTokenizer's own choice differs for a "llama" file of a Mistral model, and for a
+    # directory with a tokenizer_config.json beside the file (it reads the class from there)
+    if (
+        name is None
+        or "mistral" in meta.get("general.name", "").lower()
+        or (path.parent / "tokenizer_config.json").exists()
+    ):
+        name = "AutoTokenizer"
+    return getattr(transformers, name).from_pretrained(path.parent, gguf_file=path.name)
+
+
 def load_tokenizer(path_or_dir: str | os.PathLike[str]) -> Any:
     """The HF tokenizer of a model directory or a .gguf file (GGUF conversions are cached)."""
     from transformers import AutoTokenizer
@@ -167,8 +200,7 @@ def load_tokenizer(path_or_dir: str | os.PathLike[str]) -> Any:
         return AutoTokenizer.from_pretrained(path)
 
     def convert_file(out: Path) -> None:
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        tok.save_pretrained(out)
+        gguf_tokenizer(path).save_pretrained(out)
 
     def loads(d: Path) -> Path:
         AutoTokenizer.from_pretrained(d)
