@@ -8,6 +8,8 @@ fixed, so every run sees the same draws.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 import torch
@@ -350,6 +352,73 @@ def test_typical_p_is_transformers_typical_warper() -> None:
         theirs = torch.softmax(warpers.TypicalLogitsWarper(mass)(None, logits.clone()), -1)
         ours = probs_from_logits(logits, 1.0, typical_p=mass)
         assert torch.equal(theirs > 0, ours > 0) and torch.allclose(theirs, ours, atol=1e-6)
+
+
+def _keep_mass_by_full_sort(probs: torch.Tensor, order: torch.Tensor, mass: float) -> torch.Tensor:
+    """The cut as the whole row sorted gives it (what `_keep_mass` did before it looked among
+    the first tokens first): the reference its shortcut must equal bit for bit."""
+    idx = torch.sort(order, dim=-1, stable=True).indices
+    sorted_p = probs.gather(-1, idx)
+    drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= mass
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _cut_rows(g: torch.Generator, v: int) -> list[torch.Tensor]:
+    """Rows [3, v] of logits where a cut is hard to get right: peaked and flat, ties in the
+    logits (at the cut and everywhere), rows top-k left 40 entries of, a row of one value."""
+    rows = []
+    for scale in (0.3, 1.0, 3.0, 8.0):
+        rows.append(scale * torch.randn(3, v, generator=g))
+    tied = torch.randint(0, 6, (3, v), generator=g).float()  # six values, ~v / 6 ties each
+    rows += [tied, tied * 4.0, torch.zeros(3, v)]
+    peaked = torch.randn(3, v, generator=g)
+    peaked[:, :300] = 6.0  # 300 tokens tied at the top: the cut falls among the ties
+    rows.append(peaked)
+    return rows
+
+
+def test_the_cut_among_the_first_tokens_is_the_full_sorts_bit_for_bit() -> None:
+    """top-p's and typical-p's cut, looked for among the first CUT_CANDIDATES tokens (then 8x
+    as many, then the whole row), gives the same probabilities, bit for bit, as sorting the
+    whole row, on rows built to trip it (ties at the cut, flat rows, top-k's -inf entries,
+    masses near 0 and 1), also in a batch whose rows are decided in different ways; and the
+    shortcut decides every row top-k left 40 tokens of, at masses up to 0.99."""
+    from specdec.core import sampling
+
+    g = torch.Generator().manual_seed(11)
+    v = 20_000  # > 8 x CUT_CANDIDATES: all three ways are taken
+    decided, tried = collections.Counter(), collections.Counter()
+    for logits in _cut_rows(g, v):
+        for top_k in (None, 40):
+            x = logits.clone()
+            if top_k is not None:
+                kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+                x = x.masked_fill(x < kth, float("-inf"))
+            probs = torch.softmax(x, dim=-1)
+            top_k_left = top_k or 0  # (top-k keeps every token tied with the k-th: more)
+            entropy = torch.special.entr(probs).sum(-1, keepdim=True)
+            for order in (-probs, (-torch.log(probs) - entropy).abs()):
+                for mass in (1e-300, 0.05, 0.5, 0.9, 0.95, 0.99, 0.999999, 1.0 - 1e-9):
+                    want = _keep_mass_by_full_sort(probs, order, mass)
+                    assert torch.equal(sampling._keep_mass(probs, order, mass), want), mass
+                    way = next(
+                        (m for m in (256, 2048)
+                         if sampling._cut_among_first(probs, order, mass, m)[1].all()), None,
+                    )  # fmt: skip
+                    tried[top_k] += 1
+                    decided[top_k] += way is not None
+                    if int((probs > 0).sum(-1).max()) <= top_k_left and mass <= 0.99:
+                        assert way == 256, mass
+    assert tried == {None: 128, 40: 128} and decided[None] > 32, (decided, tried)
+    # one batch of rows each decided its own way (the first m, 8x m, the whole row)
+    rows = torch.stack([r[0] for r in _cut_rows(g, v)])  # [8, v]
+    probs = torch.softmax(rows, dim=-1)
+    for mass in (0.5, 0.9, 0.99):
+        want = _keep_mass_by_full_sort(probs, -probs, mass)
+        assert torch.equal(sampling._keep_mass(probs, -probs, mass), want)
 
 
 # ------------------------------------------------------------------------------ greedy
