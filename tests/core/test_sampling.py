@@ -221,6 +221,12 @@ def test_non_finite_input_is_a_clear_error(bad: float) -> None:
     logits[1, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         probs_from_logits(logits, 1.0)
+    # rows long enough that top-p's and typical-p's cut is looked for among their first tokens
+    wide = torch.randn(3, 5000, generator=g)
+    wide[1, 7] = bad
+    for cut in ({"top_p": 0.9}, {"typical_p": 0.9}, {"top_k": 40, "top_p": 0.9}):
+        with pytest.raises(ValueError, match="NaN or \\+inf"):
+            probs_from_logits(wide, 0.8, **cut)
 
 
 def test_no_drafts_with_an_empty_q_is_plain_sampling_from_p0() -> None:

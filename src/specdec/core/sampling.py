@@ -117,8 +117,8 @@ _CUT_MARGIN = 1e-6
 
 def _cut(probs: torch.Tensor, idx: torch.Tensor, mass: float) -> torch.Tensor:
     """Rows [..., V] of `probs` cut to the tokens kept, given `idx` [..., m]: the first m
-    tokens by `order` ascending, ties in vocabulary order (m = V: all of them); every token
-    past the m is cut."""
+    tokens by `order` ascending, ties in vocabulary order so that a row's cut never depends on
+    the sort kernel (m = V: all of them); every token past the m is cut."""
     sorted_p = probs.gather(-1, idx)  # [..., m]
     # Drop a token when the mass strictly before it already reaches `mass`: the kept set is the
     # smallest run with mass >= `mass`, and its first token is always kept ...
