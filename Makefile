@@ -179,13 +179,16 @@ SERVED := results/cpu/served
 ANCHOR_BENCH := --category rewrite --drafter prediction -k auto --max-new-tokens 512 \
   --compare llama-server --out $(ANCHORS)
 # IK_SRC: a tree of github.com/ikawrakow/ik_llama.cpp to build the ik peer from (its PyPI sdist,
-# 0.1.5, aborts with -np 4 and flash attention); unset: that sdist
+# 0.1.5, aborts with -np 4 and flash attention); unset: that sdist. IK_COMMIT: the tree's commit
+# where it has no .git (a checked-out snapshot), so that its build is named and found by it
 IK_SRC ?=
+IK_COMMIT ?=
+IK_FROM = $(if $(IK_SRC),--src $(IK_SRC)$(if $(IK_COMMIT), --commit $(IK_COMMIT)))
 comma := ,
 anchors: venv
 	$(BIN)/specdec anchors build
 	$(BIN)/specdec anchors build --twin
-	$(BIN)/specdec anchors build --peer ik $(if $(IK_SRC),--src $(IK_SRC))
+	$(BIN)/specdec anchors build --peer ik $(IK_FROM)
 
 # specdec's kernels in llama.cpp's own harness (the twin) beside stock llama.cpp and ik_llama.cpp
 # (IK_SRC as for `anchors`; unset, its sdist), each class this CPU runs: the native builds, and on
@@ -197,7 +200,7 @@ kernel-table: anchors
 	  --out $(KERNEL_CLASSES)/llama-bench-native.json
 	if grep -qw avx512f /proc/cpuinfo; then \
 	  for peer in stock-avx2 twin-avx2; do $(BIN)/specdec anchors build --peer $$peer || exit 1; done; \
-	  $(BIN)/specdec anchors build --peer ik-avx2 $(if $(IK_SRC),--src $(IK_SRC)) || exit 1; \
+	  $(BIN)/specdec anchors build --peer ik-avx2 $(IK_FROM) || exit 1; \
 	  $(BIN)/python scripts/llama_bench_classes.py --peers stock-avx2,twin-avx2,ik-avx2 \
 	    --out $(KERNEL_CLASSES)/llama-bench-avx2.json; \
 	fi
