@@ -64,19 +64,23 @@ def _before(fn, *args, **kw):
 
 
 def _decided_at(row: torch.Tensor, w: Warp) -> int | str:
-    """How one row's cut is decided: among the first 256 or 2,048 tokens, or the whole row."""
-    x = row[None] / w.temperature
-    if w.top_k:
-        x = x.masked_fill(x < torch.topk(x, w.top_k, dim=-1).values[..., -1:], float("-inf"))
-    p = torch.softmax(x, -1)
-    if w.typical_p:
-        entropy = torch.special.entr(p).sum(-1, keepdim=True)
-        order, mass = (-torch.log(p) - entropy).abs(), w.typical_p
-    else:
-        order, mass = -p, w.top_p
-    return next(
-        (m for m in (256, 2048) if sampling._cut_among_first(p, order, mass, m)[1].all()), "row"
-    )
+    """How one row's cut is decided: among the first 256 or 2,048 tokens, or the whole row;
+    read off the cut `warped` itself asks `_keep_mass` for (its last, where it asks twice)."""
+    ways: list[int | str] = []
+
+    def record(probs: torch.Tensor, order: torch.Tensor, mass: float) -> torch.Tensor:
+        first = (
+            m for m in (256, 2048) if sampling._cut_among_first(probs, order, mass, m)[1].all()
+        )
+        ways.append(next(first, "row"))
+        return NOW(probs, order, mass)
+
+    sampling._keep_mass = record
+    try:
+        sampling.warped(row[None], w)
+    finally:
+        sampling._keep_mass = NOW
+    return ways[-1]
 
 
 def rows_bench(target) -> None:
