@@ -87,6 +87,31 @@ static __attribute__((noinline)) void sdfa_scores(const float (*qt)[SD_VL],
     }
 }
 
+#if SD_VL == 16
+/* sdfa_scores for a tile of at most 8 rows: their 8 lanes in ymm registers (the same
+ * operations lane by lane; lanes 8..15 of s are left as they were). A zmm tile of 6 rows leaves
+ * 10 of 16 lanes idle, and CPUs that split a zmm operation in two 256-bit halves (AMD's Zen 4)
+ * spend both halves on it; a ymm multiply-add costs half of it there and no more elsewhere. */
+static __attribute__((noinline)) void sdfa_scores8(const float (*qt)[SD_VL],
+                                                   const float (*kf)[SDFA_MAX_D], int d,
+                                                   float (*s)[SD_VL]) {
+    __m256 a[SDFA_P];
+    for (int j = 0; j < SDFA_P; j++) {
+        a[j] = _mm256_setzero_ps();
+    }
+    for (int i = 0; i < d; i++) {
+        const __m256 qv = _mm256_load_ps(qt[i]);
+#    pragma GCC unroll 16
+        for (int j = 0; j < SDFA_P; j++) {
+            a[j] = _mm256_fmadd_ps(qv, _mm256_set1_ps(kf[j][i]), a[j]);
+        }
+    }
+    for (int j = 0; j < SDFA_P; j++) {
+        _mm256_store_ps(s[j], a[j]);
+    }
+}
+#endif
+
 /* acc[c0 .. c0+n) lane-vectors = acc * alpha, then += p_j v_j for j in order (p_j at
  * p[j * SD_VL]), the n vectors held in registers */
 SD_INLINE void sdfa_values(float * acc, float alpha, const float * p,
@@ -169,7 +194,9 @@ SD_INLINE void sdfa_mask(const sdfa_lanes * l, const sdfa_walk * t, int r0, int 
 }
 
 /* Block b's keys dequantized and values in f32 (0 past the cache, sdfa.c); the next block's
- * rows prefetched, so that they arrive while this one is computed. */
+ * rows prefetched, so that they arrive while this one is computed: into L2, as the block's own
+ * working set (its keys and values in f32, the tiles' state) fills L1 and would evict them
+ * there before their use. */
 SD_INLINE void sdfa_block_kv(const sdfa_walk * t, int b, float (*kf)[SDFA_MAX_D],
                              float (*vf)[SDFA_MAX_D]) {
     const int d = t->d;
@@ -179,11 +206,11 @@ SD_INLINE void sdfa_block_kv(const sdfa_walk * t, int b, float (*kf)[SDFA_MAX_D]
             const char * kn = (const char *) t->k + (size_t) pn * t->k_stride;
             const char * vn = (const char *) t->v + (size_t) pn * t->v_stride;
             for (int o = 0; o < d * 34 / 32; o += 64) {
-                _mm_prefetch(kn + o, _MM_HINT_T0);
+                _mm_prefetch(kn + o, _MM_HINT_T1);
             }
-            _mm_prefetch(kn + d * 34 / 32 - 1, _MM_HINT_T0);
+            _mm_prefetch(kn + d * 34 / 32 - 1, _MM_HINT_T1);
             for (int o = 0; o < 2 * d; o += 64) {
-                _mm_prefetch(vn + o, _MM_HINT_T0);
+                _mm_prefetch(vn + o, _MM_HINT_T1);
             }
         }
         if (p >= t->n_kv) {
@@ -223,6 +250,9 @@ SD_INLINE void sdfa_kernel_simd(const sdfa_walk * t) {
     for (int r = 0; r < t->rows; r++) {
         memset(acc[r], 0, sizeof(float) * (size_t) d);
     }
+    /* a block's scores, lanes = rows; set once, as a tile of <= 8 rows on AVX-512 writes lanes
+     * 0..7 only and the softmax reads every lane (each on its own) */
+    _Alignas(64) float sv[SDFA_P][W] = {{0}};
     for (int b = 0; b < nblk; b++) {
         sdfa_block_kv(t, b, kf, vf);
         for (int l = 0; l < ntiles; l++) {
@@ -231,12 +261,19 @@ SD_INLINE void sdfa_kernel_simd(const sdfa_walk * t) {
                 continue;
             }
             _Alignas(64) float mv[SDFA_P][W]; /* the block's mask, lanes = rows */
-            _Alignas(64) float sv[SDFA_P][W]; /* its scores */
             _Alignas(64) float pj[SDFA_P][W]; /* its softmax weights */
             _Alignas(64) float alpha[W];
             sdfa_mask(tl, t, W * l, b, mv);
-            for (int j0 = 0; j0 < SDFA_P; j0 += SDFA_JB) {
-                sdfa_scores((const float (*)[W]) tl->qt, (const float (*)[SDFA_MAX_D]) kf, d, j0, sv);
+#if SD_VL == 16
+            if (tl->rows <= 8) {
+                sdfa_scores8((const float (*)[W]) tl->qt, (const float (*)[SDFA_MAX_D]) kf, d, sv);
+            } else
+#endif
+            {
+                for (int j0 = 0; j0 < SDFA_P; j0 += SDFA_JB) {
+                    sdfa_scores((const float (*)[W]) tl->qt, (const float (*)[SDFA_MAX_D]) kf, d,
+                                j0, sv);
+                }
             }
             const vfloat scale = vf_set1(t->scale);
             vfloat s[SDFA_P];

@@ -6,7 +6,8 @@
  * positions pays b x heads walks. Here the rows sharing a KV head (its query heads, for every
  * token of the pass) walk the cache together, up to SDFA_MAX_ROWS at a time: each block of
  * positions is read and converted to f32 once, then taken by every tile of W rows (W = 16 on
- * AVX-512, 8 on AVX2), one SIMD lane per row for the scores.
+ * AVX-512, 8 on AVX2), one SIMD lane per row for the scores (a tile of at most 8 rows on AVX-512
+ * takes them in 8-lane registers: a single step's 6 or 7 rows would leave most of 16 idle).
  *
  * Each row's arithmetic is fixed whatever the tile, the walk, the batch or the instruction set:
  *   score  s_p = fma(sum_d fma(q_d, k_pd), scale, mask_p): the dot accumulated over d in order,
