@@ -1,15 +1,17 @@
 """sdfa's walks as a pass lays them out, on this tree's sources beside another commit's.
 
 One pass's attention over every layer of a Qwen2.5-1.5B-shaped cache (28 layers, 2 KV heads of
-d = 128, llama.cpp's layout: a cell holds both heads' q8_0 K rows, and both heads' f16 V rows),
-two threads each walking one head and meeting at a barrier per layer, as ggml's threads do; 6
-rows a walk for a single step (a KV head's query heads), 64 for a prompt's walks. Before each
-pass both threads stream 256 MiB, as a step's weights pass through the caches between two
-attentions. The harness (C, OpenMP) is compiled with sdfa's sources of the working tree and of
-`--against` (read from git), `-O3 -march=native`; the trees and paths are alternated, the best
-of `--reps` passes kept per run, the median over `--rounds` printed, in ms a pass.
+d = 128, llama.cpp's layout: a cell holds both heads' q8_0 K rows, and both heads' f16 V rows,
+the cells padded to a multiple of 256 and masked past the depth), two threads each walking one
+head and meeting at a barrier per layer, as ggml's threads do; 6 rows a walk for a single step
+(a KV head's query heads), 64 for a prompt's walks. Before each pass both threads stream 256
+MiB, as a step's weights pass through the caches between two attentions. The harness (C,
+OpenMP) is compiled with sdfa's sources of the working tree and of `--against` (read from git),
+`-O3 -march=native`; the trees and paths are alternated, the best of `--reps` passes of 6 rows
+kept per run (a wider walk's runs take as many rows' worth, at least 2 passes), the median over
+`--rounds` printed, in ms a pass.
 
-    python scripts/sdfa_walks.py --against 4533a7c --depths 600,1500 --rounds 4
+    python scripts/sdfa_walks.py --against 4533a7c --depths 600,1500 --rounds 8 --reps 12
 
 Needs a C compiler with OpenMP (gcc); measures one CPU's sdfa, not a step: run it alone.
 """
@@ -40,7 +42,9 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 int main(int argc, char ** argv) {
-    const int n_kv = atoi(argv[1]), reps = atoi(argv[2]), isa = atoi(argv[3]), rows = atoi(argv[4]);
+    const int depth = atoi(argv[1]), reps = atoi(argv[2]);
+    const int isa = atoi(argv[3]), rows = atoi(argv[4]);
+    const int n_kv = (depth + 255) / 256 * 256; /* llama.cpp's cells, the tail masked */
     const int d = 128, L = 28, H = 2;
     const size_t kr = d / 32 * 34, ks = kr * H, vs = 2 * d * H, junk_bytes = (size_t) 256 << 20;
     char * k[28];
@@ -62,6 +66,7 @@ int main(int argc, char ** argv) {
     }
     for (int i = 0; i < d * rows * H; i++) q[i] = (rand() / (float) RAND_MAX - 0.5f) * 6;
     uint16_t * mask = calloc(n_kv, 2);
+    for (int p = depth; p < n_kv; p++) mask[p] = 0xFC00;
     char * junk = malloc(junk_bytes);
     double best = 1e9;
     for (int r = 0; r < reps; r++) {
@@ -123,7 +128,7 @@ def main() -> int:
     ap.add_argument("--rows", default="6,64", help="rows a walk, comma-separated (6: a step)")
     ap.add_argument("--paths", default="avx512,avx2", help="sdfa paths, comma-separated")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=10, help="passes a run, for 6-row walks")
     args = ap.parse_args()
     depths = [int(x) for x in args.depths.split(",")]
     rows = [int(x) for x in args.rows.split(",")]

@@ -38,6 +38,9 @@ SD_INLINE int sdfa_live(const uint16_t * const * mask, int rows, int n_kv) {
         if (mask[r] == NULL) {
             return n_kv;
         }
+        if (r > 0 && mask[r] == mask[r - 1]) { /* a token's query heads: one mask row */
+            continue;
+        }
         int p = n_kv;
         while (p > live && mask[r][p - 1] == SDFA_F16_NEG_INF) {
             p--;
