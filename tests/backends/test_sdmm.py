@@ -69,6 +69,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sdfa_attend.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
     lib.sdfa_attend.argtypes += [ptr, ctypes.c_size_t, ptr, ctypes.c_size_t, ptr, ptr]
     lib.sdfa_attend.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr]
+    lib.sdfa_quantize_query.restype = None
+    lib.sdfa_quantize_query.argtypes = [ptr, ctypes.c_int, ptr, ptr]
     return lib
 
 
@@ -357,9 +359,9 @@ def _path_features() -> dict[str, set[str]]:
 
 def test_each_path_runs_exactly_where_the_cpu_has_what_it_was_compiled_for() -> None:
     """The dispatch asks for every feature a path is compiled for (sd-isa.h), no more: sdmm's
-    AVX-512 path needs VNNI, DQ, FMA and F16C, its AVX2 path F16C too, and sdfa's AVX-512 path
-    runs without VNNI. (Before, sdmm checked four of AVX-512's seven features and sdfa borrowed
-    sdmm's answer.)"""
+    and sdfa's AVX-512 paths need VNNI, DQ, FMA and F16C (both multiply with vpdpbusd), their
+    AVX2 paths F16C too. (Before, sdmm checked four of AVX-512's seven features and sdfa
+    borrowed sdmm's answer.)"""
     lib = _lib()
     lib.sdfa_isa_supported.restype = ctypes.c_int
     lib.sdfa_isa_supported.argtypes = [ctypes.c_int]
@@ -369,7 +371,7 @@ def test_each_path_runs_exactly_where_the_cpu_has_what_it_was_compiled_for() -> 
     assert lists["SD_FEATURES_AVX512_VNNI"] - lists["SD_FEATURES_AVX512"] == {"avx512_vnni"}
     assert {"avx512dq", "f16c", "fma"} <= lists["SD_FEATURES_AVX512"]
     sdmm = {0: None, 1: "SD_FEATURES_AVX2", 2: "SD_FEATURES_AVXVNNI", 3: "SD_FEATURES_AVX512_VNNI"}
-    sdfa = {0: None, 1: "SD_FEATURES_AVX2", 2: "SD_FEATURES_AVXVNNI", 3: "SD_FEATURES_AVX512"}
+    sdfa = {0: None, 1: "SD_FEATURES_AVX2", 2: "SD_FEATURES_AVXVNNI", 3: "SD_FEATURES_AVX512_VNNI"}
     for supported, paths in ((lib.sdmm_isa_supported, sdmm), (lib.sdfa_isa_supported, sdfa)):
         for isa, name in paths.items():
             want = name is None or lists[name] <= flags
@@ -529,7 +531,8 @@ def _attend(lib, isa: int, q, k_blocks, v, mask, n_kv: int, group: int = 1, walk
 
 
 def _kv(rng: np.random.Generator, n_kv: int, d: int) -> tuple[np.ndarray, np.ndarray]:
-    """A q8_0 K cache (ggml's block_q8_0: fp16 d, 32 int8) and an f16 V cache of one KV head."""
+    """A q8_0 K cache (ggml's block_q8_0: fp16 d, 32 int8, -128 included) and an f16 V cache of
+    one KV head."""
     k = np.zeros((n_kv, d // 32, 34), dtype=np.uint8)
     k[:, :, :2] = (
         rng.uniform(0.01, 0.03, (n_kv, d // 32))
@@ -537,8 +540,19 @@ def _kv(rng: np.random.Generator, n_kv: int, d: int) -> tuple[np.ndarray, np.nda
         .view(np.uint8)
         .reshape(n_kv, -1, 2)
     )
-    k[:, :, 2:] = rng.integers(-127, 128, (n_kv, d // 32, 32)).astype(np.int8).view(np.uint8)
+    k[:, :, 2:] = rng.integers(-128, 128, (n_kv, d // 32, 32)).astype(np.int8).view(np.uint8)
     return k.reshape(n_kv, -1), rng.uniform(-1, 1, (n_kv, d)).astype(np.float16)
+
+
+def _quantized_query(q: np.ndarray) -> np.ndarray:
+    """sdfa_quantize_query's query in float64 (sdfa.h: dq = max|q| / 127 per 32 values, qq =
+    nearbyint(q * (1 / dq)), in float32 arithmetic), dq * qq."""
+    rows, d = q.shape
+    qb = q.reshape(rows, d // 32, 32)
+    dq = np.abs(qb).max(-1, keepdims=True) / np.float32(127)
+    inv = np.where(dq > 0, np.float32(1) / np.where(dq > 0, dq, 1), np.float32(0))
+    qq = np.rint(qb * inv.astype(np.float32))  # round half to even, as nearbyintf
+    return (qq.astype(np.float64) * dq.astype(np.float64)).reshape(rows, d)
 
 
 @pytest.mark.parametrize(
@@ -560,8 +574,9 @@ def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int, 
     where its mask does (a single step sees a shorter cache than the batch it verifies), give
     its bits in a tile, and in walks of any size (150 rows: walks of 64, and of 8 and 1), and
     without a mask too; head sizes 32 to 256, so that a row's V sum ends in a short block; within
-    float32 rounding of a float64 softmax attention. `pad` masks the last positions for every
-    row, as llama.cpp pads its cache to 256 cells: the SIMD paths stop walking there, the
+    float32 rounding of a float64 softmax attention of the int8-quantized query (sdfa.h), and
+    within what that quantization moves of the float query's. `pad` masks the last positions for
+    every row, as llama.cpp pads its cache to 256 cells: the SIMD paths stop walking there, the
     reference does not."""
     lib = _lib()
     rng = np.random.default_rng(d + n_kv + rows)
@@ -587,12 +602,51 @@ def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int, 
                 short = _attend(lib, isa, q[r : r + 1], k, v, mask[r : r + 1], int(limit[r]))
                 assert _same_bits(short[0], out[r]), f"{SDMM_ISAS[isa]} row {r}, shorter cache"
     kf = dequantize(k, GGMLQuantizationType.Q8_0).astype(np.float64)  # [n_kv, d]
-    scores = np.where(seen, q.astype(np.float64) @ kf.T / np.sqrt(d), -np.inf)
-    top = np.max(scores, axis=1, keepdims=True)
-    w = np.where(seen, np.exp(scores - np.where(np.isfinite(top), top, 0)), 0.0)
-    total = w.sum(1, keepdims=True)
-    ref = np.where(total > 0, (w @ v.astype(np.float64)) / np.where(total > 0, total, 1), 0)
-    assert np.abs(outs[0] - ref).max() < 1e-5
+
+    def attention(qf: np.ndarray) -> np.ndarray:
+        scores = np.where(seen, qf @ kf.T / np.sqrt(d), -np.inf)
+        top = np.max(scores, axis=1, keepdims=True)
+        w = np.where(seen, np.exp(scores - np.where(np.isfinite(top), top, 0)), 0.0)
+        total = w.sum(1, keepdims=True)
+        return np.where(total > 0, (w @ v.astype(np.float64)) / np.where(total > 0, total, 1), 0)
+
+    assert np.abs(outs[0] - attention(_quantized_query(q))).max() < 1e-5
+    # the query's int8 (about 1/254 of its block's largest value) moves these scores, which span
+    # tens (q up to 3, keys up to 3.8), by ~0.02: outputs in [-1, 1] by up to ~0.02
+    assert np.abs(outs[0] - attention(q.astype(np.float64))).max() < 0.05
+
+
+def test_the_query_is_quantized_as_q8_0() -> None:
+    """sdfa_quantize_query, the query's int8 for every path's scores: per 32 values dq = max|q|
+    / 127, qq = q / dq rounded half to even (as numpy's rint) in [-127, 127]; a zero block gives
+    dq = 0 and zeros; a block holding a NaN or an infinity dq = NaN (its scores NaN, as a float
+    dot's would be) and zeros, its neighbours untouched."""
+    lib = _lib()
+    rng = np.random.default_rng(5)
+    d = 256
+    q = rng.normal(0, 2, d).astype(np.float32)
+    q[32:64] = 0.0
+    q[64:96] = np.arange(32) - 15.5  # the largest value at both ends
+    q[96:128] = 0.0
+    q[100] = 127.0
+    q[101] = 0.5  # exactly half a step: rounds to even (0)
+    q[102] = 1.5  # rounds to 2
+    q[160] = np.nan
+    q[200] = -np.inf
+    qq = np.zeros(d, np.int8)
+    dq = np.zeros(d // 32, np.float32)
+    lib.sdfa_quantize_query(q.ctypes.data, d, qq.ctypes.data, dq.ctypes.data)
+    assert dq[1] == 0 and not qq[32:64].any()
+    assert dq[3] == 1.0 and qq[100] == 127 and qq[101] == 0 and qq[102] == 2
+    assert np.isnan(dq[5]) and np.isnan(dq[6]) and not qq[160:224].any()
+    fine = [0, 2, 4, 7]
+    for c in fine:
+        block = q[32 * c : 32 * c + 32]
+        want_dq = np.abs(block).max() / np.float32(127)
+        assert dq[c] == want_dq
+        want = np.rint(block * (np.float32(1) / want_dq))
+        assert np.array_equal(qq[32 * c : 32 * c + 32], want.astype(np.int8)), c
+        assert np.abs(qq[32 * c : 32 * c + 32]).max() == 127
 
 
 @pytest.mark.parametrize("group", [1, 2, 6, 7, 12])

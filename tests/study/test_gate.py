@@ -205,7 +205,8 @@ def test_gate_cli_rejects_unknown_config_and_bad_sizes(tmp_path, capsys) -> None
 #: The CI test's level for the quick gate's sampled leg. The gate's own verdict is at 0.01, so a
 #: correct engine fails it once in a hundred draws, and its seeds are fixed: any change of the
 #: models' numerics (a new kernel) is a new draw. sdfa's numerics drew p = 0.0045 on 10 x 40,
-#: where the paper-size smoke gate (40 x 60) passed at p = 0.585. Gross errors (an always-accept
+#: where the paper-size smoke gate (40 x 60) passed at p = 0.585; its int8 scores drew 0.659
+#: (`specdec gate --quick --config smoke --threads 2`, 2026-12-07). Gross errors (an always-accept
 #: rule, an off-by-one in the verify rows) give p at the floor of 2,000 permutations (0.0005).
 CI_P_MIN = 0.001
 

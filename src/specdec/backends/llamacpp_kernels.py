@@ -60,7 +60,7 @@ def peak_int8_gops(threads: int, seconds: float = 0.5) -> float | None:
 
 def sdfa_isa() -> str | None:
     """The instruction path of sdfa, specdec's attention for a q8_0 K cache (native/sdfa.h):
-    its own choice, which may be wider than sdmm's (AVX-512 without VNNI); or None: off
+    its own dispatch's choice (sdmm's today: both need VNNI for AVX-512); or None: off
     ($SPECDEC_FA=0, or sdmm off) or not in this build."""
     lib = ggml_lib("cpu")
     if not hasattr(lib, "sdfa_op_isa"):

@@ -39,25 +39,20 @@ enum sd_isa {
 #        define SD_BUILDS_AVXVNNI 0
 #    endif
 #    if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-        defined(__AVX512DQ__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#        define SD_BUILDS_AVX512 1
-#    else
-#        define SD_BUILDS_AVX512 0
-#    endif
-#    if SD_BUILDS_AVX512 && defined(__AVX512VNNI__)
+        defined(__AVX512DQ__) && defined(__AVX512VNNI__) && defined(__AVX2__) &&     \
+        defined(__FMA__) && defined(__F16C__)
 #        define SD_BUILDS_AVX512_VNNI 1
 #    else
 #        define SD_BUILDS_AVX512_VNNI 0
 #    endif
 #else
 #    define SD_BUILDS_AVXVNNI SD_X86
-#    define SD_BUILDS_AVX512 SD_X86
 #    define SD_BUILDS_AVX512_VNNI SD_X86
 #endif
 
 /* Feature lists, X(name) per feature in GCC's and clang's spelling (target attribute and
- * __builtin_cpu_supports take the same names). sdmm's AVX-512 path multiplies with VNNI's
- * vpdpbusd; sdfa's does not, so it runs on AVX-512 CPUs without VNNI. */
+ * __builtin_cpu_supports take the same names). sdmm's and sdfa's AVX-512 paths multiply with
+ * VNNI's vpdpbusd: an AVX-512 CPU without VNNI runs their AVX2 paths. */
 #define SD_FEATURES_AVX2(X) X("avx2") X("fma") X("f16c")
 #ifdef SD_AVXVNNI_EVEX
 /* for tests only: the AVX-VNNI path's code with vpdpbusd's EVEX encoding (AVX-512 VNNI and VL,
@@ -112,9 +107,8 @@ static inline int sd_isa_select_once(int * selected, int (*supported)(int isa)) 
     return *selected;
 }
 
-/* Whether path `isa` runs on this CPU, for a kernel whose AVX-512 path needs what `avx512` says
- * (sdmm's needs VNNI, sdfa's does not); the reference path runs everywhere. */
-static inline int sd_isa_runs(int isa, int avx512) {
+/* Whether path `isa` runs on this CPU (and was built); the reference path runs everywhere. */
+static inline int sd_isa_runs(int isa) {
     switch (isa) {
         case SD_ISA_REF:
             return 1;
@@ -123,7 +117,7 @@ static inline int sd_isa_runs(int isa, int avx512) {
         case SD_ISA_AVXVNNI:
             return SD_BUILDS_AVXVNNI && SD_CPU_HAS(SD_FEATURES_AVXVNNI);
         case SD_ISA_AVX512:
-            return avx512;
+            return SD_BUILDS_AVX512_VNNI && SD_CPU_HAS(SD_FEATURES_AVX512_VNNI);
         default:
             return 0;
     }

@@ -72,6 +72,7 @@ typedef __mmask16 vmask;
 #    define vi_slli16(a, n) _mm512_slli_epi16(a, n)
 #    define vi_slli32(a, n) _mm512_slli_epi32(a, n)
 #    define vi_add32(a, b) _mm512_add_epi32(a, b)
+#    define vi_sub32(a, b) _mm512_sub_epi32(a, b)
 #    define vi_mullo32(a, b) _mm512_mullo_epi32(a, b)
 #    define vi_dpbusd(acc, u8, s8) _mm512_dpbusd_epi32(acc, u8, s8)
 #    define vi_dpwssd(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
@@ -135,6 +136,7 @@ typedef __m256 vmask;
 #    define vi_slli16(a, n) _mm256_slli_epi16(a, n)
 #    define vi_slli32(a, n) _mm256_slli_epi32(a, n)
 #    define vi_add32(a, b) _mm256_add_epi32(a, b)
+#    define vi_sub32(a, b) _mm256_sub_epi32(a, b)
 #    define vi_mullo32(a, b) _mm256_mullo_epi32(a, b)
 #    if defined(SD_AVXVNNI) && defined(SD_AVXVNNI_EVEX)
 #        define vi_dpbusd(acc, u8, s8) _mm256_dpbusd_epi32(acc, u8, s8) /* tests: sd-isa.h */

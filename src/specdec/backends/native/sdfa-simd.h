@@ -50,9 +50,9 @@ SD_INLINE int sdfa_live(const uint16_t * const * mask, int rows, int n_kv) {
     return live;
 }
 
-/* Positions per register block of the scores (SD_VL accumulators, a query and a key in
- * registers: 10 of AVX2's 16, 18 of AVX-512's 32) and lane-vectors per block of a row's V sum. */
-enum { SDFA_JB = SD_VL, SDFA_CB = 8, SDFA_TILES = SDFA_MAX_ROWS / SD_VL };
+/* Positions per register block of the scores (their integer dots in registers, SDFA_JB of them,
+ * the scores themselves in memory) and lane-vectors per block of a row's V sum. */
+enum { SDFA_JB = 8, SDFA_CB = 8, SDFA_TILES = SDFA_MAX_ROWS / SD_VL };
 
 /* A tile's mask, lanes = rows: rows sharing a mask row (the query heads of one token) are a run
  * whose block of values is converted once and broadcast, each later run blended over the lanes
@@ -60,33 +60,74 @@ enum { SDFA_JB = SD_VL, SDFA_CB = 8, SDFA_TILES = SDFA_MAX_ROWS / SD_VL };
  * lanes one by one. */
 #define SDFA_MAX_RUNS 4
 
-/* One tile of SD_VL rows: its queries transposed (lanes = rows), its softmax state and its mask. */
+/* One tile of SD_VL rows: its quantized queries transposed (lanes = rows), its softmax state and
+ * its mask. Rows past the walk's have qq = 0 and dq = 0. */
 typedef struct {
-    _Alignas(64) float qt[SDFA_MAX_D][SD_VL];
+    _Alignas(64) int32_t qi[SDFA_MAX_D / 4][SD_VL]; /* qq, 4 values (one 4-product dot) a lane */
+#if SD_VL == 16
+    _Alignas(64) int32_t qoff[SDFA_MAX_D / 32][SD_VL]; /* 128 * sum of a block's qq (below) */
+#endif
+    _Alignas(64) float dq[SDFA_MAX_D / 32][SD_VL];
     vfloat M, S;
     int rows, nblk, runs; /* runs < 0: more than SDFA_MAX_RUNS */
     const uint16_t * run[SDFA_MAX_RUNS];
     float first[SDFA_MAX_RUNS];
 } sdfa_lanes;
 
-/* s[j] = q . k_j summed over i in order, for the block's positions j0 .. j0 + SDFA_JB. Not
- * inlined: alone, the compiler keeps every accumulator in a register. */
-static __attribute__((noinline)) void sdfa_scores(const float (*qt)[SD_VL],
-                                                  const float (*kf)[SDFA_MAX_D], int d, int j0,
-                                                  float (*s)[SD_VL]) {
-    vfloat a[SDFA_JB];
+/* A block of SDFA_P positions as the tiles take it: each position's key row in the cache (zeros
+ * past it) with its f16 scales in f32, and the values in f32. */
+typedef struct {
+    const sdfa_block_q8_0 * k[SDFA_P];
+    _Alignas(64) float dk[SDFA_P][SDFA_MAX_D / 32];
+    _Alignas(64) float vf[SDFA_P][SDFA_MAX_D];
+} sdfa_block;
+
+static const sdfa_block_q8_0 sdfa_zero_key[SDFA_MAX_D / 32]; /* a position past the cache */
+
+/* acc + 4 products of key and query bytes per lane, each lane's 4 bytes of qq against the same 4
+ * of the key. AVX-512 VNNI's vpdpbusd multiplies unsigned by signed bytes: it takes k + 128 (the
+ * key's byte ^ 0x80) against qq, and the tile's 128 * sum(qq) comes off once per block
+ * (sdfa_scores). AVX2's maddubs (u8 x s8 pairs summed in int16) takes |k| against qq with k's
+ * sign: a pair stays within 2 * 128 * 127 < 2^15, and madd widens the pairs exactly. */
+SD_INLINE vint sdfa_dot4(vint acc, vint k4, vint qv) {
+#if SD_VL == 16
+    return vi_dpbusd(acc, vi_xor(k4, vi_set1_8((char) 0x80)), qv);
+#else
+    return vi_dpbusd(acc, vi_abs8(k4), vi_sign8(qv, k4));
+#endif
+}
+
+/* s[j] = sum over the blocks c in order of fma(I_jc, dq_c * dk_jc, .) for the positions j0 ..
+ * j0 + SDFA_JB (sdfa.h), I_jc the block's exact integer dot. Not inlined: alone, the compiler
+ * keeps every accumulator in a register. */
+static __attribute__((noinline)) void sdfa_scores(const sdfa_lanes * l, const sdfa_block * kb,
+                                                  int d, int j0, float (*s)[SD_VL]) {
     for (int j = 0; j < SDFA_JB; j++) {
-        a[j] = vf_zero();
+        vf_store(s[j0 + j], vf_zero());
     }
-    for (int i = 0; i < d; i++) {
-        const vfloat qv = vf_load(qt[i]);
-#pragma GCC unroll 16
+    for (int c = 0; c < d / 32; c++) {
+        vint dot[SDFA_JB];
         for (int j = 0; j < SDFA_JB; j++) {
-            a[j] = vf_fmadd(qv, vf_set1(kf[j0 + j][i]), a[j]);
+            dot[j] = vi_zero();
         }
-    }
-    for (int j = 0; j < SDFA_JB; j++) {
-        vf_store(s[j0 + j], a[j]);
+        for (int g = 0; g < 8; g++) {
+            const vint qv = vi_load(l->qi[8 * c + g]);
+#pragma GCC unroll 8
+            for (int j = 0; j < SDFA_JB; j++) {
+                dot[j] = sdfa_dot4(dot[j], vi_bcast32(kb->k[j0 + j][c].qs + 4 * g), qv);
+            }
+        }
+#if SD_VL == 16
+        const vint off = vi_load(l->qoff[c]);
+        for (int j = 0; j < SDFA_JB; j++) {
+            dot[j] = vi_sub32(dot[j], off);
+        }
+#endif
+        const vfloat dq = vf_load(l->dq[c]);
+        for (int j = 0; j < SDFA_JB; j++) {
+            const vfloat dqk = vf_mul(dq, vf_set1(kb->dk[j0 + j][c]));
+            vf_store(s[j0 + j], vf_fmadd(vf_from_i32(dot[j]), dqk, vf_load(s[j0 + j])));
+        }
     }
 }
 
@@ -94,23 +135,38 @@ static __attribute__((noinline)) void sdfa_scores(const float (*qt)[SD_VL],
 /* sdfa_scores for a tile of at most 8 rows: their 8 lanes in ymm registers (the same
  * operations lane by lane; lanes 8..15 of s are left as they were). A zmm tile of 6 rows leaves
  * 10 of 16 lanes idle, and CPUs that split a zmm operation in two 256-bit halves (AMD's Zen 4)
- * spend both halves on it; a ymm multiply-add costs half of it there and no more elsewhere. */
-static __attribute__((noinline)) void sdfa_scores8(const float (*qt)[SD_VL],
-                                                   const float (*kf)[SDFA_MAX_D], int d,
-                                                   float (*s)[SD_VL]) {
-    __m256 a[SDFA_P];
-    for (int j = 0; j < SDFA_P; j++) {
+ * spend both halves on it; a ymm operation costs half of it there and no more elsewhere. */
+static __attribute__((noinline)) void sdfa_scores8(const sdfa_lanes * l, const sdfa_block * kb,
+                                                   int d, int j0, float (*s)[SD_VL]) {
+    const __m256i flip = _mm256_set1_epi8((char) 0x80);
+    __m256 a[SDFA_JB];
+    for (int j = 0; j < SDFA_JB; j++) {
         a[j] = _mm256_setzero_ps();
     }
-    for (int i = 0; i < d; i++) {
-        const __m256 qv = _mm256_load_ps(qt[i]);
-#    pragma GCC unroll 16
-        for (int j = 0; j < SDFA_P; j++) {
-            a[j] = _mm256_fmadd_ps(qv, _mm256_set1_ps(kf[j][i]), a[j]);
+    for (int c = 0; c < d / 32; c++) {
+        __m256i dot[SDFA_JB];
+        for (int j = 0; j < SDFA_JB; j++) {
+            dot[j] = _mm256_setzero_si256();
+        }
+        for (int g = 0; g < 8; g++) {
+            const __m256i qv = _mm256_load_si256((const __m256i *) l->qi[8 * c + g]);
+#    pragma GCC unroll 8
+            for (int j = 0; j < SDFA_JB; j++) {
+                int32_t k4;
+                memcpy(&k4, kb->k[j0 + j][c].qs + 4 * g, 4);
+                const __m256i kv = _mm256_xor_si256(_mm256_set1_epi32(k4), flip);
+                dot[j] = _mm256_dpbusd_epi32(dot[j], kv, qv);
+            }
+        }
+        const __m256i off = _mm256_load_si256((const __m256i *) l->qoff[c]);
+        const __m256 dq = _mm256_load_ps(l->dq[c]);
+        for (int j = 0; j < SDFA_JB; j++) {
+            const __m256 dqk = _mm256_mul_ps(dq, _mm256_set1_ps(kb->dk[j0 + j][c]));
+            a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot[j], off)), dqk, a[j]);
         }
     }
-    for (int j = 0; j < SDFA_P; j++) {
-        _mm256_store_ps(s[j], a[j]);
+    for (int j = 0; j < SDFA_JB; j++) {
+        _mm256_store_ps(s[j0 + j], a[j]);
     }
 }
 #endif
@@ -140,9 +196,24 @@ SD_INLINE void sdfa_values(float * acc, float alpha, const float * p,
 SD_INLINE void sdfa_lanes_init(sdfa_lanes * l, const sdfa_walk * t, int r0) {
     const int d = t->d, R = t->rows - r0 < SD_VL ? t->rows - r0 : SD_VL;
     l->rows = R;
-    for (int i = 0; i < d; i++) {
-        for (int r = 0; r < SD_VL; r++) {
-            l->qt[i][r] = r < R ? t->q[r0 + r][i] : 0.0f;
+    for (int r = 0; r < SD_VL; r++) {
+        int8_t qq[SDFA_MAX_D] = {0};
+        float dq[SDFA_MAX_D / 32] = {0};
+        if (r < R) {
+            sdfa_quantize_query(t->q[r0 + r], d, qq, dq);
+        }
+        for (int c = 0; c < d / 32; c++) {
+            l->dq[c][r] = dq[c];
+#if SD_VL == 16
+            int32_t sum = 0;
+            for (int i = 32 * c; i < 32 * c + 32; i++) {
+                sum += qq[i];
+            }
+            l->qoff[c][r] = 128 * sum;
+#endif
+        }
+        for (int g = 0; g < d / 4; g++) {
+            memcpy(&l->qi[g][r], qq + 4 * g, 4);
         }
     }
     l->M = vf_set1(-INFINITY);
@@ -196,12 +267,10 @@ SD_INLINE void sdfa_mask(const sdfa_lanes * l, const sdfa_walk * t, int r0, int 
     }
 }
 
-/* Block b's keys dequantized and values in f32 (0 past the cache, sdfa.c); the next block's
- * rows prefetched, so that they arrive while this one is computed: into L2, as the block's own
- * working set (its keys and values in f32, the tiles' state) fills L1 and would evict them
- * there before their use. */
-SD_INLINE void sdfa_block_kv(const sdfa_walk * t, int b, float (*kf)[SDFA_MAX_D],
-                             float (*vf)[SDFA_MAX_D]) {
+/* Block b as the tiles take it (sdfa_block); the next block's rows prefetched, so that they
+ * arrive while this one is computed: into L2, as the block's own working set (its values in f32,
+ * the tiles' state) fills L1 and would evict them there before their use. */
+SD_INLINE void sdfa_block_kv(const sdfa_walk * t, int b, sdfa_block * kb) {
     const int d = t->d;
     for (int j = 0; j < SDFA_P; j++) {
         const int p = b * SDFA_P + j, pn = p + SDFA_P;
@@ -216,22 +285,21 @@ SD_INLINE void sdfa_block_kv(const sdfa_walk * t, int b, float (*kf)[SDFA_MAX_D]
                 _mm_prefetch(vn + o, _MM_HINT_T1);
             }
         }
-        if (p >= t->n_kv) {
-            memset(kf[j], 0, sizeof(float) * (size_t) d);
-            memset(vf[j], 0, sizeof(float) * (size_t) d);
+        if (p >= t->n_kv) { /* zeros (sdfa.c) */
+            kb->k[j] = sdfa_zero_key;
+            memset(kb->dk[j], 0, sizeof(kb->dk[j]));
+            memset(kb->vf[j], 0, sizeof(float) * (size_t) d);
             continue;
         }
         const sdfa_block_q8_0 * k =
             (const sdfa_block_q8_0 *) ((const char *) t->k + (size_t) p * t->k_stride);
+        kb->k[j] = k;
         for (int c = 0; c < d / 32; c++) {
-            const vfloat dk = vf_set1(_cvtsh_ss(k[c].d));
-            for (int e = 0; e < 32 / SD_VL; e++) {
-                vf_store(kf[j] + 32 * c + SD_VL * e, vf_mul(vf_from_i8(k[c].qs + SD_VL * e), dk));
-            }
+            kb->dk[j][c] = _cvtsh_ss(k[c].d);
         }
         const uint16_t * v = (const uint16_t *) ((const char *) t->v + (size_t) p * t->v_stride);
         for (int c = 0; c < d / SD_VL; c++) {
-            vf_store(vf[j] + SD_VL * c, vf_from_f16(v + SD_VL * c));
+            vf_store(kb->vf[j] + SD_VL * c, vf_from_f16(v + SD_VL * c));
         }
     }
 }
@@ -243,8 +311,7 @@ SD_INLINE void sdfa_kernel_simd(const sdfa_walk * t) {
     const int d = t->d, nv = d / W, ntiles = (t->rows + W - 1) / W;
     sdfa_lanes lt[SDFA_TILES];
     _Alignas(64) float acc[SDFA_MAX_ROWS][SDFA_MAX_D];
-    _Alignas(64) float kf[SDFA_P][SDFA_MAX_D]; /* this block's keys, dequantized */
-    _Alignas(64) float vf[SDFA_P][SDFA_MAX_D]; /* this block's values, in f32 */
+    sdfa_block kb; /* this block's keys and values */
     int nblk = 0;
     for (int l = 0; l < ntiles; l++) {
         sdfa_lanes_init(&lt[l], t, W * l);
@@ -257,7 +324,7 @@ SD_INLINE void sdfa_kernel_simd(const sdfa_walk * t) {
      * 0..7 only and the softmax reads every lane (each on its own) */
     _Alignas(64) float sv[SDFA_P][W] = {{0}};
     for (int b = 0; b < nblk; b++) {
-        sdfa_block_kv(t, b, kf, vf);
+        sdfa_block_kv(t, b, &kb);
         for (int l = 0; l < ntiles; l++) {
             sdfa_lanes * tl = &lt[l];
             if (b >= tl->nblk) {
@@ -267,16 +334,14 @@ SD_INLINE void sdfa_kernel_simd(const sdfa_walk * t) {
             _Alignas(64) float pj[SDFA_P][W]; /* its softmax weights */
             _Alignas(64) float alpha[W];
             sdfa_mask(tl, t, W * l, b, mv);
+            for (int j0 = 0; j0 < SDFA_P; j0 += SDFA_JB) {
 #if SD_VL == 16
-            if (tl->rows <= 8) {
-                sdfa_scores8((const float (*)[W]) tl->qt, (const float (*)[SDFA_MAX_D]) kf, d, sv);
-            } else
-#endif
-            {
-                for (int j0 = 0; j0 < SDFA_P; j0 += SDFA_JB) {
-                    sdfa_scores((const float (*)[W]) tl->qt, (const float (*)[SDFA_MAX_D]) kf, d,
-                                j0, sv);
+                if (tl->rows <= 8) {
+                    sdfa_scores8(tl, &kb, d, j0, sv);
+                    continue;
                 }
+#endif
+                sdfa_scores(tl, &kb, d, j0, sv);
             }
             const vfloat scale = vf_set1(t->scale);
             vfloat s[SDFA_P];
@@ -303,11 +368,11 @@ SD_INLINE void sdfa_kernel_simd(const sdfa_walk * t) {
                 float * ar = acc[W * l + r];
                 int c0 = 0;
                 for (; c0 + SDFA_CB <= nv; c0 += SDFA_CB) {
-                    sdfa_values(ar, alpha[r], &pj[0][r], (const float (*)[SDFA_MAX_D]) vf, c0,
+                    sdfa_values(ar, alpha[r], &pj[0][r], (const float (*)[SDFA_MAX_D]) kb.vf, c0,
                                 SDFA_CB);
                 }
                 for (; c0 < nv; c0 += 32 / W) { /* d % 32 == 0 */
-                    sdfa_values(ar, alpha[r], &pj[0][r], (const float (*)[SDFA_MAX_D]) vf, c0,
+                    sdfa_values(ar, alpha[r], &pj[0][r], (const float (*)[SDFA_MAX_D]) kb.vf, c0,
                                 32 / W);
                 }
             }

@@ -4,6 +4,7 @@
 
 #include "sd-common.h"
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -31,9 +32,29 @@ static float sdfa_exp(float x) {
     return y * two_n;
 }
 
+void sdfa_quantize_query(const float * q, int d, int8_t * qq, float * dq) {
+    for (int c = 0; c < d / 32; c++) {
+        float amax = 0.0f;
+        int finite = 1;
+        for (int i = 32 * c; i < 32 * c + 32; i++) {
+            const float a = fabsf(q[i]);
+            finite &= a <= FLT_MAX;
+            amax = a > amax ? a : amax;
+        }
+        dq[c] = finite ? amax / 127.0f : NAN;
+        const float id = finite && dq[c] != 0.0f ? 1.0f / dq[c] : 0.0f;
+        for (int i = 32 * c; i < 32 * c + 32; i++) {
+            qq[i] = (int8_t) nearbyintf(q[i] * id); /* |q * id| <= 127 up to rounding */
+        }
+    }
+}
+
 void sdfa_kernel_ref(const sdfa_walk * t) {
     const int d = t->d, nblk = (t->n_kv + SDFA_P - 1) / SDFA_P;
     for (int r = 0; r < t->rows; r++) {
+        int8_t qq[SDFA_MAX_D];
+        float dq[SDFA_MAX_D / 32];
+        sdfa_quantize_query(t->q[r], d, qq, dq);
         float acc[SDFA_MAX_D] = {0};
         float M = -INFINITY, S = 0.0f;
         for (int b = 0; b < nblk; b++) {
@@ -47,9 +68,12 @@ void sdfa_kernel_ref(const sdfa_walk * t) {
                 const sdfa_block_q8_0 * k =
                     (const sdfa_block_q8_0 *) ((const char *) t->k + (size_t) p * t->k_stride);
                 float dot = 0.0f;
-                for (int i = 0; i < d; i++) {
-                    const float kf = (float) k[i / 32].qs[i % 32] * sd_h2f(k[i / 32].d); /* exact */
-                    dot = fmaf(t->q[r][i], kf, dot);
+                for (int c = 0; c < d / 32; c++) {
+                    int32_t dot_c = 0; /* exact */
+                    for (int i = 0; i < 32; i++) {
+                        dot_c += (int32_t) qq[32 * c + i] * k[c].qs[i];
+                    }
+                    dot = fmaf((float) dot_c, dq[c] * sd_h2f(k[c].d), dot);
                 }
                 const float mv = t->mask[r] ? sd_h2f(t->mask[r][p]) : 0.0f;
                 s[j] = fmaf(dot, t->scale, mv);
@@ -89,7 +113,7 @@ void sdfa_kernel_ref(const sdfa_walk * t) {
 }
 
 int sdfa_isa_supported(int isa) {
-    return sd_isa_runs(isa, SD_BUILDS_AVX512 && SD_CPU_HAS(SD_FEATURES_AVX512));
+    return sd_isa_runs(isa);
 }
 
 int sdfa_isa_selected(void) {
@@ -109,7 +133,7 @@ sdfa_kernel_fn sdfa_kernel(int isa) {
         case SD_ISA_AVXVNNI: /* nothing in sdfa uses VNNI: its AVX2 kernel */
             return sdfa_kernel_avx2;
 #endif
-#if SD_BUILDS_AVX512
+#if SD_BUILDS_AVX512_VNNI
         case SD_ISA_AVX512:
             return sdfa_kernel_avx512;
 #endif

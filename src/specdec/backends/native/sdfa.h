@@ -5,13 +5,19 @@
  * scalar exp and one dot product reduced per position; a verify of b tokens over c cached
  * positions pays b x heads walks. Here the rows sharing a KV head (its query heads, for every
  * token of the pass) walk the cache together, up to SDFA_MAX_ROWS at a time: each block of
- * positions is read and converted to f32 once, then taken by every tile of W rows (W = 16 on
- * AVX-512, 8 on AVX2), one SIMD lane per row for the scores (a tile of at most 8 rows on AVX-512
- * takes them in 8-lane registers: a single step's 6 or 7 rows would leave most of 16 idle).
+ * positions is read once (its values converted to f32), then taken by every tile of W rows (W =
+ * 16 on AVX-512, 8 on AVX2), one SIMD lane per row for the scores (a tile of at most 8 rows on
+ * AVX-512 takes them in 8-lane registers: a single step's 6 or 7 rows would leave most of 16
+ * idle).
  *
  * Each row's arithmetic is fixed whatever the tile, the walk, the batch or the instruction set:
- *   score  s_p = fma(sum_d fma(q_d, k_pd), scale, mask_p): the dot accumulated over d in order,
- *          in float, from the f32 query and the exactly dequantized q8_0 key;
+ *   query  quantized once per walk as a q8_0 key is (sdfa_quantize_query): per 32 values c,
+ *          dq_c = max|q| / 127 and qq = nearbyint(q * (1 / dq_c)), int8 in [-127, 127];
+ *   score  s_p = fma(sum_c fma(I_pc, dq_c * dk_pc, .), scale, mask_p), the sum over the blocks c
+ *          in order from 0, where I_pc = sum of qq * k over block c is an exact integer (|I| <
+ *          2^20; VNNI's vpdpbusd on AVX-512, maddubs and madd on AVX2) and dk_pc is the key
+ *          block's f16 scale. ggml's CPU attention takes the dot of a q8_0 key in int8 alike
+ *          (the query in q8_0 per 32 values); 4 products a lane per instruction instead of 1;
  *   blocks of P = 16 positions from position 0: M' = max(M, max_j s_j), alpha = exp(M - M'),
  *          p_j = exp(s_j - M') (0 where s_j or M' is -inf), S = S*alpha + p_0 + p_1 + ...,
  *          acc = acc*alpha, then acc = fma(p_j, v_j, acc) for j in order (v in f32);
@@ -60,6 +66,11 @@ typedef struct {
 #define SDFA_EXP_P0 5.0000001201e-1f
 #define SDFA_EXP_MIN (-87.0f)
 
+/* The query's quantization for the scores (above), the same function on every path: qq[i] for
+ * i < d and dq[c] for c < d / 32. A block with a NaN or an infinity gets dq = NaN (so its scores
+ * are NaN, as a float dot's would be) and qq = 0; an all-zero block dq = 0 and qq = 0. */
+void sdfa_quantize_query(const float * q, int d, int8_t * qq, float * dq);
+
 /* One walk: query rows against one KV head. */
 typedef struct {
     int d;                      /* head dimension of K, V and the queries: 32 <= d <= 256, d % 32
@@ -78,7 +89,8 @@ typedef struct {
 } sdfa_walk;
 
 /* sdfa's paths (enum sd_isa): can this CPU run `isa` (every feature of its list in sd-isa.h;
- * AVX-512 without VNNI is enough), the one it runs (sd_isa_select: $SPECDEC_MM_ISA forces sdmm
+ * its AVX-512 path needs VNNI, as sdmm's does: an AVX-512 CPU without it runs AVX2's), the one it
+ * runs (sd_isa_select: $SPECDEC_MM_ISA forces sdmm
  * and sdfa alike, else the best; -1 if the named one cannot run here), and the kernels. */
 int sdfa_isa_supported(int isa);
 int sdfa_isa_selected(void);

@@ -213,7 +213,7 @@ int sdmm_buffer_isa(void) {
 // ---------------------------------------------------------------------------------- attention
 
 // sdfa runs with sdmm's buffer type (both off at $SPECDEC_MM=0: stock llama.cpp's kernels), on
-// its own path: an AVX-512 CPU without VNNI runs sdmm on AVX2 and sdfa on AVX-512.
+// the path its own dispatch picks (sdfa.c; $SPECDEC_FA=0 leaves ggml's attention).
 int sdfa_op_isa(void) {
     static const int isa = [] {
         const char * off = getenv("SPECDEC_FA");

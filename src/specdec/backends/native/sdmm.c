@@ -785,7 +785,7 @@ SDMM_REF_(sdmm_kernel_bf16_ref, SDMM_TYPE_BF16)
 /* dispatch                                                                                   */
 
 int sdmm_isa_supported(int isa) {
-    return sd_isa_runs(isa, SD_BUILDS_AVX512_VNNI && SD_CPU_HAS(SD_FEATURES_AVX512_VNNI));
+    return sd_isa_runs(isa);
 }
 
 int sdmm_isa_selected(void) {
