@@ -15,7 +15,13 @@ import pytest
 import torch
 from stats_util import gof_chi2, kl
 
-from specdec.core.sampling import greedy_verify, probs_from_logits, rejection_sample, sample
+from specdec.core.sampling import (
+    argmax_rows,
+    greedy_verify,
+    probs_from_logits,
+    rejection_sample,
+    sample,
+)
 
 V = 30
 N_TRIALS = 50_000
@@ -450,6 +456,35 @@ def test_greedy_verify_table(
 ) -> None:
     tokens, n = greedy_verify(torch.tensor(draft, dtype=torch.long), _logits_with_argmax(argmaxes))
     assert tokens.tolist() == expected and n == n_acc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("V", [151936, 1000, 100])
+def test_argmax_rows_is_torchs_argmax_and_finds_every_nan(dtype: torch.dtype, V: int) -> None:
+    """argmax_rows (chunk maxima, then the first chunk's argmax; the last V % 128 logits apart)
+    gives torch.argmax's answer: ties in a chunk, across chunks and between the chunks and the
+    tail (the first), -inf and +inf rows, the maximum in the tail, a 1-D row, fewer logits than
+    a chunk. greedy_verify, which checks only the picked values, names a NaN wherever it is
+    (first, last, between, several, in the tail only, beside a +inf)."""
+    g = torch.Generator().manual_seed(V)
+    rows = torch.randn(6, V, generator=g).to(dtype)
+    rows[1, 10] = rows[1, V // 2] = rows[1, V - 1] = 99.0  # ties: the first
+    rows[2, :] = float("-inf")
+    rows[2, V - 1] = 0.0  # the maximum last, in the tail where V % 128
+    rows[3, 5] = float("inf")
+    rows[4, 3] = rows[4, 4] = 50.0  # a tie inside one chunk
+    rows[5, V - 2] = 70.0
+    assert torch.equal(argmax_rows(rows), rows.argmax(-1))
+    assert int(argmax_rows(rows[1])) == 10 and argmax_rows(rows).dtype == torch.long
+    draft = torch.tensor([1, 2, 3, 4, 5])
+    spots = [[(0, 0)], [(3, V - 1)], [(1, V // 3)], [(2, 5), (2, 9)], [(3, 4), (0, V - 3)]]
+    for where in spots:
+        bad = rows.clone()
+        for r, c in where:
+            bad[r, c] = float("nan")
+        assert torch.equal(argmax_rows(bad), bad.argmax(-1)), where
+        with pytest.raises(ValueError, match="NaN"):
+            greedy_verify(draft, bad)
 
 
 def test_general_rule_on_one_hots_equals_greedy() -> None:

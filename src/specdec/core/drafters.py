@@ -30,7 +30,7 @@ from specdec.core.config import Warp
 from specdec.core.device import synchronize
 from specdec.core.model import SpecModel
 from specdec.core.protocols import Drafter, Proposal
-from specdec.core.sampling import sample, warped
+from specdec.core.sampling import argmax_rows, sample, warped
 
 #: Uncached context tokens a draft model feeds in its first drafting pass, with the last one,
 #: rather than in a prefill of their own: past a few rows a pass costs little more than one
@@ -108,7 +108,7 @@ class ModelDrafter:
             if self.warp.greedy:
                 if self.p_min is not None and float(torch.softmax(row, -1).max()) < self.p_min:
                     break
-                xs.append(int(row.argmax()))
+                xs.append(int(argmax_rows(row)))
             else:
                 q_i = warped(row, self.warp)  # [V]: x_i ~ q_i
                 if self.p_min is not None and float(q_i.max()) < self.p_min:
