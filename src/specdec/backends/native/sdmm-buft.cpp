@@ -38,19 +38,32 @@ static_assert(SDMM_TYPE_BF16 == GGML_TYPE_BF16, "sdmm.h's BF16 id is ggml's");
 
 namespace sdmm_ggml {
 
-// The quantized rows of the activations (sdmm_act or sdmm_act32 blocks), written by every thread
-// before any thread multiplies.
+// The quantized rows of the activations (sdmm_act or sdmm_act32 blocks), padded to a cache line.
 static size_t act_bytes(const ggml_tensor * op) {
     const ggml_tensor * src1 = op->src[1];
     const int type = op->src[0]->type;
     const int64_t rows = src1->ne[1] * src1->ne[2] * src1->ne[3];
-    return (size_t) rows * (size_t) (src1->ne[0] / sdmm_block_cols(type)) * sdmm_act_bytes(type) +
-           64;
+    return GGML_PAD((size_t) rows * (size_t) (src1->ne[0] / sdmm_block_cols(type)) *
+                        sdmm_act_bytes(type),
+                    64);
+}
+
+// With fewer activation rows than threads (a single step) each thread quantizes them all into a
+// copy of its own and multiplies at once: a row per thread in turn would leave the others
+// waiting at a barrier for thread 0's. Otherwise one copy, written by every thread before any
+// thread multiplies. The same bits either way (one quantization function).
+static bool own_copies(const ggml_tensor * op, int n_threads) {
+    const ggml_tensor * src1 = op->src[1];
+    return src1->ne[1] * src1->ne[2] * src1->ne[3] < n_threads;
+}
+
+static size_t work_bytes(const ggml_tensor * op, int n_threads) {
+    return act_bytes(op) * (own_copies(op, n_threads) ? (size_t) n_threads : 1) + 64;
 }
 
 class tensor_traits : public ggml::cpu::tensor_traits {
-    bool work_size(int /* n_threads */, const ggml_tensor * op, size_t & size) override {
-        size = act_bytes(op);
+    bool work_size(int n_threads, const ggml_tensor * op, size_t & size) override {
+        size = work_bytes(op, n_threads);
         return true;
     }
 
@@ -64,14 +77,16 @@ class tensor_traits : public ggml::cpu::tensor_traits {
         const int64_t k = src0->ne[0], n = src0->ne[1], nsb = k / sdmm_block_cols(type);
         const int64_t b = src1->ne[1] * src1->ne[2] * src1->ne[3];
         const int ith = params->ith, nth = params->nth;
-        GGML_ASSERT(params->wsize >= act_bytes(op));
+        GGML_ASSERT(params->wsize >= work_bytes(op, nth));
         GGML_ASSERT(ggml_is_contiguous(op) && op->nb[1] == (size_t) n * sizeof(float));
-        char * acts = (char *) GGML_PAD((uintptr_t) params->wdata, 64);
+        const bool own = own_copies(op, nth);
+        char * acts = (char *) GGML_PAD((uintptr_t) params->wdata, 64) +
+                      (own ? (size_t) ith * act_bytes(op) : 0);
         const size_t block_bytes = sdmm_act_bytes(type);
 
-        // 1. quantize the activation rows, a row per thread in turn (rows are independent), each
-        // super-block's rows side by side (sdmm.h)
-        for (int64_t i = ith; i < b; i += nth) {
+        // 1. quantize the activation rows (rows are independent), each super-block's rows side by
+        // side (sdmm.h): all of them into this thread's copy, or a row per thread in turn
+        for (int64_t i = own ? 0 : ith; i < b; i += own ? 1 : nth) {
             const int64_t i1 = i % src1->ne[1], i2 = (i / src1->ne[1]) % src1->ne[2];
             const int64_t i3 = i / (src1->ne[1] * src1->ne[2]);
             const char * row = (const char *) src1->data + i1 * src1->nb[1] + i2 * src1->nb[2] +
@@ -79,7 +94,9 @@ class tensor_traits : public ggml::cpu::tensor_traits {
             sdmm_quantize_row(type, (const float *) row, k, acts + (size_t) i * block_bytes,
                               (size_t) b);
         }
-        ggml_barrier(params->threadpool);
+        if (!own) {
+            ggml_barrier(params->threadpool);
+        }
 
         // 2. each thread takes a contiguous range of 16-row groups with all activation rows:
         // a row's whole dot product stays in one thread, in one lane
