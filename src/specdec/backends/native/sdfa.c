@@ -130,7 +130,7 @@ sdfa_kernel_fn sdfa_kernel(int isa) {
             return sdfa_kernel_ref;
 #if SD_X86
         case SD_ISA_AVX2:
-        case SD_ISA_AVXVNNI: /* nothing in sdfa uses VNNI: its AVX2 kernel */
+        case SD_ISA_AVXVNNI: /* its AVX2 kernel: sdfa has no AVX-VNNI (ymm vpdpbusd) one */
             return sdfa_kernel_avx2;
 #endif
 #if SD_BUILDS_AVX512_VNNI
