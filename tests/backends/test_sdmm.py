@@ -612,7 +612,7 @@ def test_attention_is_exact_per_row_on_every_path(d: int, n_kv: int, rows: int, 
 
     assert np.abs(outs[0] - attention(_quantized_query(q))).max() < 1e-5
     # the query's int8 (about 1/254 of its block's largest value) moves these scores, which span
-    # tens (q up to 3, keys up to 3.8), by ~0.02: outputs in [-1, 1] by up to ~0.02
+    # tens (q up to 3, keys up to 3.8): the outputs, in [-1, 1], by up to 0.017 in these cases
     assert np.abs(outs[0] - attention(q.astype(np.float64))).max() < 0.05
 
 
