@@ -89,9 +89,9 @@ typedef struct {
 } sdfa_walk;
 
 /* sdfa's paths (enum sd_isa): can this CPU run `isa` (every feature of its list in sd-isa.h;
- * its AVX-512 path needs VNNI, as sdmm's does: an AVX-512 CPU without it runs AVX2's), the one it
- * runs (sd_isa_select: $SPECDEC_MM_ISA forces sdmm
- * and sdfa alike, else the best; -1 if the named one cannot run here), and the kernels. */
+ * its AVX-512 path needs VNNI, as sdmm's does: an AVX-512 CPU without it runs AVX2's), the one
+ * it runs (sd_isa_select: $SPECDEC_MM_ISA forces sdmm and sdfa alike, else the best; -1 if the
+ * named one cannot run here), and the kernels. */
 int sdfa_isa_supported(int isa);
 int sdfa_isa_selected(void);
 typedef void (*sdfa_kernel_fn)(const sdfa_walk * t);
