@@ -169,6 +169,11 @@ SD_INLINE void vf_store_lanes(float * p, vfloat v, int n) {
 #    error "sd-simd.h: define SD_VL as 16 (AVX-512) or 8 (AVX2)"
 #endif
 
+/* v as the compiler must take it: it may not merge the arithmetic before this point with the
+ * arithmetic after it. GCC rewrites a tree of integer adds as one serial chain (integer adds
+ * reassociate); kept halves stay two chains, half as long. */
+#define vi_keep(v) __asm__("" : "+x"(v))
+
 SD_INLINE vint vi_bcast32(const void * p) { /* the 4 bytes at p in every 32-bit lane */
     int32_t v;
     memcpy(&v, p, 4);

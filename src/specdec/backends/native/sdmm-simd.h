@@ -153,7 +153,9 @@ SD_INLINE void q4k_block(const sdmm_q4k_r16 * blk, const uint8_t (*qh)[64], cons
                 x[c] = vi_add16(vi_maddubs(lo[c], vi_bcast32(q + 4 * c)),
                                 vi_maddubs(hi[c], vi_bcast32(q + 16 + 4 * c)));
             }
-            const vint p0 = vi_add16(x[0], x[1]), p1 = vi_add16(x[2], x[3]);
+            vint p0 = vi_add16(x[0], x[1]), p1 = vi_add16(x[2], x[3]);
+            vi_keep(p0); /* two chains of adds, not one of seven (the sums are exact either way) */
+            vi_keep(p1);
             vint acc;
             if (qh != NULL) {
                 acc = vi_add32(vi_madd16(p0, sc2), vi_madd16(p1, sc2));
