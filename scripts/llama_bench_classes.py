@@ -133,13 +133,13 @@ def table(record: dict) -> str:
         "|---|---|---|---|",
     ]
     for p, v in steps.items():
-        ratio = (
-            "" if p == twin else _quartiles([b / a for a, b in zip(steps[twin], v, strict=True)])
-        )
-        faster = (
-            "" if p == twin else f"{sum(a > b for a, b in zip(steps[twin], v, strict=True))} of {n}"
-        )
-        lines.append(f"| {p} | {_quartiles(v, 1)} | {ratio} | {faster} |")
+        if p == twin:
+            lines.append(f"| {p} | {_quartiles(v, 1)} | | |")
+            continue
+        pairs = list(zip(steps[twin], v, strict=True))  # (the twin's rate, p's) per round
+        ratio = _quartiles([b / a for a, b in pairs])
+        won = sum(a > b for a, b in pairs)
+        lines.append(f"| {p} | {_quartiles(v, 1)} | {ratio} | {won} of {n} |")
     return "\n".join(lines)
 
 
